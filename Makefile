@@ -1,0 +1,37 @@
+# Two commands matter: `make demo` and `make test`. Both create .venv from requirements.lock
+# on first use, so a fresh clone with Python 3.11 and pip needs nothing else.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean-venv
+
+$(STAMP): requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/mcore-npu train --config configs/gpt_tiny.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/mcore-npu bench attention --out bench-out
+	$(BIN)/mcore-npu bench mask --out bench-out
+	$(BIN)/mcore-npu bench step --out bench-out
+
+clean-venv:
+	rm -rf $(VENV)

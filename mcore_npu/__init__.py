@@ -1,0 +1,66 @@
+"""mcore_npu: Megatron-Core on Ascend NPUs.
+
+The package is a plugin, not a fork: it gives Megatron-Core a transformer-layer spec whose core
+attention calls ``torch_npu.npu_fusion_attention``, masks that cost nothing per step, and a worker
+mixin that turns on the allocator's expandable segments at start-up. Everything also runs on
+machines without an NPU through a pure-PyTorch reference of the operator.
+
+Importing this package is cheap: it imports neither torch, megatron-core, torch_npu nor
+transformer-engine. The public names below are resolved on first use.
+
+Layers, bottom up (each imports only the ones below it)::
+
+    ops/         the operator: reference implementation, validation, kernel dispatch
+    masks        the compressed-mask cache, mask descriptions, dense/packed helpers
+    attention    NPUFusionAttention, Megatron's core-attention slot
+    layer_specs  ModuleSpec builders for GPT layers and decoder blocks
+    device       accelerator detection and the expandable-segments switch
+    workers      ExpandableSegmentsMixin
+    config       the YAML schema and its validation
+    model        config -> TransformerConfig + spec -> GPTModel
+    runtime      torchrun environment -> process groups -> Megatron parallel state
+    train        the trainer behind ``mcore-npu train``
+    cli          the ``mcore-npu`` command
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first attribute access)
+_EXPORTS = {
+    "fusion_attention": "mcore_npu.ops",
+    "npu_fusion_attention": "mcore_npu.ops.reference",
+    "compressed_causal_mask": "mcore_npu.masks",
+    "build_npu_attention_mask": "mcore_npu.masks",
+    "padding_to_packed": "mcore_npu.masks",
+    "NPUFusionAttention": "mcore_npu.attention",
+    "get_gpt_layer_npu_spec": "mcore_npu.layer_specs",
+    "get_gpt_decoder_block_npu_spec": "mcore_npu.layer_specs",
+    "get_gpt_layer_spec": "mcore_npu.layer_specs",
+    "current_accelerator": "mcore_npu.device",
+    "is_npu_available": "mcore_npu.device",
+    "set_expandable_segments": "mcore_npu.device",
+    "expandable_segments": "mcore_npu.device",
+    "ExpandableSegmentsMixin": "mcore_npu.workers",
+    "load_config": "mcore_npu.config",
+    "build_model": "mcore_npu.model",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'mcore_npu' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,52 @@
+"""Dense ``[B, 1, S, S]`` masks, for callers that must have one.
+
+Prefer a mask description (``TopLeftCausalMask``, ``Packed``): they cost nothing per step. When a
+dense padding + causal mask is unavoidable (verl's bshd path), ``build_npu_attention_mask`` builds
+it with a peak of the output plus O(B*S), where the usual construction peaks at several B x S x S
+temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_npu_attention_mask(keep_mask: torch.Tensor) -> torch.Tensor:
+    """Padding + causal mask in the operator's polarity, filled in place.
+
+    A drop-in for verl's ``_build_npu_attn_mask``: the same values, without its S x S and
+    B x S x S temporaries. Masked out = a padded query, a padded key, or a key after the query::
+
+        out[b, 0, i, j] = not (j <= i and keep_mask[b, i] and keep_mask[b, j])
+
+    Args:
+        keep_mask: ``[B, S]`` bool or integer, True/1 = real token, False/0 = padding.
+
+    Returns:
+        ``[B, 1, S, S]`` bool, **True = masked out**. Peak allocation: the output plus O(B*S).
+
+    Example (one row, the last token padded; 1 = masked)::
+
+        >>> build_npu_attention_mask(torch.tensor([[1, 1, 0]]))[0, 0].int()
+        tensor([[0, 1, 1],
+                [0, 0, 1],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    if not isinstance(keep_mask, torch.Tensor) or keep_mask.dim() != 2:
+        raise ValueError(
+            f"keep_mask: expected a [B, S] tensor (True/1 = real token), got "
+            f"{list(keep_mask.shape) if isinstance(keep_mask, torch.Tensor) else type(keep_mask)}"
+        )
+    if keep_mask.dtype.is_floating_point:
+        raise TypeError(f"keep_mask: dtype {keep_mask.dtype}; pass bool or integer 0/1 values")
+    batch, seq = keep_mask.shape
+    out = torch.empty(batch, 1, seq, seq, dtype=torch.bool, device=keep_mask.device)
+    if batch == 0 or seq == 0:
+        return out
+    index = torch.arange(seq, device=keep_mask.device)
+    torch.gt(index.unsqueeze(0), index.unsqueeze(1), out=out[0, 0])  # [i, j] = j > i (future key)
+    out[1:].copy_(out[:1])  # broadcast copy into the other rows: no temporary
+    padded = torch.logical_not(keep_mask)  # [B, S], True = padding
+    out.logical_or_(padded.view(batch, 1, seq, 1))  # padded query rows
+    out.logical_or_(padded.view(batch, 1, 1, seq))  # padded key columns
+    return out

@@ -1,0 +1,353 @@
+"""Mask descriptions: small frozen objects that answer the operator's mask arguments.
+
+A description holds host-side metadata only (a window, segment boundaries), never an S x S
+tensor. ``operator_args(device)`` turns it into ``atten_mask``, ``sparse_mode``,
+``pre_tockens``, ``next_tockens`` and, for packed batches, ``actual_seq_qlen/kvlen``. The only
+tensors involved are the cached compressed mask and, for ``ExplicitMask``, the caller's own mask,
+passed through without a copy. ``to_dense`` materialises the mask for tests and debugging only.
+
+Polarity everywhere in this module: a *mask* is True where the score is **masked out** (the
+operator's and Megatron's convention); ``draw`` prints kept positions as 1.
+
+Which description Megatron's arguments become (``describe_mask``)::
+
+    packed_seq_params.qkv_format   attn_mask_type                 attention_mask  window   result
+    sbhd / None                    any                            any             (l, r)   SlidingWindow
+    sbhd / None                    any but no_mask                tensor          None     ExplicitMask
+    sbhd / None                    causal, padding_causal         None            None     TopLeftCausalMask (Sq == Skv)
+                                                                                            BottomRightCausalMask (Sq != Skv)
+    sbhd / None                    causal_bottom_right            None            None     BottomRightCausalMask
+    sbhd / None                    no_mask, padding               None            None     FullAttention
+    thd                            causal, padding_causal, c_b_r  None            None     Packed(BottomRightCausalMask)
+    thd                            no_mask, padding               None            None     Packed(FullAttention)
+    thd                            any                            None            (l, r)   Packed(SlidingWindow)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_npu.masks.compressed import compressed_causal_mask
+from mcore_npu.masks.seqlens import SeqLengths, SeqLengthsMemo, actual_seq_lengths
+from mcore_npu.ops.contract import INT32_MAX
+from mcore_npu.ops.sparse_modes import band_keep, causal_keep
+
+
+@dataclass(frozen=True, eq=False)
+class OperatorMaskArgs:
+    """The mask keyword arguments of one ``fusion_attention`` call (``atten_mask`` True = masked)."""
+
+    atten_mask: torch.Tensor | None
+    sparse_mode: int
+    pre_tockens: int = INT32_MAX
+    next_tockens: int = INT32_MAX
+    actual_seq_qlen: tuple[int, ...] | None = None
+    actual_seq_kvlen: tuple[int, ...] | None = None
+
+    @property
+    def input_layout(self) -> str:
+        """``"TND"`` for packed batches; the caller picks the dense layout otherwise."""
+        return "TND" if self.actual_seq_qlen is not None else ""
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``fusion_attention`` (lengths as host lists, as the op takes)."""
+        kwargs: dict[str, Any] = {"atten_mask": self.atten_mask, "sparse_mode": self.sparse_mode}
+        if (self.pre_tockens, self.next_tockens) != (INT32_MAX, INT32_MAX):
+            kwargs.update(pre_tockens=self.pre_tockens, next_tockens=self.next_tockens)
+        if self.actual_seq_qlen is not None:
+            kwargs.update(
+                actual_seq_qlen=list(self.actual_seq_qlen),
+                actual_seq_kvlen=list(self.actual_seq_kvlen),
+            )
+        return kwargs
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Every query attends to every key. No mask tensor at all (0 bytes).
+
+    ::
+
+        1 1 1
+        1 1 1      (1 = kept)
+    """
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        return OperatorMaskArgs(atten_mask=None, sparse_mode=0)
+
+    def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
+        return torch.zeros(seq_q, seq_kv, dtype=torch.bool, device=device)
+
+
+@dataclass(frozen=True)
+class TopLeftCausalMask:
+    """Causal, diagonal from the top-left corner: keep ``j <= i``. Mode 2, compressed mask.
+
+    Costs nothing per step: the cached 4 MiB compressed mask serves every length. Sq = 3, Skv = 4::
+
+        1 0 0 0
+        1 1 0 0
+        1 1 1 0    (1 = kept)
+    """
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        return OperatorMaskArgs(atten_mask=compressed_causal_mask(device), sparse_mode=2)
+
+    def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
+        return ~causal_keep(seq_q, seq_kv, bottom_right=False, device=device)
+
+
+@dataclass(frozen=True)
+class BottomRightCausalMask:
+    """Causal, diagonal ending in the bottom-right corner: keep ``j <= i + Skv - Sq``. Mode 3.
+
+    FlashAttention's ``causal=True``; for Sq == Skv the same as ``TopLeftCausalMask``. Costs
+    nothing per step (compressed mask). Sq = 3, Skv = 4::
+
+        1 1 0 0
+        1 1 1 0
+        1 1 1 1    (1 = kept)
+    """
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        return OperatorMaskArgs(atten_mask=compressed_causal_mask(device), sparse_mode=3)
+
+    def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
+        return ~causal_keep(seq_q, seq_kv, bottom_right=True, device=device)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Keep ``-left <= (j - i) - (Skv - Sq) <= right``: Megatron's ``window_size=(left, right)``.
+
+    Mode 4 with ``pre_tockens=left`` and ``next_tockens=right``; ``-1`` means unbounded (as in
+    Megatron/TE) and becomes 2147483647. Costs nothing per step (compressed mask).
+    ``SlidingWindow(2, 0)`` at Sq = Skv = 5, a causal window of 3 keys::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+        0 1 1 1 0
+        0 0 1 1 1   (1 = kept)
+    """
+
+    left: int
+    right: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("left", "right"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ValueError(
+                    f"window_size: {name}={value!r} must be an int >= 0, or -1 for unbounded"
+                )
+
+    @property
+    def pre_tockens(self) -> int:
+        return INT32_MAX if self.left == -1 else self.left
+
+    @property
+    def next_tockens(self) -> int:
+        return INT32_MAX if self.right == -1 else self.right
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        return OperatorMaskArgs(
+            atten_mask=compressed_causal_mask(device),
+            sparse_mode=4,
+            pre_tockens=self.pre_tockens,
+            next_tockens=self.next_tockens,
+        )
+
+    def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
+        keep = band_keep(
+            seq_q, seq_kv, self.pre_tockens, self.next_tockens, offset=seq_kv - seq_q,
+            device=device,
+        )  # fmt: skip
+        return ~keep
+
+
+@dataclass(frozen=True, eq=False)
+class ExplicitMask:
+    """A dense bool mask from the caller (True = masked), passed through as is: mode 0.
+
+    Accepted shapes: ``[B, 1, Sq, Skv]``, ``[1, 1, Sq, Skv]``, ``[B, N, Sq, Skv]``, ``[Sq, Skv]``.
+    Costs whatever the caller already allocated; this object neither copies nor converts it.
+    """
+
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_explicit_mask(self.mask)
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        return OperatorMaskArgs(atten_mask=self.mask, sparse_mode=0)
+
+    def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
+        return self.mask.bool()
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed (THD) batch: each segment attends only to itself, under ``within``.
+
+    Layout TND, ``actual_seq_qlen/kvlen`` from ``lengths`` (host tuples, no leading 0). Modes:
+    ``within=BottomRightCausalMask()`` -> 3 per segment; ``FullAttention()`` -> no mask;
+    ``SlidingWindow`` -> 4 per segment. Costs nothing per step beyond the one conversion of
+    cu_seqlens (memoised per tensor). Segments of lengths 2 and 3, causal::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        0 0 1 0 0
+        0 0 1 1 0
+        0 0 1 1 1   (1 = kept)
+    """
+
+    lengths: SeqLengths
+    within: FullAttention | BottomRightCausalMask | SlidingWindow = field(
+        default_factory=BottomRightCausalMask
+    )
+
+    def operator_args(self, device=None) -> OperatorMaskArgs:
+        inner = self.within.operator_args(device)
+        return OperatorMaskArgs(
+            atten_mask=inner.atten_mask,
+            sparse_mode=inner.sparse_mode,
+            pre_tockens=inner.pre_tockens,
+            next_tockens=inner.next_tockens,
+            actual_seq_qlen=self.lengths.q,
+            actual_seq_kvlen=self.lengths.kv,
+        )
+
+    def to_dense(self, seq_q: int | None = None, seq_kv: int | None = None, device=None):
+        """Block-diagonal ``[Tq, Tkv]`` mask (the sizes come from ``lengths``)."""
+        mask = torch.ones(self.lengths.q[-1], self.lengths.kv[-1], dtype=torch.bool, device=device)
+        q0 = k0 = 0
+        for sq, skv in self.lengths.segments():
+            mask[q0 : q0 + sq, k0 : k0 + skv] = self.within.to_dense(sq, skv, device)
+            q0, k0 = q0 + sq, k0 + skv
+        return mask
+
+
+MaskDescription = (
+    FullAttention
+    | TopLeftCausalMask
+    | BottomRightCausalMask
+    | SlidingWindow
+    | ExplicitMask
+    | Packed
+)
+
+
+def check_explicit_mask(mask) -> None:
+    """Refuse, with the fix, dense masks the operator would refuse (True = masked out)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a bool tensor, got {type(mask).__name__}")
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(
+            f"attention_mask: dtype {mask.dtype} is not bool; pass a bool mask with "
+            "True = masked out (Megatron's polarity), not an additive float mask"
+        )
+    if mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] > 1:
+        raise ValueError(
+            f"attention_mask: shape {list(mask.shape)} is a [B,1,1,S] padding mask, which "
+            "npu_fusion_attention rejects; expand it with "
+            "mcore_npu.masks.build_npu_attention_mask(keep_mask) or pack the batch with "
+            "mcore_npu.masks.padding_to_packed(keep_mask)"
+        )
+    if mask.dim() not in (2, 4):
+        raise ValueError(
+            f"attention_mask: shape {list(mask.shape)} is not [B|1, 1|N, Sq, Skv] or [Sq, Skv]"
+        )
+
+
+def draw(mask: torch.Tensor) -> str:
+    """Render a 2-D mask (True = masked) as rows of 1 (kept) and 0 (masked), for bug reports."""
+    return "\n".join(" ".join("0" if m else "1" for m in row) for row in mask.bool().tolist())
+
+
+_CAUSAL_TYPES = frozenset({"causal", "padding_causal"})
+_FULL_TYPES = frozenset({"no_mask", "padding"})
+
+
+def describe_mask(
+    attn_mask_type,
+    attention_mask: torch.Tensor | None,
+    *,
+    seq_q: int,
+    seq_kv: int,
+    packed_seq_params=None,
+    window_size: tuple[int, int] | None = None,
+    memo: SeqLengthsMemo | None = None,
+) -> MaskDescription:
+    """Translate Megatron's core-attention inputs into a mask description (table above).
+
+    Args:
+        attn_mask_type: Megatron's ``AttnMaskType`` (or its name).
+        attention_mask: bool, True = masked out, or None.
+        seq_q, seq_kv: Sq and Skv of this call (dense layouts).
+        packed_seq_params: Megatron's ``PackedSeqParams``; ``qkv_format == "thd"`` -> ``Packed``.
+        window_size: this layer's ``(left, right)`` window, or None.
+        memo: converts cu_seqlens to host offsets once per tensor; a throw-away one if None.
+    """
+    kind = getattr(attn_mask_type, "name", attn_mask_type)
+    window = SlidingWindow(*window_size) if window_size is not None else None
+    if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
+        if attention_mask is not None:
+            raise ValueError(
+                "attention_mask: packed (thd) batches take no dense mask; segment boundaries "
+                "come from packed_seq_params.cu_seqlens_*. Pass attention_mask=None."
+            )
+        within = window or (FullAttention() if kind in _FULL_TYPES else BottomRightCausalMask())
+        return Packed(_packed_lengths(packed_seq_params, memo or SeqLengthsMemo()), within)
+    if window is not None:
+        return window  # as Megatron's local attention: the window replaces any mask passed in
+    if attention_mask is not None and kind != "no_mask":
+        return ExplicitMask(attention_mask)
+    if kind in _CAUSAL_TYPES:
+        return TopLeftCausalMask() if seq_q == seq_kv else BottomRightCausalMask()
+    if kind == "causal_bottom_right":
+        return BottomRightCausalMask()
+    if kind in _FULL_TYPES:
+        return FullAttention()
+    raise ValueError(
+        f"attention_mask: attn_mask_type={kind} needs an explicit bool mask (True = masked "
+        "out), got None; pass attention_mask or use a causal / no_mask layer"
+    )
+
+
+def _packed_lengths(params, memo: SeqLengthsMemo) -> SeqLengths:
+    """Segment boundaries from PackedSeqParams, preferring the ``_padded`` variants."""
+    cu_q = _first_set(params, "cu_seqlens_q_padded", "cu_seqlens_q")
+    cu_kv = _first_set(params, "cu_seqlens_kv_padded", "cu_seqlens_kv")
+    if cu_q is None:
+        raise ValueError("packed_seq_params: qkv_format='thd' needs cu_seqlens_q (leading 0)")
+    q = memo.actual_seq_lengths(cu_q)
+    kv = q if cu_kv is None or cu_kv is cu_q else memo.actual_seq_lengths(cu_kv)
+    return SeqLengths(q, kv)
+
+
+def _first_set(params, *names):
+    for name in names:
+        value = getattr(params, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+__all__ = [
+    "BottomRightCausalMask",
+    "ExplicitMask",
+    "FullAttention",
+    "MaskDescription",
+    "OperatorMaskArgs",
+    "Packed",
+    "SlidingWindow",
+    "TopLeftCausalMask",
+    "actual_seq_lengths",
+    "check_explicit_mask",
+    "describe_mask",
+    "draw",
+]

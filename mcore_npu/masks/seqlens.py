@@ -1,0 +1,128 @@
+"""Packed-sequence lengths: Megatron's ``cu_seqlens`` -> the operator's ``actual_seq_*len``.
+
+Megatron and FlashAttention describe a packed batch by ``cu_seqlens``: an int32 device tensor
+``[S + 1]`` of cumulative offsets **starting with 0**. The operator wants ``actual_seq_qlen``:
+a host list of cumulative **end** offsets **without** the leading 0::
+
+    segment lengths   3, 0, 2
+    cu_seqlens        tensor([0, 3, 3, 5], dtype=torch.int32)   (Megatron)
+    actual_seq_qlen   [3, 3, 5]                                 (npu_fusion_attention)
+
+``actual_seq_lengths`` is the one function that converts; it costs one device-to-host sync.
+``SeqLengthsMemo`` makes that sync happen once per cu_seqlens tensor, however many layers ask.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+def actual_seq_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` (leading 0) -> cumulative end offsets without it, as host ints.
+
+    Args:
+        cu_seqlens: 1-D integer tensor ``[S + 1]`` starting with 0 (any device).
+
+    Returns:
+        ``tuple(cu_seqlens[1:])``. One device-to-host copy.
+
+    Raises:
+        TypeError: not a 1-D integer tensor.
+        ValueError: it does not start with 0 (then it is probably already the operator's form).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise TypeError(
+            f"cu_seqlens: expected a 1-D integer tensor [S + 1], got {_describe(cu_seqlens)}; "
+            "pass PackedSeqParams.cu_seqlens_q (or _kv / the _padded variants)"
+        )
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens: dtype {cu_seqlens.dtype} is not an integer type; use int32")
+    values = cu_seqlens.tolist()  # the one device-to-host sync
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(
+            f"cu_seqlens: {values[:5]} does not start with 0; Megatron's cu_seqlens have a "
+            "leading 0 (if these are already end offsets, pass them to the operator directly)"
+        )
+    return tuple(values[1:])
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__
+
+
+@dataclass(frozen=True)
+class SeqLengths:
+    """Host-side segment boundaries of a packed batch (hashable; no tensors).
+
+    ``q`` and ``kv`` are cumulative end offsets without a leading 0, i.e. exactly
+    ``actual_seq_qlen`` / ``actual_seq_kvlen``.
+    """
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+
+    @classmethod
+    def from_lengths(cls, q_lengths, kv_lengths=None) -> SeqLengths:
+        """From per-segment lengths, e.g. ``[3, 0, 2]`` -> ends ``(3, 3, 5)``."""
+        q = tuple(_running_sum(q_lengths))
+        kv = q if kv_lengths is None else tuple(_running_sum(kv_lengths))
+        return cls(q, kv)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``[(Sq_s, Skv_s), ...]``."""
+        starts_q, starts_kv = (0, *self.q[:-1]), (0, *self.kv[:-1])
+        return [(e - s, ek - sk) for s, e, sk, ek in zip(starts_q, self.q, starts_kv, self.kv)]
+
+
+def _running_sum(lengths) -> list[int]:
+    total, ends = 0, []
+    for n in lengths:
+        total += int(n)
+        ends.append(total)
+    return ends
+
+
+class SeqLengthsMemo:
+    """cu_seqlens tensor (by identity) -> host end offsets, converted once, reused by all layers.
+
+    One memo is shared by every attention layer of a model (the layer spec creates it), so a
+    forward pass over L layers syncs once per distinct cu_seqlens tensor, not L times. Entries
+    are keyed by ``id()`` and checked through a weak reference, so a new tensor that reuses a
+    freed one's id is converted afresh. At most ``capacity`` entries are kept (LRU).
+    """
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.conversions = 0  # how many device-to-host syncs this memo has made
+        self._entries: OrderedDict[int, tuple[weakref.ref, tuple[int, ...]]] = OrderedDict()
+
+    def actual_seq_lengths(self, cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+        """Like :func:`actual_seq_lengths`, but at most once per tensor object."""
+        entry = self._entries.get(id(cu_seqlens))
+        if entry is not None and entry[0]() is cu_seqlens:
+            self._entries.move_to_end(id(cu_seqlens))
+            return entry[1]
+        ends = actual_seq_lengths(cu_seqlens)
+        self.conversions += 1
+        self.remember(cu_seqlens, ends)
+        return ends
+
+    def remember(self, cu_seqlens: torch.Tensor, ends: tuple[int, ...]) -> None:
+        """Record host offsets already known (e.g. from ``padding_to_packed``): no sync later."""
+        self._entries[id(cu_seqlens)] = (weakref.ref(cu_seqlens), tuple(ends))
+        self._entries.move_to_end(id(cu_seqlens))
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __deepcopy__(self, memo) -> SeqLengthsMemo:
+        # Specs get deep-copied (Megatron does it); a copy starts empty rather than sharing ids.
+        return SeqLengthsMemo(self.capacity)

@@ -1,0 +1,69 @@
+"""Shared fixtures and markers.
+
+- ``npu`` marker: tests that need a real Ascend NPU; skipped elsewhere with the reason.
+- ``fake_torch_npu``: a stand-in ``torch_npu`` module in ``sys.modules`` (we have no NPU hardware;
+  the stand-in records calls instead of running a kernel).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+
+def _npu_present() -> bool:
+    """A real NPU: torch_npu imports (from its installed files, not a stand-in) and sees a device."""
+    try:
+        if importlib.util.find_spec("torch_npu") is None:
+            return False
+        import torch_npu  # noqa: F401
+
+        return bool(torch.npu.is_available())
+    except Exception:  # a stand-in without __spec__, or torch_npu failing without CANN
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _npu_present():
+        return
+    skip = pytest.mark.skip(reason="needs an Ascend NPU with torch_npu and CANN; none here")
+    for item in items:
+        if "npu" in item.keywords:
+            item.add_marker(skip)
+
+
+class RecordingTorchNpu(types.ModuleType):
+    """A stand-in for ``torch_npu`` (no hardware here): records npu_fusion_attention calls and
+    answers with a zero output of the right shape."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_npu")
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def npu_fusion_attention(self, query, key, value, head_num, input_layout, **kwargs):
+        self.calls.append(((query, key, value, head_num, input_layout), kwargs))
+        if input_layout in ("BSH", "SBH"):
+            out = query.new_zeros(query.shape)
+        else:
+            out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+        return out, None, None, None, 0, 0, 0
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    module = RecordingTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    from mcore_npu._once import WARNED
+
+    WARNED.clear()
+    yield
+    WARNED.clear()
