@@ -489,13 +489,6 @@ def _validate_parallel(cfg, world_size: int) -> None:
             f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)",
             "use a multiple of the tensor-parallel size",
         )
-    if cfg.data.pack_sequences and p.pipeline > 1:
-        _fail(
-            "data.pack_sequences",
-            True,
-            "packed batches with pipeline parallelism are not supported by this trainer",
-            "use parallel.pipeline=1 or unpacked batches",
-        )
 
 
 def _validate_train(cfg) -> None:

@@ -67,3 +67,14 @@ def _fresh_warn_once():
     WARNED.clear()
     yield
     WARNED.clear()
+
+
+@pytest.fixture(scope="session")
+def megatron_runtime():
+    """Megatron-Core parallel state for one process (gloo, CPU shims), for in-process tests."""
+    from mcore_npu import cpu_support, runtime
+
+    state = runtime.initialize(runtime.ParallelLayout(), seed=0)
+    yield state
+    runtime.shutdown()
+    cpu_support.revert()

@@ -301,7 +301,10 @@ def describe_mask(
                 "come from packed_seq_params.cu_seqlens_*. Pass attention_mask=None."
             )
         within = window or (FullAttention() if kind in _FULL_TYPES else BottomRightCausalMask())
-        return Packed(_packed_lengths(packed_seq_params, memo or SeqLengthsMemo()), within)
+        return Packed(
+            _packed_lengths(packed_seq_params, memo if memo is not None else SeqLengthsMemo()),
+            within,
+        )
     if window is not None:
         return window  # as Megatron's local attention: the window replaces any mask passed in
     if attention_mask is not None and kind != "no_mask":
