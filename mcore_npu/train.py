@@ -358,12 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int:
     """Train; exit 0 on success, 2 on a bad config, 1 on any other error (one line on stderr)."""
     _quiet_known_warnings()
     rank = runtime.LaunchEnv.from_environ().rank
     try:
-        summary = Trainer(load_config(args.config, args.overrides)).train()
+        summary = trainer_class(load_config(args.config, args.overrides)).train()
         if rank == 0:
             print(summary.line(), flush=True)
         return 0

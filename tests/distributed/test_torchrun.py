@@ -1,0 +1,99 @@
+"""Tensor, sequence, pipeline and data parallelism under torchrun (gloo on CPU) against one
+process; resharding a tensor-parallel checkpoint into one process; failures that must not hang.
+
+Every parallel run starts from the same step-0 checkpoint (``train.init_from``): Megatron
+initialises each pipeline stage from the seed independently, so a 2-stage model does not start
+from the weights of a 1-stage one unless both load them. Batches: 4 samples of 128 tokens per
+step in micro-batches of 1, i.e. 4 micro-batches in one process, 2 per rank under DP=2.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.launch import assert_ok, max_abs_diff, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 6
+BATCH = ["train.micro_batch_size=1", "train.global_batch_size=4", f"train.steps={STEPS}"]
+LAYOUTS = {
+    "tp2": ["parallel.tensor=2"],
+    "tp2_sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pipeline=2"],
+    "dp2": [],
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("torchrun")
+
+
+@pytest.fixture(scope="module")
+def initial(workdir):
+    """A step-0 checkpoint every run of this module starts from."""
+    assert_ok(train(["train.steps=0", f"train.checkpoint_dir={workdir / 'init'}"]))
+    return workdir / "init"
+
+
+@pytest.fixture(scope="module")
+def single(workdir, initial):
+    return assert_ok(
+        train([*BATCH, f"train.init_from={initial}"], metrics=workdir / "single.jsonl")
+    )
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(workdir, initial):
+    runs = {}
+    for name, layout in LAYOUTS.items():
+        extra = [f"train.checkpoint_dir={workdir / name}", "train.save_interval=3"]
+        overrides = [*BATCH, *layout, f"train.init_from={initial}", *extra]
+        runs[name] = assert_ok(train(overrides, nproc=2, metrics=workdir / f"{name}.jsonl"))
+    return runs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layout_matches_one_process(layout, single, parallel_runs):
+    run = parallel_runs[layout]
+    assert len(run.losses) == STEPS
+    assert max_abs_diff(run.losses, single.losses) <= 1e-5, (run.losses, single.losses)
+    assert run.stdout.count("mcore-npu train: done") == 1  # only rank 0 reports
+
+
+def test_tensor_parallel_checkpoint_resumes_in_one_process(workdir, single, parallel_runs):
+    checkpoints = workdir / "tp2"
+    (checkpoints / "latest").write_text("step_0000003\n")  # resume from the middle of the run
+    run = assert_ok(train([*BATCH, "train.resume=true", f"train.checkpoint_dir={checkpoints}"],
+                          metrics=workdir / "resharded.jsonl"))  # fmt: skip
+    assert len(run.losses) == STEPS - 3
+    assert max_abs_diff(run.losses, single.losses[3:]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_a_failing_rank_ends_the_launch_quickly_with_its_error(kind, workdir):
+    started = time.perf_counter()
+    run = train(BATCH + ["parallel.tensor=2"], nproc=2, module="tests.distributed.faulty_train",
+                extra_env={"FAULT_RANK": "1", "FAULT_KIND": kind}, timeout=120)  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert run.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    output = run.stdout + run.stderr
+    if kind == "raise":
+        assert "injected failure on rank 1 in step 3" in output
+        assert "mcore-npu train: failed on rank 1: RuntimeError" in output
+    else:
+        assert "exitcode  : 3" in output  # torchrun's report names the dead rank's exit code
+
+
+def test_bad_config_fails_before_process_groups_with_the_single_process_message(workdir):
+    alone = train(["attention.backend=npu"])
+    launched = train(["attention.backend=npu"], nproc=2)
+    assert alone.returncode == 2 and launched.returncode != 0
+    message = alone.stderr.strip().splitlines()[-1]
+    assert message.startswith("mcore-npu train: error: config attention.backend='npu'")
+    assert message in launched.stderr
+    assert "init_process_group" not in launched.stderr
