@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from mcore_npu import __version__
+from mcore_npu._warnings import hide_known_harmless_warnings
 
 # subcommand -> (module, one-line help); each module exposes add_arguments(parser) and run(args)
 _SUBCOMMANDS = {
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # Parse the command name first, then let its module describe its own arguments.
     if argv[0] in _SUBCOMMANDS:
+        hide_known_harmless_warnings()
         module = importlib.import_module(_SUBCOMMANDS[argv[0]][0])
         sub = argparse.ArgumentParser(
             prog=f"mcore-npu {argv[0]}", description=_SUBCOMMANDS[argv[0]][1]

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from mcore_npu._warnings import WARNED
+
 if TYPE_CHECKING:
     import types
 
@@ -95,7 +97,6 @@ class _DeviceState:
             returned True are recorded). :func:`expandable_segments` restores from it. It cannot
             see changes made by other code (torch's setter called directly, another library), or
             a driver that silently refuses expandable segments.
-        warned: keys of warnings already emitted (see :func:`_warn_once`).
         npu_import_error: ``"ExceptionType: message"`` of the failed ``import torch_npu``, or
             None. A failed import is not retried in this process: a half-loaded C extension
             cannot be re-imported reliably, and the usual causes (CANN environment not sourced,
@@ -103,13 +104,11 @@ class _DeviceState:
     """
 
     last_set: dict[str, bool] = field(default_factory=dict)
-    warned: set[str] = field(default_factory=set)
     npu_import_error: str | None = None
 
     def reset(self) -> None:
         """Forget everything (for tests, or after the allocator was reconfigured elsewhere)."""
         self.last_set.clear()
-        self.warned.clear()
         self.npu_import_error = None
 
 
@@ -328,9 +327,8 @@ def _previous_value(accelerator: str) -> bool:
 
 def _warn_once(key: str, message: str) -> None:
     """Emit ``message`` as an :class:`ExpandableSegmentsWarning` the first time ``key`` is seen."""
-    if key in _STATE.warned:
+    if not WARNED.first_time(f"device:{key}"):
         return
-    _STATE.warned.add(key)
     warnings.warn(message, ExpandableSegmentsWarning, stacklevel=_caller_stacklevel())
 
 

@@ -56,7 +56,6 @@ class ParallelLayout:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
-    virtual_pipeline: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,15 +102,39 @@ def initialize(layout: ParallelLayout, *, seed: int, timeout_s: float = 300.0) -
         else:  # a lone process needs no rendezvous port
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    if parallel_state.model_parallel_is_initialized():  # a second trainer in this process
+        _check_same_layout(layout)
+    else:
+        _initialize_parallel_state(layout)
+    runtime = Runtime(accelerator, backend, device.current_device(), launch, layout)
+    seed_streams(seed)
+    return runtime
+
+
+def _initialize_parallel_state(layout: ParallelLayout) -> None:
+    from megatron.core import parallel_state
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
     )
-    runtime = Runtime(accelerator, backend, device.current_device(), launch, layout)
-    seed_streams(seed)
-    return runtime
+
+
+def _check_same_layout(layout: ParallelLayout) -> None:
+    from megatron.core import parallel_state
+
+    current = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+    wanted = (layout.tensor, layout.pipeline, layout.context)
+    if current != wanted:
+        raise RuntimeError(
+            f"Megatron's parallel state already exists with tensor/pipeline/context sizes "
+            f"{current}, not {wanted}; call mcore_npu.runtime.shutdown() first"
+        )
 
 
 def _prepare_accelerator(accelerator: str, local_rank: int) -> None:

@@ -22,7 +22,6 @@ import argparse
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_npu import checkpointing, runtime
+from mcore_npu._warnings import hide_known_harmless_warnings
 from mcore_npu.config import ConfigError, load_config, to_yaml
 from mcore_npu.data import ByteDataset, MicroBatch, load_corpus
 from mcore_npu.metrics import RunReporter, peak_memory_bytes
@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int:
     """Train; exit 0 on success, 2 on a bad config, 1 on any other error (one line on stderr)."""
-    _quiet_known_warnings()
+    hide_known_harmless_warnings()
     rank = runtime.LaunchEnv.from_environ().rank
     try:
         summary = trainer_class(load_config(args.config, args.overrides)).train()
@@ -377,14 +377,6 @@ def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int
         return 1
     finally:
         runtime.shutdown()
-
-
-def _quiet_known_warnings() -> None:
-    """Megatron warns at import that TE/Apex are missing; harmless for this trainer."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")  # a 0.16 config default
-    warnings.filterwarnings("ignore", message="Please use DTensor instead")  # dist_checkpointing
 
 
 def main(argv=None) -> int:

@@ -62,7 +62,7 @@ def fake_torch_npu(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once():
-    from mcore_npu._once import WARNED
+    from mcore_npu._warnings import WARNED
 
     WARNED.clear()
     yield

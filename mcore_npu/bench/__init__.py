@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
 BENCHMARKS = ("attention", "mask", "step")
@@ -56,13 +55,3 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def main() -> int:  # python -m mcore_npu.bench attention
-    parser = argparse.ArgumentParser(prog="mcore_npu.bench")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mcore_npu._once import warn_once
+from mcore_npu._warnings import warn_once
 from mcore_npu.ops import contract as C
 from mcore_npu.ops.contract import AttentionProblem
 

@@ -1,4 +1,5 @@
-"""Warn once per distinct message key, so a per-layer or per-step call does not flood the log."""
+"""Warnings: once per key (per-layer or per-step calls must not flood the log), and the
+harmless ones megatron-core emits at import, which the command-line tools hide."""
 
 from __future__ import annotations
 
@@ -30,3 +31,17 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
         return False
     warnings.warn(message, category, stacklevel=3)
     return True
+
+
+KNOWN_HARMLESS = (
+    ".*Transformer Engine and Apex are not installed",  # megatron-core import, CPU machines
+    ".*Apex is not installed",
+    "full scope is deprecated",  # megatron-core 0.16's own TransformerConfig default
+    "Please use DTensor instead",  # torch, inside dist_checkpointing's ShardedTensor use
+)
+
+
+def hide_known_harmless_warnings() -> None:
+    """For command-line entry points only (they own the process); libraries never call this."""
+    for pattern in KNOWN_HARMLESS:
+        warnings.filterwarnings("ignore", message=pattern)
