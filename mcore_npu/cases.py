@@ -153,7 +153,7 @@ def make_inputs(
     gen = torch.Generator().manual_seed(_case_seed(case))
     q_shape, kv_shape = _shapes(case)
     q, k, v = (
-        torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)  # cast on CPU
         for shape in (q_shape, kv_shape, kv_shape)
     )
     for t in (q, k, v):

@@ -64,7 +64,7 @@ GENERIC_ALLOC_CONF = "PYTORCH_ALLOC_CONF"
 # Allocator-configuration variables consulted per accelerator, in the order they are read when
 # guessing the current value. Released torch_npu reads only PYTORCH_NPU_ALLOC_CONF; its unreleased
 # master also reads PYTORCH_ALLOC_CONF, so both are checked for conflicts.
-_CONF_VARS: dict[str, tuple[str, ...]] = {
+ALLOCATOR_CONF_VARS: dict[str, tuple[str, ...]] = {
     "npu": (NPU_ALLOC_CONF, GENERIC_ALLOC_CONF),
     "cuda": (CUDA_ALLOC_CONF, GENERIC_ALLOC_CONF),
     "cpu": (),
@@ -73,11 +73,11 @@ _CONF_VARS: dict[str, tuple[str, ...]] = {
 _KEY = "expandable_segments"
 # Options the allocator refuses to combine with expandable_segments:True (torch_npu raises when
 # both are given in PYTORCH_NPU_ALLOC_CONF; vllm-ascend guards against it too).
-_CONFLICTING_OPTIONS = ("max_split_size_mb", "garbage_collection_threshold")
+CONFLICTING_OPTIONS = ("max_split_size_mb", "garbage_collection_threshold")
 
 # First releases whose torch.npu.memory has _set_allocator_settings (Ascend Extension for
 # PyTorch 7.3.0). Detected by attribute, never by comparing versions.
-_NPU_SETTER_RELEASES = "2.6.0.post5, 2.7.1.post2, 2.8.0.post2, 2.9.0 or later"
+NPU_SETTER_RELEASES = "2.6.0.post5, 2.7.1.post2, 2.8.0.post2, 2.9.0 or later"
 
 
 class ExpandableSegmentsWarning(UserWarning):
@@ -271,7 +271,7 @@ def _entry_key(entry: str) -> str:
     return entry.split(":", 1)[0].strip()
 
 
-def _parse_conf(conf: str | None) -> dict[str, str]:
+def parse_alloc_conf(conf: str | None) -> dict[str, str]:
     """``"a:1, b:[x:1,y:2]"`` -> ``{"a": "1", "b": "[x:1,y:2]"}`` (spaces removed, last wins)."""
     parsed: dict[str, str] = {}
     for entry in _split_entries(conf or ""):
@@ -306,8 +306,8 @@ def _setting(enable: bool) -> str:
 
 def _value_from_env(accelerator: str) -> bool | None:
     """The expandable_segments value in the accelerator's configuration variables, if any."""
-    for var in _CONF_VARS.get(accelerator, ()):
-        value = _parse_conf(os.environ.get(var)).get(_KEY)
+    for var in ALLOCATOR_CONF_VARS.get(accelerator, ()):
+        value = parse_alloc_conf(os.environ.get(var)).get(_KEY)
         if value is not None:
             return value == "True"
     return None
@@ -355,7 +355,7 @@ def _not_in_effect(
     return False
 
 
-def _require_bool(where: str, name: str, value: object) -> None:
+def require_bool(where: str, name: str, value: object) -> None:
     """Raise TypeError unless ``value`` is a real bool (1, "yes", numpy bools are refused)."""
     if not isinstance(value, bool):
         raise TypeError(
@@ -371,11 +371,11 @@ def _warn_about_reset(accelerator: str) -> None:
     ``garbage_collection_threshold``, ``roundup_power2_divisions``... from the environment stop
     applying. The first two also conflict with expandable segments, which the message says.
     """
-    for var in _CONF_VARS[accelerator]:
-        options = sorted(key for key in _parse_conf(os.environ.get(var)) if key != _KEY)
+    for var in ALLOCATOR_CONF_VARS[accelerator]:
+        options = sorted(key for key in parse_alloc_conf(os.environ.get(var)) if key != _KEY)
         if not options:
             continue
-        conflicts = [key for key in options if key in _CONFLICTING_OPTIONS]
+        conflicts = [key for key in options if key in CONFLICTING_OPTIONS]
         conflict_note = (
             f" {' and '.join(conflicts)} cannot be combined with expandable segments anyway."
             if conflicts
@@ -437,7 +437,7 @@ def _npu_allocator_initialized(npu: types.ModuleType) -> bool:
 def _set_npu_env(enable: bool, strict: bool) -> bool:
     """Old torch-npu, allocator untouched: merge the setting into ``PYTORCH_NPU_ALLOC_CONF``."""
     current = os.environ.get(NPU_ALLOC_CONF)
-    conflicts = [key for key in _CONFLICTING_OPTIONS if key in _parse_conf(current)]
+    conflicts = [key for key in CONFLICTING_OPTIONS if key in parse_alloc_conf(current)]
     if enable and conflicts:
         return _not_in_effect(
             f"env-conflict:npu:{','.join(conflicts)}",
@@ -445,7 +445,7 @@ def _set_npu_env(enable: bool, strict: bool) -> bool:
             f"combine that with expandable_segments:True (the first NPU allocation would fail), "
             f"so {NPU_ALLOC_CONF} was left unchanged and expandable segments stay off.",
             f"remove {', '.join(conflicts)} from {NPU_ALLOC_CONF}, or upgrade torch-npu to "
-            f"{_NPU_SETTER_RELEASES} (its runtime setter resets those options instead)",
+            f"{NPU_SETTER_RELEASES} (its runtime setter resets those options instead)",
             strict=strict,
         )
     os.environ[NPU_ALLOC_CONF] = _merge_conf(current, _KEY, str(enable))
@@ -454,7 +454,7 @@ def _set_npu_env(enable: bool, strict: bool) -> bool:
         "torch.npu.memory._set_allocator_settings is missing (torch-npu older than %s); set %s=%r "
         "instead. It is read when the NPU allocator initialises and is inherited by child "
         "processes.",
-        _NPU_SETTER_RELEASES,
+        NPU_SETTER_RELEASES,
         NPU_ALLOC_CONF,
         os.environ[NPU_ALLOC_CONF],
     )
@@ -476,7 +476,7 @@ def _set_on_npu(enable: bool, strict: bool) -> bool:
         f"Cannot set expandable_segments:{enable} on the NPU: this torch-npu has no "
         f"torch.npu.memory._set_allocator_settings and the NPU allocator is already initialised, "
         f"so {NPU_ALLOC_CONF} is no longer read.",
-        f"upgrade torch-npu to {_NPU_SETTER_RELEASES} (Ascend Extension for PyTorch 7.3.0), or "
+        f"upgrade torch-npu to {NPU_SETTER_RELEASES} (Ascend Extension for PyTorch 7.3.0), or "
         f"call set_expandable_segments before the first NPU allocation / torch.npu.set_device, "
         f"or export {NPU_ALLOC_CONF}=expandable_segments:{enable} before starting the process",
         strict=strict,
@@ -547,8 +547,8 @@ def set_expandable_segments(enable: bool, *, strict: bool = False) -> bool:
         RuntimeError: ``strict=True`` and the setting cannot take effect; the message names the
             cause and the fix, and chains the setter's own exception if there was one.
     """
-    _require_bool("set_expandable_segments", "enable", enable)
-    _require_bool("set_expandable_segments", "strict", strict)
+    require_bool("set_expandable_segments", "enable", enable)
+    require_bool("set_expandable_segments", "strict", strict)
     accelerator = current_accelerator()
     if accelerator == "npu":
         return _set_on_npu(enable, strict)
@@ -587,8 +587,8 @@ def expandable_segments(enable: bool, *, strict: bool = False) -> Iterator[bool]
         with expandable_segments(False):
             buffers = export_weights(model)   # IPC-safe, classic segments
     """
-    _require_bool("expandable_segments", "enable", enable)
-    _require_bool("expandable_segments", "strict", strict)
+    require_bool("expandable_segments", "enable", enable)
+    require_bool("expandable_segments", "strict", strict)
     previous = _previous_value(current_accelerator())
     in_effect = set_expandable_segments(enable, strict=strict)
     must_restore = in_effect and previous != enable

@@ -37,8 +37,15 @@ from pathlib import Path
 
 from mcore_npu import device as accelerators
 
-__all__ = ["Check", "add_arguments", "diagnose_npu_error", "format_json", "format_text",
-           "gather_checks", "run"]  # fmt: skip
+__all__ = [
+    "Check",
+    "add_arguments",
+    "diagnose_npu_error",
+    "format_json",
+    "format_text",
+    "gather_checks",
+    "run",
+]
 
 OK, WARN, ERROR = "ok", "warn", "error"
 
@@ -52,11 +59,24 @@ SET_ENV_CANDIDATES = (
     "/usr/local/Ascend/cann/set_env.sh",
 )
 # Substrings of an import error that point at a missing CANN library / an unsourced CANN env.
-CANN_MARKERS = ("libhccl", "libascend", "libacl", "libopapi", "libge_runner", "libgraph",
-                "libruntime", "cann package", "set_env.sh", "ascend-toolkit")  # fmt: skip
+CANN_MARKERS = (
+    "libhccl",
+    "libascend",
+    "libacl",
+    "libopapi",
+    "libge_runner",
+    "libgraph",
+    "libruntime",
+    "cann package",
+    "set_env.sh",
+    "ascend-toolkit",
+)
 SUPPORTED_MEGATRON = ((0, 15), (0, 20))  # >= 0.15, < 0.20 (pyproject.toml)
-ALLOC_VARIABLES = (accelerators.NPU_ALLOC_CONF, accelerators.CUDA_ALLOC_CONF,
-                   accelerators.GENERIC_ALLOC_CONF)  # fmt: skip
+ALLOC_VARIABLES = (
+    accelerators.NPU_ALLOC_CONF,
+    accelerators.CUDA_ALLOC_CONF,
+    accelerators.GENERIC_ALLOC_CONF,
+)
 
 
 @dataclass(frozen=True)
@@ -197,32 +217,43 @@ def diagnose_npu_error(
     lowered = error.lower()
     causes, fixes = [], []
     if any(marker in lowered for marker in CANN_MARKERS):
-        causes.append("CANN environment not sourced (a CANN library such as libhccl.so or "
-                      "libascendcl.so cannot be loaded)")  # fmt: skip
-        fixes.append(f"source {_set_env_path()} (from the CANN install) in this shell before "
-                     "starting Python; install the CANN toolkit if it is missing")  # fmt: skip
+        causes.append(
+            "CANN environment not sourced (a CANN library such as libhccl.so or "
+            "libascendcl.so cannot be loaded)"
+        )
+        fixes.append(
+            f"source {_set_env_path()} (from the CANN install) in this shell before "
+            "starting Python; install the CANN toolkit if it is missing"
+        )
     elif "cannot open shared object file" in lowered:
-        causes.append("a shared library cannot be loaded (most often the CANN environment is "
-                      "not sourced)")  # fmt: skip
+        causes.append(
+            "a shared library cannot be loaded (most often the CANN environment is not sourced)"
+        )
         fixes.append(f"source {_set_env_path()}, then check LD_LIBRARY_PATH")
     if "two accelerators" in lowered:
         causes.append("torch is a CUDA build; torch-npu needs the CPU build of the same version")
-        fixes.append("pip install the CPU wheel of torch (--index-url "
-                     "https://download.pytorch.org/whl/cpu) matching torch-npu")  # fmt: skip
+        fixes.append(
+            "pip install the CPU wheel of torch (--index-url "
+            "https://download.pytorch.org/whl/cpu) matching torch-npu"
+        )
     mismatch = _version_mismatch(torch_version, npu_version)
     if mismatch:
         causes.append(mismatch)
         base = _dotted(_release(npu_version) or ())
-        fixes.append(f"install the torch-npu build for torch {torch_version} "
-                     f"(pip install 'torch-npu=={_dotted(_release(torch_version) or ())}.*'), "
-                     f"or torch=={base}")  # fmt: skip
+        fixes.append(
+            f"install the torch-npu build for torch {torch_version} "
+            f"(pip install 'torch-npu=={_dotted(_release(torch_version) or ())}.*'), "
+            f"or torch=={base}"
+        )
     elif "undefined symbol" in lowered:
         causes.append("an ABI mismatch: torch-npu was built against another torch")
         fixes.append("reinstall the torch-npu build made for this exact torch version")
     if not causes:
         causes.append("not recognised; see the error text")
-        fixes.append(f"run `python -c 'import torch_npu'` after `source {_set_env_path()}` and "
-                     "read the full traceback")  # fmt: skip
+        fixes.append(
+            f"run `python -c 'import torch_npu'` after `source {_set_env_path()}` and "
+            "read the full traceback"
+        )
     return "; ".join(causes), "; ".join(fixes)
 
 
@@ -231,8 +262,10 @@ def _version_mismatch(torch_version: str | None, npu_version: str | None) -> str
     torch_release, npu_release = _release(torch_version), _release(npu_version)
     if torch_release is None or npu_release is None or torch_release == npu_release:
         return ""
-    return (f"torch {torch_version} does not match torch-npu {npu_version} (built for torch "
-            f"{_dotted(npu_release)})")  # fmt: skip
+    return (
+        f"torch {torch_version} does not match torch-npu {npu_version} (built for torch "
+        f"{_dotted(npu_release)})"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,16 +304,24 @@ def check_torch(probe: _Probe) -> Check:
 def _torch_failure(exc: BaseException | None) -> Check:
     installed = _distribution_version("torch")
     if exc is None or installed is None:
-        return Check("torch", ERROR, "not installed", "torch is missing",
-                     "pip install 'torch>=2.6' (the CPU build on Ascend machines)")  # fmt: skip
+        return Check(
+            "torch",
+            ERROR,
+            "not installed",
+            "torch is missing",
+            "pip install 'torch>=2.6' (the CPU build on Ascend machines)",
+        )
     detail = f"{installed} installed but `import torch` fails: {_describe(exc)}"
     if "backend extension" in str(exc):
         root = _describe(_root_cause(exc))
         cause, fix = diagnose_npu_error(root, installed, _distribution_version("torch-npu"))
-        return Check("torch", ERROR, f"{detail} <- {root}",
-                     f"torch autoloads the torch_npu backend at import and it fails: {cause}",
-                     f"{fix}; meanwhile {AUTOLOAD_VARIABLE}=0 lets `import torch` work "
-                     "without torch_npu")  # fmt: skip
+        return Check(
+            "torch",
+            ERROR,
+            f"{detail} <- {root}",
+            f"torch autoloads the torch_npu backend at import and it fails: {cause}",
+            f"{fix}; meanwhile {AUTOLOAD_VARIABLE}=0 lets `import torch` work without torch_npu",
+        )
     return Check(
         "torch",
         ERROR,
@@ -293,22 +334,35 @@ def _torch_failure(exc: BaseException | None) -> Check:
 def check_megatron(probe: _Probe) -> Check:
     version = _distribution_version("megatron-core")
     if version is None:
-        return Check("megatron-core", ERROR, "not installed", "megatron-core is missing",
-                     "pip install 'megatron-core>=0.15,<0.20'")  # fmt: skip
+        return Check(
+            "megatron-core",
+            ERROR,
+            "not installed",
+            "megatron-core is missing",
+            "pip install 'megatron-core>=0.15,<0.20'",
+        )
     if probe.torch is None:
         return _not_checked("megatron-core")
     try:
         _quiet_import("megatron.core")
     except Exception as exc:
-        return Check("megatron-core", ERROR, f"{version} installed but does not import: "
-                     f"{_describe(exc)}", "a broken or incompatible megatron-core",
-                     "pip install --force-reinstall 'megatron-core>=0.15,<0.20'")  # fmt: skip
+        return Check(
+            "megatron-core",
+            ERROR,
+            f"{version} installed but does not import: {_describe(exc)}",
+            "a broken or incompatible megatron-core",
+            "pip install --force-reinstall 'megatron-core>=0.15,<0.20'",
+        )
     release = _release(version)
     low, high = SUPPORTED_MEGATRON
     if release is not None and not low <= release[:2] < high:
-        return Check("megatron-core", WARN, f"{version}, imports",
-                     "outside the versions mcore-npu is tested with (>= 0.15, < 0.20)",
-                     "pip install 'megatron-core>=0.15,<0.20'")  # fmt: skip
+        return Check(
+            "megatron-core",
+            WARN,
+            f"{version}, imports",
+            "outside the versions mcore-npu is tested with (>= 0.15, < 0.20)",
+            "pip install 'megatron-core>=0.15,<0.20'",
+        )
     return Check("megatron-core", OK, f"{version}, imports")
 
 
@@ -316,14 +370,21 @@ def check_torch_npu(probe: _Probe) -> Check:
     version = _distribution_version("torch-npu")
     origin = _module_origin("torch_npu")
     if version is None and origin is None:
-        return Check("torch-npu", OK, "not installed (fine without an NPU: the reference kernel "
-                     "runs on the CPU)")  # fmt: skip
+        return Check(
+            "torch-npu",
+            OK,
+            "not installed (fine without an NPU: the reference kernel runs on the CPU)",
+        )
     found = version or f"found at {origin}, no installed distribution"
     if probe.torch is None:
         if "backend extension" in str(probe.torch_error):
-            return Check("torch-npu", ERROR, f"{found}; does not load",
-                         "its device-backend autoload makes `import torch` fail (details on the "
-                         "torch line)", "see the torch line")  # fmt: skip
+            return Check(
+                "torch-npu",
+                ERROR,
+                f"{found}; does not load",
+                "its device-backend autoload makes `import torch` fail (details on the torch line)",
+                "see the torch line",
+            )
         return _not_checked("torch-npu")
     error = accelerators.npu_import_error()  # imports torch_npu once, guarded, if needed
     if error is not None:
@@ -334,10 +395,11 @@ def check_torch_npu(probe: _Probe) -> Check:
 def _npu_import_failure(found: str, error: str, torch_version: str, version: str | None) -> Check:
     cause, fix = diagnose_npu_error(error, torch_version, version)
     if "torch_npu" in _backend_entry_points() and not _autoload_enabled():
-        fix += (f"; {AUTOLOAD_VARIABLE}={os.environ.get(AUTOLOAD_VARIABLE)} is what keeps this "
-                "error out of `import torch`")  # fmt: skip
-    return Check("torch-npu", ERROR, f"{found}; does not import: {error}",
-                 cause, fix)  # fmt: skip
+        fix += (
+            f"; {AUTOLOAD_VARIABLE}={os.environ.get(AUTOLOAD_VARIABLE)} is what keeps this "
+            "error out of `import torch`"
+        )
+    return Check("torch-npu", ERROR, f"{found}; does not import: {error}", cause, fix)
 
 
 def _npu_imported(torch: types.ModuleType, found: str, version: str | None) -> Check:
@@ -347,17 +409,30 @@ def _npu_imported(torch: types.ModuleType, found: str, version: str | None) -> C
         available = bool(npu.is_available()) if npu is not None else False
         count = int(npu.device_count()) if available else 0
     except Exception as exc:
-        return Check("torch-npu", ERROR, f"{found}; imports, but torch.npu.is_available() "
-                     f"raised {_describe(exc)}", "the NPU driver or runtime is broken",
-                     "run npu-smi info; check the driver (HDK) and the CANN version")  # fmt: skip
+        return Check(
+            "torch-npu",
+            ERROR,
+            f"{found}; imports, but torch.npu.is_available() raised {_describe(exc)}",
+            "the NPU driver or runtime is broken",
+            "run npu-smi info; check the driver (HDK) and the CANN version",
+        )
     if not available:
-        return Check("torch-npu", WARN, f"{found}; imports, but no NPU is visible",
-                     "no NPU device: the driver is not loaded or ASCEND_RT_VISIBLE_DEVICES "
-                     "hides them", "run npu-smi info; check ASCEND_RT_VISIBLE_DEVICES")  # fmt: skip
+        return Check(
+            "torch-npu",
+            WARN,
+            f"{found}; imports, but no NPU is visible",
+            "no NPU device: the driver is not loaded or ASCEND_RT_VISIBLE_DEVICES hides them",
+            "run npu-smi info; check ASCEND_RT_VISIBLE_DEVICES",
+        )
     detail = f"{found}; imports; {count} NPU(s) visible"
     if mismatch:
-        return Check("torch-npu", WARN, detail, mismatch,
-                     "install the torch-npu build for this torch version")  # fmt: skip
+        return Check(
+            "torch-npu",
+            WARN,
+            detail,
+            mismatch,
+            "install the torch-npu build for this torch version",
+        )
     return Check("torch-npu", OK, detail)
 
 
@@ -371,14 +446,23 @@ def check_cann(probe: _Probe) -> Check:
     npu_wanted = _distribution_version("torch-npu") or _module_origin("torch_npu")
     missing_dirs = [f"{n}={v}" for n, v in values.items() if v and not Path(v).exists()]
     if missing_dirs:
-        return Check("cann", WARN, detail, f"{', '.join(missing_dirs)} does not exist",
-                     f"source {_set_env_path()} again, from the CANN that is installed")  # fmt: skip
+        return Check(
+            "cann",
+            WARN,
+            detail,
+            f"{', '.join(missing_dirs)} does not exist",
+            f"source {_set_env_path()} again, from the CANN that is installed",
+        )
     if not any(values.values()) and not ascend_dirs:
         if not npu_wanted:
             return Check("cann", OK, "not sourced (not needed without torch_npu)")
-        return Check("cann", WARN, "not sourced: " + ", ".join(f"{n} unset" for n in values),
-                     "torch_npu is installed but the CANN environment is not set",
-                     f"source {_set_env_path()}")  # fmt: skip
+        return Check(
+            "cann",
+            WARN,
+            "not sourced: " + ", ".join(f"{n} unset" for n in values),
+            "torch_npu is installed but the CANN environment is not set",
+            f"source {_set_env_path()}",
+        )
     return Check("cann", OK, detail)
 
 
@@ -386,18 +470,23 @@ def check_transformer_engine(probe: _Probe) -> Check:
     version = _distribution_version("transformer-engine", "transformer-engine-torch")
     origin = _module_origin("transformer_engine")
     if version is None and origin is None:
-        return Check("transformer-engine", OK, "not installed (optional: CUDA machines, "
-                     "backend 'te')")  # fmt: skip
+        return Check(
+            "transformer-engine", OK, "not installed (optional: CUDA machines, backend 'te')"
+        )
     found = version or f"found at {origin}"
     if probe.torch is None:
         return _not_checked("transformer-engine")
     try:
         _quiet_import("transformer_engine.pytorch")
     except Exception as exc:
-        return Check("transformer-engine", WARN, f"{found}; does not import: {_describe(exc)}",
-                     "backend 'auto' falls back to Megatron's local spec; backend 'te' fails",
-                     "on NPU/CPU machines pip uninstall transformer-engine; on CUDA install the "
-                     "build that matches torch and CUDA")  # fmt: skip
+        return Check(
+            "transformer-engine",
+            WARN,
+            f"{found}; does not import: {_describe(exc)}",
+            "backend 'auto' falls back to Megatron's local spec; backend 'te' fails",
+            "on NPU/CPU machines pip uninstall transformer-engine; on CUDA install the "
+            "build that matches torch and CUDA",
+        )
     return Check("transformer-engine", OK, f"{found}, imports")
 
 
@@ -427,8 +516,10 @@ def check_allocator_env(probe: _Probe) -> Check:
     for name, value in values.items():
         conflict = _conflict(value)
         if conflict:
-            causes.append(f"{name} combines expandable_segments:True with {conflict}, which "
-                          "the allocator refuses")  # fmt: skip
+            causes.append(
+                f"{name} combines expandable_segments:True with {conflict}, which "
+                "the allocator refuses"
+            )
             fixes.append(f"remove {conflict} or expandable_segments:True from {name}")
             status = _worst(status, ERROR if name in read_now else WARN)
     npu_var, generic = accelerators.NPU_ALLOC_CONF, accelerators.GENERIC_ALLOC_CONF
@@ -444,15 +535,15 @@ def _worst(*statuses: str) -> str:
 
 
 def _variables_read_by(accelerator: str | None) -> tuple[str, ...]:
-    return accelerators._CONF_VARS.get(accelerator or "cpu", ())
+    return accelerators.ALLOCATOR_CONF_VARS.get(accelerator or "cpu", ())
 
 
 def _conflict(value: str | None) -> str:
     """``"max_split_size_mb"`` etc. if ``value`` also turns expandable segments on, else ""."""
-    parsed = accelerators._parse_conf(value)
+    parsed = accelerators.parse_alloc_conf(value)
     if parsed.get("expandable_segments") != "True":
         return ""
-    return " and ".join(k for k in accelerators._CONFLICTING_OPTIONS if k in parsed)
+    return " and ".join(k for k in accelerators.CONFLICTING_OPTIONS if k in parsed)
 
 
 def check_allocator_setter(probe: _Probe) -> Check:
@@ -464,20 +555,38 @@ def check_allocator_setter(probe: _Probe) -> Check:
     cuda_setter = _attribute(getattr(torch, "cuda", None), "memory", "_set_allocator_settings")
     if accelerator == "npu":
         if npu_setter:
-            return Check("allocator setter", OK, "torch.npu.memory._set_allocator_settings "
-                         "(expandable segments can be switched at run time)")  # fmt: skip
-        return Check("allocator setter", WARN, "torch.npu.memory._set_allocator_settings missing",
-                     "torch-npu older than the 7.3.0 release: expandable segments only through "
-                     f"{accelerators.NPU_ALLOC_CONF} before the first NPU allocation",
-                     f"upgrade torch-npu to {accelerators._NPU_SETTER_RELEASES}")  # fmt: skip
-    present = [name for name, ok in (("torch._C._accelerator_setAllocatorSettings", generic),
-               ("torch.cuda.memory._set_allocator_settings", cuda_setter)) if ok]  # fmt: skip
+            return Check(
+                "allocator setter",
+                OK,
+                "torch.npu.memory._set_allocator_settings "
+                "(expandable segments can be switched at run time)",
+            )
+        return Check(
+            "allocator setter",
+            WARN,
+            "torch.npu.memory._set_allocator_settings missing",
+            "torch-npu older than the 7.3.0 release: expandable segments only through "
+            f"{accelerators.NPU_ALLOC_CONF} before the first NPU allocation",
+            f"upgrade torch-npu to {accelerators.NPU_SETTER_RELEASES}",
+        )
+    present = [
+        name
+        for name, ok in (
+            ("torch._C._accelerator_setAllocatorSettings", generic),
+            ("torch.cuda.memory._set_allocator_settings", cuda_setter),
+        )
+        if ok
+    ]
     if accelerator == "cuda":
         if present:
             return Check("allocator setter", OK, present[0])
-        return Check("allocator setter", WARN, "no runtime allocator setter in this torch",
-                     "torch older than 2.1", f"upgrade torch, or export "
-                     f"{accelerators.CUDA_ALLOC_CONF}=expandable_segments:True")  # fmt: skip
+        return Check(
+            "allocator setter",
+            WARN,
+            "no runtime allocator setter in this torch",
+            "torch older than 2.1",
+            f"upgrade torch, or export {accelerators.CUDA_ALLOC_CONF}=expandable_segments:True",
+        )
     have = ", ".join(present) or "none"
     return Check("allocator setter", OK, f"not applicable on the CPU (torch has: {have})")
 
@@ -502,12 +611,22 @@ def check_attention(probe: _Probe) -> Check:
     try:
         backend = _quiet_import("mcore_npu.layer_specs").resolve_backend("auto")
     except Exception as exc:  # megatron-core missing or broken: reported on its own line
-        return Check("attention", WARN, f"kernel {kernel}; backend unknown ({_describe(exc)})",
-                     "the layer specs need megatron-core", "see the megatron-core line")  # fmt: skip
+        return Check(
+            "attention",
+            WARN,
+            f"kernel {kernel}; backend unknown ({_describe(exc)})",
+            "the layer specs need megatron-core",
+            "see the megatron-core line",
+        )
     detail = f"auto -> backend {backend}, kernel {kernel} (on {accelerator})"
     if accelerator == "npu" and backend != "npu_fusion":
-        return Check("attention", WARN, detail, "an NPU is present but auto does not pick it",
-                     "report this as a bug")  # fmt: skip
+        return Check(
+            "attention",
+            WARN,
+            detail,
+            "an NPU is present but auto does not pick it",
+            "report this as a bug",
+        )
     return Check("attention", OK, detail)
 
 
@@ -534,9 +653,15 @@ def gather_checks() -> list[Check]:
         try:
             checks.append(check(probe))
         except Exception as exc:
-            checks.append(Check(name, ERROR, f"doctor could not check this: {_describe(exc)}",
-                                "an unexpected environment", "please report it with this "
-                                "output"))  # fmt: skip
+            checks.append(
+                Check(
+                    name,
+                    ERROR,
+                    f"doctor could not check this: {_describe(exc)}",
+                    "an unexpected environment",
+                    "please report it with this output",
+                )
+            )
     return checks
 
 
@@ -572,8 +697,7 @@ def format_text(checks: list[Check]) -> str:
 
 def format_json(checks: list[Check]) -> str:
     healthy = not any(c.status == ERROR for c in checks)
-    report = {"healthy": healthy, "summary": summary(checks),
-              "checks": [asdict(c) for c in checks]}  # fmt: skip
+    report = {"healthy": healthy, "summary": summary(checks), "checks": [asdict(c) for c in checks]}
     return json.dumps(report, indent=1)
 
 

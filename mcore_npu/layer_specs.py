@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import inspect
 
 from megatron.core.models.gpt import gpt_layer_specs as megatron_specs

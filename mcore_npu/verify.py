@@ -1,4 +1,4 @@
-"""``mcore-npu verify``: run the attention case table forward and backward against a trusted answer.
+"""``mcore-npu verify``: the attention case table, forward and backward, against a trusted answer.
 
 Two modes, chosen by the device:
 
@@ -23,11 +23,12 @@ max|want|`` over the valid rows (``Tolerance.bound`` of the case table).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,11 @@ __all__ = [
     "add_arguments",
     "check_kernel_case",
     "check_reference_case",
+    "choose_target",
     "compare",
     "oracle",
     "run",
+    "run_cases",
 ]
 
 GRAD_SEED = 7
@@ -55,9 +58,8 @@ GRAD_SEED = 7
 
 QUANTITIES = ("forward", "dq", "dk", "dv")
 
-NO_NPU_NOTE = (
-    "no NPU: hardware comparison skipped; checked the reference against the float64 oracle"
-)
+ORACLE_CHECK = "checked the reference against the float64 oracle"
+NO_NPU_NOTE = f"no NPU: hardware comparison skipped; {ORACLE_CHECK}"
 
 
 class UsageError(Exception):
@@ -291,8 +293,10 @@ def _oracle_packed(q, k, v, rule: _KeepRule, kwargs: dict) -> OracleResult:
         prefix = None if rule.prefix is None else (rule.prefix[s],)
         keep = rule.keep(seq_q, seq_kv, mask, prefix, mode)
         # [T, N, D] slice -> [1, N, S_s, D]
-        blocks = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in
-                  ((q, q0, q1), (k, k0, k1), (v, k0, k1)))  # fmt: skip
+        blocks = (
+            t[a:b].transpose(0, 1).unsqueeze(0)
+            for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))
+        )
         out, valid = _masked_attention(*blocks, keep, rule.scale)
         outs.append(out[0].transpose(0, 1))  # [S_s, N, Dv]
         valids.append(valid[0].transpose(0, 1))  # [S_s, N]
@@ -373,8 +377,9 @@ def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu"
     inputs = make_inputs(case, device=device)
     got_leaves = (inputs.query, inputs.key, inputs.value)
     want_leaves = [t.detach().cpu().double().requires_grad_() for t in got_leaves]
-    want = oracle(*want_leaves, inputs.head_num, inputs.input_layout,
-                  **_cpu_kwargs(inputs.op_kwargs))  # fmt: skip
+    want = oracle(
+        *want_leaves, inputs.head_num, inputs.input_layout, **_cpu_kwargs(inputs.op_kwargs)
+    )
     grad = _upstream_grad(want.out.shape, case.torch_dtype, want.valid_out)
     got = fusion_attention(*inputs.call_args(), kernel="reference", **inputs.op_kwargs)
     got.backward(grad.to(got.device))
@@ -395,25 +400,43 @@ def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu"
 def check_kernel_case(case: AttentionCase, device: torch.device | str) -> CaseResult:
     """Hardware mode: ``torch_npu`` on ``device`` against the float32 reference on the CPU.
 
-    Both run on the same inputs (drawn in float64, rounded to the case's dtype); the reference
-    upcasts them to float32. Invalid rows (from the float64 oracle's keep mask) are excluded.
+    Both run on the same inputs (drawn in float64, rounded to the case's dtype on the CPU, then
+    copied to the device as they are); the reference upcasts them to float32. Invalid rows
+    (from the float64 oracle's keep mask) are excluded.
     """
-    on_device = make_inputs(case, device=device)
     rounded = make_inputs(case, requires_grad=False)  # the case's dtype, CPU
-    ref_leaves = [t.float().requires_grad_() for t in (rounded.query, rounded.key, rounded.value)]
+    device_leaves = [t.to(device, copy=True).requires_grad_() for t in rounded.call_args()[:3]]
+    device_kwargs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rounded.op_kwargs.items()
+    }
+    ref_leaves = [t.to(torch.float32, copy=True).requires_grad_() for t in rounded.call_args()[:3]]
+    heads, layout = rounded.head_num, rounded.input_layout
     with torch.no_grad():
-        truth = oracle(*(t.double() for t in ref_leaves), rounded.head_num,
-                       rounded.input_layout, **rounded.op_kwargs)  # fmt: skip
+        truth = oracle(*(t.double() for t in ref_leaves), heads, layout, **rounded.op_kwargs)
     grad = _upstream_grad(truth.out.shape, case.torch_dtype, truth.valid_out)
-    got = fusion_attention(*on_device.call_args(), kernel="torch_npu", **on_device.op_kwargs)
+    got = fusion_attention(*device_leaves, heads, layout, kernel="torch_npu", **device_kwargs)
     got.backward(grad.to(got.device))
-    want = fusion_attention(*ref_leaves, rounded.head_num, rounded.input_layout,
-                            kernel="reference", **rounded.op_kwargs)  # fmt: skip
+    want = fusion_attention(*ref_leaves, heads, layout, kernel="reference", **rounded.op_kwargs)
     want.backward(grad.float())
-    got_leaves = (on_device.query, on_device.key, on_device.value)
     comparisons = [compare("forward", got, want, truth.valid_out, case.forward)]
-    comparisons += _grad_comparisons(got_leaves, ref_leaves, truth.valid_q, case.grad)
+    comparisons += _grad_comparisons(device_leaves, ref_leaves, truth.valid_q, case.grad)
     return CaseResult(case.id, tuple(comparisons))
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """One CPU thread for torch while the cases run, then the previous count again.
+
+    The cases are tiny (16-dim heads, sequences of 19 at most): with several intra-op threads
+    the CPU side spends most of its time starting and parking threads (the full table took
+    19 s with two threads and 3.4 s with one, on two cores).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def run_cases(
@@ -467,21 +490,21 @@ def choose_target(requested: str | None) -> Target:
         if accelerators.is_npu_available():
             return Target(accelerators.current_device(), hardware=True)
         return Target(torch.device("cpu"), hardware=False, note=NO_NPU_NOTE)
-    try:
-        chosen = torch.device(requested)
-    except (RuntimeError, ValueError) as exc:
-        raise UsageError(
-            f"--device {requested!r}: not a device ({exc}); e.g. npu:0 or cpu"
-        ) from exc
-    if chosen.type == "npu":
+    if requested.split(":", 1)[0].strip().lower() == "npu":
         if not accelerators.is_npu_available():
             reason = accelerators.npu_import_error() or "torch_npu is not installed or sees no NPU"
             raise UsageError(
                 f"--device {requested}: no usable NPU ({reason}). Run `mcore-npu doctor` for the "
                 "cause, or omit --device to check the reference against the float64 oracle"
             )
-        return Target(chosen, hardware=True)
-    note = f"--device {requested}: hardware comparison skipped; " + NO_NPU_NOTE.split("; ", 1)[1]
+        return Target(torch.device(requested), hardware=True)
+    try:
+        chosen = torch.device(requested)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(
+            f"--device {requested!r}: not a device ({exc}); e.g. npu:0 or cpu"
+        ) from exc
+    note = f"--device {requested}: hardware comparison skipped; {ORACLE_CHECK}"
     return Target(chosen, hardware=False, note=note)
 
 
@@ -611,14 +634,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"mcore-npu verify: error: {err}", file=sys.stderr, flush=True)
         return 2
     start = time.perf_counter()
-    if args.json:
-        results = run_cases(cases, target.check)
-        report = _report_json(target, args, results, time.perf_counter() - start)
-        print(json.dumps(report, indent=1))
-    else:
-        results = _run_text(cases, target, args)
-        print(f"elapsed: {time.perf_counter() - start:.1f} s on {target.device}")
-        print(summary_line(results), flush=True)
+    with single_threaded():
+        if args.json:
+            results = run_cases(cases, target.check)
+            report = _report_json(target, args, results, time.perf_counter() - start)
+            print(json.dumps(report, indent=1))
+        else:
+            results = _run_text(cases, target, args)
+            print(f"elapsed: {time.perf_counter() - start:.1f} s on {target.device}")
+            print(summary_line(results), flush=True)
     failed = sum(not result.passed for result in results)
     if failed:
         print(f"mcore-npu verify: {summary_line(results)}", file=sys.stderr, flush=True)
@@ -629,8 +653,10 @@ def _run_text(cases: list[AttentionCase], target: Target, args) -> list[CaseResu
     if target.note:
         print(target.note)
     selection = f", filter {args.filter!r}" if args.filter else ""
-    print(f"cases: {args.cases} ({len(cases)} cases{selection}); mode {target.mode}, "
-          f"device {target.device}")  # fmt: skip
+    print(
+        f"cases: {args.cases} ({len(cases)} cases{selection}); mode {target.mode}, "
+        f"device {target.device}"
+    )
     report = _TextReport(id_width=max(len(case.id) for case in cases) + 2)
     report.header()
     results = run_cases(cases, target.check, on_result=report.row)

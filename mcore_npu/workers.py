@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_npu.device import _require_bool, set_expandable_segments
+from mcore_npu.device import require_bool, set_expandable_segments
 
 __all__ = ["ExpandableSegmentsMixin"]
 
@@ -60,8 +60,8 @@ class ExpandableSegmentsMixin:
         strict = kwargs.pop("expandable_segments_strict", self.expandable_segments_strict)
         if not getattr(self, _APPLIED, False):
             where = f"{type(self).__name__}.__init__"
-            _require_bool(where, "expandable_segments", enable)
-            _require_bool(where, "expandable_segments_strict", strict)
+            require_bool(where, "expandable_segments", enable)
+            require_bool(where, "expandable_segments_strict", strict)
             setattr(self, _APPLIED, True)
             self.expandable_segments_enabled = set_expandable_segments(enable, strict=strict)
         super().__init__(*args, **kwargs)

@@ -459,7 +459,7 @@ def test_context_manager_on_cpu(monkeypatch):
 
 
 def test_parse_conf_keeps_bracketed_values():
-    parsed = device._parse_conf("max_split_size_mb:64, roundup_power2_divisions:[256:1,>:8]")
+    parsed = device.parse_alloc_conf("max_split_size_mb:64, roundup_power2_divisions:[256:1,>:8]")
     assert parsed == {"max_split_size_mb": "64", "roundup_power2_divisions": "[256:1,>:8]"}
 
 
