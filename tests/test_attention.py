@@ -82,7 +82,8 @@ def test_padded_cu_seqlens_set_the_segment_boundaries(fake_torch_npu):
                              max_seqlen_q=9, max_seqlen_kv=9)  # fmt: skip
     ids, pos = batch(b=1, s=16)
     model(ids, pos, None, packed_seq_params=params)
-    assert fake_torch_npu.calls[0][1]["actual_seq_qlen"] == [5, 14, 16]
+    # slots of 5, 9, 2 tokens hold 4, 9, 2 real ones: the one padding token is its own segment
+    assert fake_torch_npu.calls[0][1]["actual_seq_qlen"] == [4, 5, 14, 16]
 
 
 class _count_tolist:

@@ -173,6 +173,8 @@ class SlidingWindow:
 class ExplicitMask:
     """A dense bool mask from the caller (True = masked), passed through as is: mode 0.
 
+    ``to_dense`` returns it in its own shape (any of the accepted ones), whatever sizes are asked.
+
     Accepted shapes: ``[B, 1, Sq, Skv]``, ``[1, 1, Sq, Skv]``, ``[B, N, Sq, Skv]``, ``[Sq, Skv]``.
     Costs whatever the caller already allocated; this object neither copies nor converts it.
     """
@@ -300,6 +302,11 @@ def describe_mask(
                 "attention_mask: packed (thd) batches take no dense mask; segment boundaries "
                 "come from packed_seq_params.cu_seqlens_*. Pass attention_mask=None."
             )
+        if kind == "arbitrary":
+            raise ValueError(
+                "attention_mask: attn_mask_type=arbitrary needs a dense mask, which packed (thd) "
+                "batches cannot take; use a causal or padding mask type with packed sequences"
+            )
         within = window or (FullAttention() if kind in _FULL_TYPES else BottomRightCausalMask())
         return Packed(
             _packed_lengths(packed_seq_params, memo if memo is not None else SeqLengthsMemo()),
@@ -322,22 +329,28 @@ def describe_mask(
 
 
 def _packed_lengths(params, memo: SeqLengthsMemo) -> SeqLengths:
-    """Segment boundaries from PackedSeqParams, preferring the ``_padded`` variants."""
-    cu_q = _first_set(params, "cu_seqlens_q_padded", "cu_seqlens_q")
-    cu_kv = _first_set(params, "cu_seqlens_kv_padded", "cu_seqlens_kv")
-    if cu_q is None:
+    """Segment boundaries from PackedSeqParams (each cu_seqlens tensor converted once per memo).
+
+    With the ``_padded`` variants set, a slot holds real tokens then padding: the padding tail
+    becomes a segment of its own (``SeqLengths.with_padding``), so real tokens never see it.
+    """
+    if params.cu_seqlens_q is None and getattr(params, "cu_seqlens_q_padded", None) is None:
         raise ValueError("packed_seq_params: qkv_format='thd' needs cu_seqlens_q (leading 0)")
-    q = memo.actual_seq_lengths(cu_q)
-    kv = q if cu_kv is None or cu_kv is cu_q else memo.actual_seq_lengths(cu_kv)
-    return SeqLengths(q, kv)
+    real_q, slot_q = _side(params, "q", memo)
+    real_kv, slot_kv = _side(params, "kv", memo)
+    if real_kv is None:  # self-attention given the query side only
+        real_kv, slot_kv = real_q, slot_q
+    real = SeqLengths(real_q or slot_q, real_kv or slot_kv)
+    padded = SeqLengths(slot_q or real.q, slot_kv or real.kv)
+    return real.compact() if padded == real else SeqLengths.with_padding(real, padded)
 
 
-def _first_set(params, *names):
-    for name in names:
-        value = getattr(params, name, None)
-        if value is not None:
-            return value
-    return None
+def _side(params, side: str, memo: SeqLengthsMemo):
+    """``(real ends, padded ends)`` of one side; either is None when its tensor is unset."""
+    real = getattr(params, f"cu_seqlens_{side}", None)
+    padded = getattr(params, f"cu_seqlens_{side}_padded", None)
+    convert = memo.actual_seq_lengths
+    return (None if real is None else convert(real)), (None if padded is None else convert(padded))
 
 
 __all__ = [

@@ -27,7 +27,8 @@ class PackedBatch:
         indices: ``[T]`` int64 positions of the real tokens in the flattened ``[B * S]`` batch.
         cu_seqlens: ``[B + 1]`` int32 on the batch's device, **with** the leading 0 (Megatron's
             ``PackedSeqParams`` convention).
-        lengths: host-side ends without the leading 0 (the operator's ``actual_seq_qlen``).
+        lengths: host-side ends without the leading 0 (the operator's ``actual_seq_qlen``);
+            rows that are all padding have no segment here (they do in ``cu_seqlens``).
         max_seqlen: the longest row.
         batch_size, seq_len: B and S of the padded batch.
     """
@@ -92,7 +93,7 @@ def padding_to_packed(keep_mask: torch.Tensor) -> PackedBatch:
     return PackedBatch(
         indices=keep.flatten().nonzero().squeeze(1),
         cu_seqlens=cu_seqlens,
-        lengths=SeqLengths.from_lengths(lengths),
+        lengths=SeqLengths.from_lengths(lengths).compact(),  # all-padding rows: no segment
         max_seqlen=max(lengths, default=0),
         batch_size=keep.shape[0],
         seq_len=keep.shape[1],

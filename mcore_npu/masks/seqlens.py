@@ -74,10 +74,35 @@ class SeqLengths:
         kv = q if kv_lengths is None else tuple(_running_sum(kv_lengths))
         return cls(q, kv)
 
+    @classmethod
+    def with_padding(cls, real: SeqLengths, padded: SeqLengths) -> SeqLengths:
+        """Segments whose slots hold real tokens followed by padding (Megatron's ``_padded``).
+
+        Slot s spans ``padded``'s segment s; its first ``real`` segment-s tokens are real. Each
+        slot becomes two segments, the real tokens and the padding tail, so real tokens never
+        attend to padding whatever the mask within a segment (the padding attends only itself,
+        and its outputs are dropped)::
+
+            real lengths 4, 9   padded lengths 5, 9   ->   segments 4, 1, 9   (ends 4, 5, 14)
+        """
+        q_lengths, kv_lengths = [], []
+        for (real_q, real_kv), (slot_q, slot_kv) in zip(real.segments(), padded.segments()):
+            q_lengths += [real_q, slot_q - real_q]
+            kv_lengths += [real_kv, slot_kv - real_kv]
+        return cls.from_lengths(q_lengths, kv_lengths).compact()
+
     def segments(self) -> list[tuple[int, int]]:
         """``[(Sq_s, Skv_s), ...]``."""
         starts_q, starts_kv = (0, *self.q[:-1]), (0, *self.kv[:-1])
         return [(e - s, ek - sk) for s, e, sk, ek in zip(starts_q, self.q, starts_kv, self.kv)]
+
+    def compact(self) -> SeqLengths:
+        """Without segments that are empty on both sides: they attend nothing, and a leading one
+        would read as an unsliced ``cu_seqlens`` (a leading 0) to the operator's validation."""
+        kept = [(q, kv) for q, kv in self.segments() if q or kv]
+        if not kept or len(kept) == len(self.q):
+            return self
+        return SeqLengths.from_lengths([q for q, _ in kept], [kv for _, kv in kept])
 
 
 def _running_sum(lengths) -> list[int]:

@@ -1,0 +1,42 @@
+"""``mcore-npu bench {mask,attention} --quick`` end to end, each in its own interpreter.
+
+The command exits 0 only when every goal of the result is met, writes ``<out>/<name>.json``
+(rows, goals) and ``<out>/<name>.png``. It runs as ``python -m mcore_npu.bench ...``, the same
+as the ``mcore-npu bench`` console script.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+EXPECTED_ROW_KEYS = {
+    "mask": {"S", "B", "method", "peak_bytes", "seconds"},
+    "attention": {"S", "method", "seconds", "peak_bytes"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["mask", "attention"])
+def test_quick_benchmark_writes_json_and_png(which, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_npu.bench", which, "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    result = json.loads((tmp_path / f"{which}.json").read_text())
+    assert result["name"] == which
+    assert result["rows"], "no rows measured"
+    for row in result["rows"]:
+        assert EXPECTED_ROW_KEYS[which] <= row.keys(), row
+        assert row["peak_bytes"] >= 0 and row["seconds"] > 0, row
+    assert result["goals"] and all(goal["met"] for goal in result["goals"])
+    png = tmp_path / f"{which}.png"
+    assert png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "goal met" in done.stdout

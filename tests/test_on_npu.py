@@ -1,0 +1,38 @@
+"""On an Ascend NPU only (skipped elsewhere by the ``npu`` marker, see tests/conftest.py).
+
+The case table through the real ``torch_npu.npu_fusion_attention`` against the reference
+(fully masked rows excluded, as the contract says), and a tiny GPT with the NPU spec whose
+every layer reached the real kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_npu.cases import load_cases
+from mcore_npu.verify import check_kernel_case
+
+pytestmark = pytest.mark.npu
+
+CASES = [c for c in load_cases() if c.heads_name == "GQA"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_npu_kernel_matches_reference(case):
+    result = check_kernel_case(case, torch.device("npu", 0))
+    assert result.passed, result
+
+
+def test_npu_spec_model_runs_on_the_kernel():
+    from mcore_npu import runtime
+    from mcore_npu.config import load_config
+    from mcore_npu.train import Trainer
+
+    cfg = load_config(None, ["train.steps=2", "attention.backend=npu_fusion",
+                             "attention.kernel=torch_npu", "train.metrics_file=null"])  # fmt: skip
+    try:
+        summary = Trainer(cfg).train()
+    finally:
+        runtime.shutdown()
+    assert summary.kernel == "torch_npu" and summary.final_loss is not None
