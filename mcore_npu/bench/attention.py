@@ -223,17 +223,22 @@ def measure(quick: bool = False) -> dict:
         "ratios": ratios,
         "goals": [
             goal(
-                f"reference time / SDPA time at S={goal_seq}", at["reference_time_over_sdpa"], 1.1
+                f"reference time / SDPA time at S={goal_seq}",
+                at["reference_time_over_sdpa"],
+                1.1,
+                "time",
             ),
             goal(
                 f"reference time / Megatron DPA time at S={goal_seq}",
                 at["reference_time_over_dpa"],
                 0.5,
+                "time",
             ),
             goal(
                 f"reference peak / Megatron DPA peak at S={goal_seq}",
                 at["reference_peak_over_dpa"],
                 0.25,
+                "memory",
             ),
         ],
     }

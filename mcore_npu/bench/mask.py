@@ -172,8 +172,9 @@ def measure(quick: bool = False) -> dict:
                 f"build_npu_attention_mask peak / output at S={goal_seq}, B={goal_batch}",
                 lean["peak_bytes"] / output_bytes,
                 1.01,
+                "memory",
             ),
-            goal("causal path bytes per step after warm-up", per_step, 0),
+            goal("causal path bytes per step after warm-up", per_step, 0, "memory"),
         ],
     }
 

@@ -39,7 +39,7 @@ def render(results_dir: Path) -> str:
             parts.append(
                 f"- goal {verdict}: {goal['text']} = {goal['measured']} (target <= {goal['limit']})"
             )
-        parts += ["", f"![{name}]({results_dir.as_posix()}/{name}.png)", ""]
+        parts += ["", f"![{name}](docs/bench/{name}.png)", ""]
     parts.append(END)
     return "\n".join(parts)
 

@@ -67,10 +67,16 @@ def measure(quick: bool = False) -> dict:
         "rows": rows,
         "goals": [
             goal(
-                f"npu_fusion / local step time at S={first['seq_length']}", first["time_ratio"], 1.0
+                f"npu_fusion / local step time at S={first['seq_length']}",
+                first["time_ratio"],
+                1.0,
+                "time",
             ),
             goal(
-                f"npu_fusion / local step peak at S={first['seq_length']}", first["peak_ratio"], 1.0
+                f"npu_fusion / local step peak at S={first['seq_length']}",
+                first["peak_ratio"],
+                1.0,
+                "memory",
             ),
         ],
     }
