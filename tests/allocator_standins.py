@@ -128,3 +128,12 @@ def install_cpu_only(monkeypatch: pytest.MonkeyPatch) -> CudaRecorder:
     recorder = install_fake_cuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return recorder
+
+
+@pytest.fixture
+def clean_allocator_state(monkeypatch: pytest.MonkeyPatch):
+    """No allocator variables and a fresh mcore_npu.device state, before and after each test."""
+    reset_device_state()
+    clear_alloc_conf_env(monkeypatch)
+    yield
+    reset_device_state()

@@ -30,23 +30,17 @@ from mcore_npu.device import (
     set_expandable_segments,
 )
 from tests.allocator_standins import (
-    clear_alloc_conf_env,
+    clean_allocator_state,  # noqa: F401  (a fixture, used through pytestmark)
     install_cpu_only,
     install_fake_cuda,
     install_fake_npu,
-    reset_device_state,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NPU_CONF = "PYTORCH_NPU_ALLOC_CONF"
 
 
-@pytest.fixture(autouse=True)
-def _clean_state(monkeypatch: pytest.MonkeyPatch):
-    reset_device_state()
-    clear_alloc_conf_env(monkeypatch)
-    yield
-    reset_device_state()
+pytestmark = pytest.mark.usefixtures("clean_allocator_state")
 
 
 def _ours(recwarn: pytest.WarningsRecorder) -> list[str]:

@@ -15,13 +15,10 @@ from mcore_npu.verify import check_kernel_case
 
 pytestmark = pytest.mark.npu
 
-CASES = [c for c in load_cases() if c.heads_name == "GQA"]
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_npu_kernel_matches_reference(case):
-    result = check_kernel_case(case, torch.device("npu", 0))
-    assert result.passed, result
+def test_npu_kernel_matches_reference_on_the_case_table():
+    results = [check_kernel_case(case, torch.device("npu", 0)) for case in load_cases()]
+    failed = [r for r in results if not r.passed]
+    assert not failed, "\n".join(map(str, failed[:20]))
 
 
 def test_npu_spec_model_runs_on_the_kernel():

@@ -14,22 +14,16 @@ import pytest
 from mcore_npu.workers import ExpandableSegmentsMixin
 from tests.allocator_standins import (
     FakeNpu,
-    clear_alloc_conf_env,
+    clean_allocator_state,  # noqa: F401  (a fixture, used through pytestmark)
     install_cpu_only,
     install_fake_npu,
-    reset_device_state,
 )
 
 ON = "expandable_segments:True"
 OFF = "expandable_segments:False"
 
 
-@pytest.fixture(autouse=True)
-def _clean_state(monkeypatch: pytest.MonkeyPatch):
-    reset_device_state()
-    clear_alloc_conf_env(monkeypatch)
-    yield
-    reset_device_state()
+pytestmark = pytest.mark.usefixtures("clean_allocator_state")
 
 
 @pytest.fixture
