@@ -15,6 +15,7 @@ from mcore_npu.verify import check_kernel_case
 
 pytestmark = pytest.mark.npu
 
+
 def test_npu_kernel_matches_reference_on_the_case_table():
     results = [check_kernel_case(case, torch.device("npu", 0)) for case in load_cases()]
     failed = [r for r in results if not r.passed]
