@@ -132,7 +132,8 @@ class NPUFusionAttention(MegatronModule):
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
 
     def _bias(self, attention_bias, query, seq_q, seq_kv, packed):
-        """Megatron's ``attention_bias`` as the operator's ``pse`` ([b|1, np, sq|1, sk])."""
+        """Megatron's ``attention_bias`` (added after scaling) as the operator's ``pse`` (added
+        before scaling), ``[b|1, np, sq|1, sk]``."""
         if attention_bias is None:
             return None
         if packed:
@@ -152,7 +153,9 @@ class NPUFusionAttention(MegatronModule):
                 f"attention_bias: shape {list(shape)} is not accepted; npu_fusion_attention takes "
                 f"{' or '.join(str(list(a)) for a in accepted)} (heads per tensor-parallel rank)"
             )
-        return attention_bias.to(query.dtype)
+        # Megatron's bias is post-scale (TE: softmax(scale * QK^T + bias)); the operator adds
+        # pse before scaling (softmax(scale * (QK^T + pse))): divide by the scale once here.
+        return (attention_bias / self.softmax_scale).to(query.dtype)
 
     def _dropout_rng(self, keep_prob: float):
         """Megatron runs attention dropout under the model-parallel RNG stream (not with SP)."""

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import itertools
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ import yaml
 from mcore_npu.masks import compressed_causal_mask, compressed_prefix_mask
 from mcore_npu.ops.contract import INT32_MAX
 
-DEFAULT_TABLE = Path(__file__).resolve().parent.parent / "specs" / "attention_cases.yaml"
+DEFAULT_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/attention_cases.yaml")))
+"""``specs/attention_cases.yaml``; ``mcore_npu/specs`` links to the top-level ``specs/`` and is
+installed with the package, so ``mcore-npu verify`` finds the table after ``pip install``."""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-BACKENDS = ("auto", "npu_fusion", "local", "te")
-KERNELS = ("auto", "torch_npu", "reference")
+from mcore_npu.backends import BACKENDS, resolve_backend
+
+KERNELS = ("auto", "torch_npu", "reference")  # = mcore_npu.ops.KERNELS (a test keeps them equal)
 DTYPES = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
@@ -91,7 +92,7 @@ class ParallelSection:
     tensor: int = 1
     pipeline: int = 1
     sequence_parallel: bool = False
-    context: int = 1  # data parallel = world size / (tensor * pipeline * context)
+    context: int = 1  # only 1 here; data parallel = world size / (tensor * pipeline * context)
 
 
 @dataclass
@@ -251,15 +252,20 @@ def _suggest(name: str, candidates) -> str:
 
 def _route_model_keys(model: dict) -> dict:
     """Keys of ``ModelSection`` stay; other ``TransformerConfig`` fields move into ``extra``."""
-    own = {f.name for f in dataclasses.fields(ModelSection)}
-    if all(key in own for key in model):
+    own = {f.name for f in dataclasses.fields(ModelSection)} - {"extra"}
+    given_extra = dict(model.get("extra") or {})
+    passthrough = [(k, v) for k, v in model.items() if k not in own and k != "extra"]
+    if not passthrough and not given_extra:
         return dict(model)  # no TransformerConfig passthrough: no need to import megatron
     hints = _transformer_config_hints()
-    routed = {k: v for k, v in model.items() if k in own}
-    extra = dict(routed.pop("extra", {}) or {})
-    for key, value in model.items():
+    extra = {}
+    for key, value in [*passthrough, *given_extra.items()]:
         if key in own:
-            continue
+            raise ConfigError(f"model.extra.{key}", value, "is a model key",
+                              f"set model.{key} directly")  # fmt: skip
+        if key in _SET_ELSEWHERE:
+            raise ConfigError(f"model.{key}", value, "is set from another part of this config",
+                              f"set {_SET_ELSEWHERE[key]} instead")  # fmt: skip
         if key not in hints:
             raise ConfigError(
                 f"model.{key}",
@@ -269,8 +275,24 @@ def _route_model_keys(model: dict) -> dict:
             )
         _check_annotation(f"model.{key}", value, hints[key])
         extra[key] = value
-    routed["extra"] = extra
-    return routed
+    return {**{k: v for k, v in model.items() if k in own}, "extra": extra}
+
+
+_SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and where
+    "tensor_model_parallel_size": "parallel.tensor",
+    "pipeline_model_parallel_size": "parallel.pipeline",
+    "virtual_pipeline_model_parallel_size": "parallel.pipeline (no virtual stages)",
+    "context_parallel_size": "parallel.context",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "expert_model_parallel_size": "nothing: expert parallelism is not launched by this trainer",
+    "expert_tensor_parallel_size": "nothing: expert parallelism is not launched by this trainer",
+    "bf16": "train.dtype",
+    "fp16": "train.dtype",
+    "params_dtype": "train.dtype",
+    "pipeline_dtype": "train.dtype",
+    "activation_func": "model.activation",
+    "gated_linear_unit": "model.activation",
+}
 
 
 def _transformer_config_hints() -> dict[str, Any]:
@@ -459,17 +481,23 @@ def _validate_parallel(cfg, world_size: int) -> None:
             "launch a multiple of that many processes",
         )
     data_parallel = world_size // model_parallel
-    if p.context > 1 and cfg.attention.backend != "te":
-        _fail("parallel.context", p.context, f"context parallelism is not supported by the "
-              f"{cfg.attention.backend} attention backend",
-              "use parallel.context=1 (packing or sequence parallelism shard long sequences), "
-              "or attention.backend=te on CUDA")  # fmt: skip
+    if p.context > 1:
+        _fail("parallel.context", p.context, "mcore-npu train does not split batches over "
+              "context-parallel ranks (and the npu_fusion and local attention run without context "
+              "parallelism)", "use parallel.context=1; long sequences: data.pack_sequences or "
+              "parallel.sequence_parallel")  # fmt: skip
     if p.sequence_parallel and p.tensor == 1:
         _fail("parallel.sequence_parallel", True, "needs parallel.tensor > 1",
               "set parallel.tensor >= 2 or turn sequence parallelism off")  # fmt: skip
-    if p.sequence_parallel and cfg.attention.backend == "local":
-        _fail("parallel.sequence_parallel", True, "Megatron's local spec norms refuse it",
+    backend = _resolved_backend(cfg)
+    if p.sequence_parallel and backend == "local":
+        _fail("parallel.sequence_parallel", True, "Megatron's local spec norms refuse it "
+              f"(attention.backend={cfg.attention.backend} resolves to local here)",
               "use attention.backend=npu_fusion (its norms support it) or te")  # fmt: skip
+    if cfg.data.pack_sequences and backend == "local":
+        _fail("data.pack_sequences", True, "Megatron's local attention takes no packed "
+              f"sequences (attention.backend={cfg.attention.backend} resolves to local here)",
+              "use attention.backend=npu_fusion or te, or unpacked batches")  # fmt: skip
     if cfg.model.num_layers % p.pipeline:
         _fail(
             "parallel.pipeline",
@@ -491,8 +519,18 @@ def _validate_parallel(cfg, world_size: int) -> None:
         )
 
 
+def _resolved_backend(cfg) -> str:
+    try:
+        return resolve_backend(cfg.attention.backend)
+    except ImportError as err:
+        _fail("attention.backend", cfg.attention.backend, str(err).split(";")[0],
+              "install it, or use attention.backend=npu_fusion or local")  # fmt: skip
+
+
 def _validate_train(cfg) -> None:
     t = cfg.train
+    if t.timeout_s <= 0:
+        _fail("train.timeout_s", t.timeout_s, "must be positive", "e.g. 300 (seconds)")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         _fail("train.lr", t.lr, f"needs 0 <= train.min_lr ({t.min_lr}) <= train.lr and lr > 0",
               "e.g. lr=3e-3, min_lr=3e-4")  # fmt: skip

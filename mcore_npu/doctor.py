@@ -609,7 +609,7 @@ def check_attention(probe: _Probe) -> Check:
         "auto", probe.torch.device(accelerator)
     )
     try:
-        backend = _quiet_import("mcore_npu.layer_specs").resolve_backend("auto")
+        backend = _quiet_import("mcore_npu.backends").resolve_backend("auto")
     except Exception as exc:  # megatron-core missing or broken: reported on its own line
         return Check(
             "attention",

@@ -24,20 +24,16 @@ Usage::
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 
 from megatron.core.models.gpt import gpt_layer_specs as megatron_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu import device
 from mcore_npu.attention import NPUFusionAttention
+from mcore_npu.backends import resolve_backend
 from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.norms import SequenceParallelNorm
 from mcore_npu.ops import KERNELS
-
-BACKENDS = ("auto", "npu_fusion", "local", "te")
 
 
 def get_gpt_layer_npu_spec(*, kernel: str = "auto", **local_spec_kwargs) -> ModuleSpec:
@@ -110,36 +106,6 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
         build = megatron_specs.get_gpt_layer_local_spec
     _check_keywords(kwargs, build)
     return build(**kwargs)
-
-
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` -> the backend this machine supports; an explicit choice is checked."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: unknown backend {backend!r}; pass one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        if device.is_npu_available():
-            return "npu_fusion"
-        return "te" if _transformer_engine_error() is None else "local"
-    if backend == "te":
-        error = _transformer_engine_error()
-        if error is not None:
-            raise ImportError(
-                f"backend 'te' needs transformer-engine, which failed to import ({error}); install "
-                "it on a CUDA machine (pip install 'mcore-npu[te]'), or use backend 'npu_fusion' "
-                "or 'local'"
-            )
-    return backend
-
-
-def _transformer_engine_error() -> str | None:
-    """None when transformer_engine.pytorch imports, else why not."""
-    try:
-        if importlib.util.find_spec("transformer_engine") is None:
-            return "not installed"
-        importlib.import_module("transformer_engine.pytorch")
-    except Exception as err:  # a broken TE raises RuntimeError/OSError, not just ImportError
-        return f"{type(err).__name__}: {err}"
-    return None
 
 
 def _swap_npu_parts(layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo) -> ModuleSpec:

@@ -68,7 +68,7 @@ class RunReporter:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem=f"{record['memory_bytes'] / 2**20:.0f}MiB",
             )
-            self._bar.update(1)
+            self._bar.update(record["step"] - self._bar.n)  # steps, also with log_interval > 1
 
     def close(self) -> None:
         if self._bar is not None:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_npu import device
-from mcore_npu.layer_specs import get_gpt_decoder_block_npu_spec, resolve_backend
+from mcore_npu.backends import resolve_backend
+from mcore_npu.layer_specs import get_gpt_decoder_block_npu_spec
 
 _ACTIVATIONS = {  # name -> (activation_func, gated_linear_unit)
     "swiglu": (F.silu, True),
@@ -83,6 +84,15 @@ def _portable_fields() -> dict:
         persist_layer_norm=False,
         batch_p2p_comm=False,  # gloo has no batched isend/irecv
     )
+
+
+def attention_choice(cfg, device) -> tuple[str, str | None]:
+    """``(backend, kernel)`` the model's attention uses on ``device`` (kernel: npu_fusion only)."""
+    from mcore_npu.ops import resolve_kernel
+
+    backend = resolve_backend(cfg.attention.backend)
+    kernel = resolve_kernel(cfg.attention.kernel, device) if backend == "npu_fusion" else None
+    return backend, kernel
 
 
 def layer_spec(cfg, config):

@@ -39,16 +39,14 @@ class LaunchEnv:
                 rank=int(env.get("RANK", 0)),
                 world_size=int(env.get("WORLD_SIZE", 1)),
                 local_rank=int(env.get("LOCAL_RANK", 0)),
+                launched="RANK" in env and "WORLD_SIZE" in env,
             )
         except ValueError as err:
             raise ValueError(
                 f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (as torchrun sets them): {err}"
             ) from err
 
-    @property
-    def launched(self) -> bool:
-        """True under torchrun (or any launcher that sets MASTER_ADDR)."""
-        return self.world_size > 1 or "MASTER_ADDR" in os.environ
+    launched: bool = False  # a launcher set RANK and WORLD_SIZE (torchrun does, even for 1)
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ def initialize(layout: ParallelLayout, *, seed: int, timeout_s: float = 300.0) -
 
     accelerator = device.current_accelerator()
     launch = LaunchEnv.from_environ()
-    _prepare_accelerator(accelerator, launch.local_rank)
+    _prepare_accelerator(accelerator)
     backend = BACKENDS[accelerator]
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -137,16 +135,29 @@ def _check_same_layout(layout: ParallelLayout) -> None:
         )
 
 
-def _prepare_accelerator(accelerator: str, local_rank: int) -> None:
+def select_device() -> torch.device:
+    """Make ``cuda:LOCAL_RANK`` / ``npu:LOCAL_RANK`` current (allocates nothing); CPU: no-op.
+
+    Call it before anything touches the accelerator, the allocator settings included: the NPU
+    runtime setter acts on the current device.
+    """
+    accelerator = device.current_accelerator()
+    local_rank = LaunchEnv.from_environ().local_rank
+    if accelerator == "npu":
+        torch.npu.set_device(local_rank)
+    elif accelerator == "cuda":
+        torch.cuda.set_device(local_rank)
+    return device.current_device()
+
+
+def _prepare_accelerator(accelerator: str) -> None:
+    select_device()
     if accelerator == "cpu":
         from mcore_npu import cpu_support
 
         cpu_support.apply()
     elif accelerator == "npu":
         importlib.import_module("torch_npu.contrib.transfer_to_npu")
-        torch.npu.set_device(local_rank)
-    else:
-        torch.cuda.set_device(local_rank)
 
 
 def seed_streams(seed: int) -> None:

@@ -33,7 +33,6 @@ from mcore_npu._warnings import hide_known_harmless_warnings
 from mcore_npu.config import ConfigError, load_config, to_yaml
 from mcore_npu.data import ByteDataset, MicroBatch, load_corpus
 from mcore_npu.metrics import RunReporter, peak_memory_bytes
-from mcore_npu.ops import resolve_kernel
 from mcore_npu.workers import ExpandableSegmentsMixin
 
 
@@ -72,12 +71,13 @@ class Summary:
 class Trainer(ExpandableSegmentsMixin):
     """A Megatron-Core GPT training run, set up from a validated config.
 
-    The mixin sets expandable segments (``memory.expandable_segments``) before anything else
-    runs, so every allocation of the run lands in them; ``self.expandable_segments_enabled``
-    says whether that took effect (False on CPU).
+    The mixin sets expandable segments (``memory.expandable_segments``) before anything but the
+    device choice runs, so every allocation of the run lands in them;
+    ``self.expandable_segments_enabled`` says whether that took effect (False on CPU).
     """
 
     def __init__(self, cfg) -> None:
+        runtime.select_device()  # first: the NPU allocator setter acts on the current device
         super().__init__(
             expandable_segments=cfg.memory.expandable_segments,
             expandable_segments_strict=cfg.memory.strict,
@@ -89,10 +89,9 @@ class Trainer(ExpandableSegmentsMixin):
         self.runtime = runtime.initialize(
             layout, seed=cfg.train.seed, timeout_s=cfg.train.timeout_s
         )
-        from mcore_npu.layer_specs import resolve_backend  # imports megatron-core
-        from mcore_npu.model import build_model, transformer_config
+        from mcore_npu.model import attention_choice, build_model, transformer_config
 
-        self.backend = resolve_backend(cfg.attention.backend)
+        self.backend, self.kernel = attention_choice(cfg, self.runtime.device)
         self.config = transformer_config(cfg)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every tensor-parallel rank
         self.model = self._data_parallel(build_model(cfg, self.config))
@@ -149,6 +148,9 @@ class Trainer(ExpandableSegmentsMixin):
             end_wd=t.weight_decay,
             wd_incr_steps=total,
             wd_incr_style="constant",
+            # on resume, the config's schedule wins over the one saved in the checkpoint
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
 
     def _connect_schedule(self) -> None:
@@ -296,9 +298,6 @@ class Trainer(ExpandableSegmentsMixin):
 
     def _summary(self, results: list[StepResult]) -> Summary:
         seconds = sum(r.seconds for r in results)
-        kernel = None
-        if self.backend == "npu_fusion":
-            kernel = resolve_kernel(self.cfg.attention.kernel, self.runtime.device)
         return Summary(
             steps=self.step,
             first_loss=results[0].loss if results else None,
@@ -306,7 +305,7 @@ class Trainer(ExpandableSegmentsMixin):
             tokens_per_s=sum(r.tokens for r in results) / seconds if seconds else 0.0,
             peak_memory_bytes=peak_memory_bytes(self.runtime.device),
             backend=self.backend,
-            kernel=kernel,
+            kernel=self.kernel,
             expandable_segments=self.expandable_segments_enabled,
         )
 

@@ -1,6 +1,8 @@
 """Shared fixtures and markers.
 
 - ``npu`` marker: tests that need a real Ascend NPU; skipped elsewhere with the reason.
+- ``cpu_only`` marker: tests of the CPU path (in-process Megatron with the CPU shims, the
+  reference kernel's expectations); skipped on a machine with an accelerator, with the reason.
 - ``fake_torch_npu``: a stand-in ``torch_npu`` module in ``sys.modules`` (we have no NPU hardware;
   the stand-in records calls instead of running a kernel).
 """
@@ -28,12 +30,18 @@ def _npu_present() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _npu_present():
-        return
-    skip = pytest.mark.skip(reason="needs an Ascend NPU with torch_npu and CANN; none here")
+    on_npu = _npu_present()
+    skip_npu = pytest.mark.skip(reason="needs an Ascend NPU with torch_npu and CANN; none here")
+    skip_cpu_only = pytest.mark.skip(
+        reason="checks the CPU path (reference kernel, CPU shims, CPU tensors); this machine has "
+        "an accelerator: tests/test_on_npu.py and tests/distributed cover it"
+    )
+    on_accelerator = on_npu or torch.cuda.is_available()
     for item in items:
-        if "npu" in item.keywords:
-            item.add_marker(skip)
+        if "npu" in item.keywords and not on_npu:
+            item.add_marker(skip_npu)
+        if "cpu_only" in item.keywords and on_accelerator:
+            item.add_marker(skip_cpu_only)
 
 
 class RecordingTorchNpu(types.ModuleType):

@@ -17,7 +17,7 @@ from mcore_npu.attention import NPUFusionAttention
 from mcore_npu.masks import compressed_causal_mask
 from tests.megatron_models import batch, gpt, npu_spec, tiny_config
 
-pytestmark = pytest.mark.usefixtures("megatron_runtime")
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
 
 
 def _snapshot(config) -> dict:
@@ -150,14 +150,18 @@ def test_attention_bias_of_wrong_shape_is_refused():
         core(q, k, v, None, attention_bias=torch.zeros(2, 4, 8))
 
 
-def test_attention_bias_becomes_pse():
+def test_attention_bias_is_added_after_scaling_as_in_megatron():
     core = _core(tiny_config())
-    q, k, v = _qkv()
-    bias = torch.randn(1, 4, 8, 8)
-    with_bias = core(q, k, v, None, attention_bias=bias)
-    without = core(q, k, v, None)
-    assert with_bias.shape == without.shape == (8, 2, 64)
-    assert not torch.allclose(with_bias, without)
+    q, k, v = _qkv()  # [8, 2, 4, 16], GQA 4 query heads over 2 kv heads
+    bias = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+    got = core(q, k, v, None, attention_bias=bias)  # [8, 2, 64]
+    # softmax(scale * Q K^T + bias) V, causal, by hand (Transformer Engine's post-scale bias)
+    qh = q.permute(1, 2, 0, 3)  # [b, n, s, d]
+    kh, vh = (t.permute(1, 2, 0, 3).repeat_interleave(2, dim=1) for t in (k, v))
+    scores = qh @ kh.transpose(-1, -2) * 16**-0.5 + bias
+    scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ vh).permute(2, 0, 1, 3).reshape(8, 2, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_style_mask_is_refused_naming_the_helpers():

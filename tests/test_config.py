@@ -54,6 +54,16 @@ BAD = [
     (["data.path=/nonexistent.txt"], "data.path"),
     (["train.steps=-1"], "train.steps"),
     (["model.activation=tanh"], "model.activation"),
+    (["data.pack_sequences=true", "attention.backend=local"], "data.pack_sequences"),
+    (
+        ["parallel.tensor=2", "parallel.sequence_parallel=true", "attention.backend=auto"],
+        "parallel.sequence_parallel",
+    ),  # auto resolves to local on this CPU machine
+    (["attention.backend=te"], "attention.backend"),  # transformer-engine is not installed here
+    (["model.tensor_model_parallel_size=2"], "model.tensor_model_parallel_size"),
+    (["model.bf16=true"], "model.bf16"),
+    (["model.extra.num_layers=7"], "model.extra.num_layers"),
+    (["train.timeout_s=-5"], "train.timeout_s"),
 ]
 
 

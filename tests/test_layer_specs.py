@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.megatron_models import VOCAB, batch, gpt, local_spec, npu_spec, tiny_config, twin_models
 
-pytestmark = pytest.mark.usefixtures("megatron_runtime")
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
 
 
 def _logits_and_grads(model, ids, pos, mask):

@@ -408,11 +408,41 @@ FULL_KINDS = [AttnMaskType.no_mask, AttnMaskType.padding]
 
 
 @pytest.mark.parametrize("kind", list(AttnMaskType))
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_describe_a_window_wins_over_type_and_mask(kind, with_mask):
-    mask = torch.zeros(4, 4, dtype=torch.bool) if with_mask else None
-    desc = describe_mask(kind, mask, seq_q=4, seq_kv=4, window_size=(3, 0))
+def test_describe_a_window_wins_over_the_mask_type(kind):
+    desc = describe_mask(kind, None, seq_q=4, seq_kv=4, window_size=(3, 0))
     assert desc == SlidingWindow(3, 0)
+
+
+@pytest.mark.parametrize("kind", list(AttnMaskType))
+def test_describe_refuses_a_dense_mask_together_with_a_window(kind):
+    with pytest.raises(ValueError, match="attention_mask: a dense mask together with window_size"):
+        describe_mask(kind, torch.zeros(4, 4, dtype=torch.bool), seq_q=4, seq_kv=4,
+                      window_size=(3, 0))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind", [AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right]
+)
+def test_causal_layers_never_look_ahead_through_a_window(kind):
+    with pytest.raises(ValueError, match=r"window_size: \(2, 1\) on a causal layer"):
+        describe_mask(kind, None, seq_q=4, seq_kv=4, window_size=(2, 1))
+    assert describe_mask(kind, None, seq_q=4, seq_kv=4, window_size=(2, -1)) == SlidingWindow(2, 0)
+    plain = describe_mask(kind, None, seq_q=4, seq_kv=4)
+    assert describe_mask(kind, None, seq_q=4, seq_kv=4, window_size=(-1, 0)) == plain
+    assert describe_mask(kind, None, seq_q=4, seq_kv=4, window_size=(-1, -1)) == plain
+
+
+def test_non_causal_window_keeps_both_sides():
+    desc = describe_mask(AttnMaskType.no_mask, None, seq_q=4, seq_kv=4, window_size=(1, 2))
+    assert desc == SlidingWindow(1, 2)
+    assert describe_mask(AttnMaskType.no_mask, None, seq_q=4, seq_kv=4,
+                         window_size=(-1, -1)) == FullAttention()  # fmt: skip
+
+
+def test_a_one_row_decode_mask_is_accepted():
+    mask = torch.zeros(2, 1, 1, 6, dtype=torch.bool)  # Sq = 1: [B, 1, 1, Skv] is [B, 1, Sq, Skv]
+    desc = describe_mask(AttnMaskType.padding, mask, seq_q=1, seq_kv=6)
+    assert desc.operator_args().atten_mask is mask
 
 
 @pytest.mark.parametrize("kind", [k for k in AttnMaskType if k is not AttnMaskType.no_mask])

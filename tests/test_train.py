@@ -12,6 +12,7 @@ from tests.launch import ROOT, assert_ok, max_abs_diff, train
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.cpu_only
 def test_demo_config_trains_and_loss_falls_by_30_percent(tmp_path):
     run = assert_ok(train([], metrics=tmp_path / "m.jsonl"))
     first, last = run.losses[0], run.losses[-1]
@@ -93,6 +94,7 @@ def test_bad_config_exits_2_with_one_line_before_any_process_group(tmp_path):
     assert "Traceback" not in run.stderr and not (tmp_path / "m.jsonl").exists()
 
 
+@pytest.mark.cpu_only
 def test_mixed_precision_on_cpu_is_refused_with_the_fix(tmp_path):
     run = train(["train.dtype=bf16"], metrics=tmp_path / "m.jsonl")
     assert run.returncode == 2

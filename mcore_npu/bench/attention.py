@@ -7,15 +7,11 @@ CPU, float32, forward only, b = 1, 16 heads of 64, causal self-attention, S in
     the plugin: ``mcore_npu.ops.fusion_attention(q, k, v, 16, "SBH", kernel="reference",
     atten_mask=compressed_causal_mask(), sparse_mode=2, scale=1/8)``, q/k/v ``[S, 1, 16*64]``.
 ``Megatron DPA``
-    ``megatron_dpa_forward``: Megatron-Core 0.16.1's ``DotProductAttention.forward``
-    (``megatron/core/transformer/dot_product_attention.py``) with the softmax it reaches on
-    float32 inputs, ``FusedScaleMaskSoftmax.forward_torch_softmax``
-    (``megatron/core/fusions/fused_softmax.py``): no mask is passed, so it builds
-    ``get_default_causal_mask(sq) = triu(ones(sq, sq), 1).bool()`` (float32 ones, **every call**
-    in 0.16: no cache) and fills ``-10000.0`` with ``attention_mask_func``. The scores go through
-    ``torch.baddbmm`` with a "preallocated" ``[b*np, sq, sk]`` buffer from Megatron's
-    ``GlobalMemoryBuffer``; ``baddbmm`` is out of place, so the buffer is resident memory on top
-    of a fresh score tensor. Peak bytes count the buffer (first call); times reuse it.
+    Megatron-Core's own ``DotProductAttention`` (the installed one; the local spec's core
+    attention), called as ``SelfAttention`` calls it with ``attention_mask=None``: it builds
+    ``get_default_causal_mask(sq)`` on every call and computes the scores with ``baddbmm``
+    into its ``GlobalMemoryBuffer`` tensor (allocated by the first call at each S and counted in
+    the peak; ``baddbmm`` is out of place, so the buffer sits on top of a fresh score tensor).
 ``SDPA (BNSD)``
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on contiguous ``[1, 16, S, 64]``.
 
@@ -62,72 +58,24 @@ SDPA_SBH_VIEWS = "SDPA (SBH views)"
 METHODS = (REFERENCE, DPA, SDPA, REFERENCE_BNSD, SDPA_SBH_VIEWS)
 
 
-def megatron_dpa_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    softmax_scale: float,
-    matmul_input_buffer: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Megatron-Core 0.16.1 ``DotProductAttention.forward``, causal, no mask, float32, no dropout.
+def megatron_dot_product_attention():
+    """Megatron-Core's own ``DotProductAttention``, the local spec's core attention, on the CPU.
 
-    Args:
-        query: ``[sq, b, np, hn]``.
-        key, value: ``[sk, b, ng, hn]`` (ng query groups; ng == np for MHA).
-        softmax_scale: Megatron's ``softmax_scale`` (1/sqrt(hn) by default).
-        matmul_input_buffer: ``[b*np, sq, sk]``, Megatron's ``GlobalMemoryBuffer`` tensor;
-            allocated here when None (its first call).
-
-    Returns:
-        context ``[sq, b, np*hn]``.
+    Needs Megatron's parallel state (``measure`` sets up one gloo process with the CPU shims).
+    Called with ``attention_mask=None`` it builds ``get_default_causal_mask(sq)`` on every call
+    (no cache since 0.16), and its scores land in a ``GlobalMemoryBuffer`` tensor that the
+    first call at a new S allocates: ``baddbmm`` is out of place, so that buffer is resident
+    memory on top of a fresh score tensor.
     """
-    heads, groups = query.size(2), key.size(2)
-    if heads // groups > 1:  # GQA: [sk, b, ng, hn] -> [sk, b, np, hn] (a no-op for MHA)
-        key = key.repeat_interleave(heads // groups, dim=2)
-        value = value.repeat_interleave(heads // groups, dim=2)
-    output_size = (query.size(1), query.size(2), query.size(0), key.size(0))  # [b, np, sq, sk]
-    query = query.reshape(output_size[2], output_size[0] * output_size[1], -1)  # [sq, b*np, hn]
-    key = key.view(output_size[3], output_size[0] * output_size[1], -1)  # [sk, b*np, hn]
-    if matmul_input_buffer is None:
-        matmul_input_buffer = torch.empty(
-            (output_size[0] * output_size[1], output_size[2], output_size[3]),
-            dtype=query.dtype,
-            device=query.device,
-        )  # [b*np, sq, sk]
-    matmul_result = torch.baddbmm(
-        matmul_input_buffer,
-        query.transpose(0, 1),  # [b*np, sq, hn]
-        key.transpose(0, 1).transpose(1, 2),  # [b*np, hn, sk]
-        beta=0.0,
-        alpha=softmax_scale,
-    )  # [b*np, sq, sk], a new tensor
-    attention_scores = matmul_result.view(*output_size)  # [b, np, sq, sk]
-    attention_probs = _forward_torch_softmax(attention_scores)
-    attention_probs = F.dropout(attention_probs, p=0.0, training=True)  # returns its input
-    output_size = (value.size(1), value.size(2), query.size(0), value.size(3))  # [b, np, sq, hn]
-    value = value.view(value.size(0), output_size[0] * output_size[1], -1)  # [sk, b*np, hn]
-    attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
-    context = torch.bmm(attention_probs, value.transpose(0, 1))  # [b*np, sq, hn]
-    context = context.view(*output_size)  # [b, np, sq, hn]
-    context = context.permute(2, 0, 1, 3).contiguous()  # [sq, b, np, hn]
-    return context.view(*context.size()[:-2], -1)  # [sq, b, np*hn]
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-def _forward_torch_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """``FusedScaleMaskSoftmax.forward_torch_softmax`` for float32 scores, causal, mask None.
-
-    Args:
-        scores: ``[b, np, sq, sk]`` float32 (masked in place, as Megatron's ``masked_fill_``).
-
-    Returns:
-        probabilities ``[b, np, sq, sk]``.
-    """
-    sq = scores.size(2)
-    mask = None
-    if sq > 1:  # get_default_causal_mask(sq), rebuilt per call: True = masked out
-        mask = torch.triu(torch.ones(sq, sq, device=scores.device), diagonal=1).bool()
-    masked = scores.masked_fill_(mask, -10000.0) if mask is not None else scores
-    return torch.nn.Softmax(dim=-1)(masked)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+        attention_dropout=0.0, use_cpu_initialization=True, masked_softmax_fusion=False,
+    )  # fmt: skip
+    return DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=SCALE)
 
 
 def _inputs(seq: int):
@@ -138,7 +86,7 @@ def _inputs(seq: int):
     return sbh, bnsd
 
 
-def _candidates(seq: int, buffer: torch.Tensor | None) -> dict:
+def _candidates(seq: int, megatron_attention) -> dict:
     """Zero-argument callables per method, each returning its own output layout (no conversion).
 
     SBH methods return ``[S, 1, N*D]``, BNSD ones ``[1, N, S, D]`` (see ``_as_sbh``).
@@ -150,7 +98,7 @@ def _candidates(seq: int, buffer: torch.Tensor | None) -> dict:
     kwargs = {"kernel": "reference", "atten_mask": mask, "sparse_mode": 2, "scale": SCALE}
     return {
         REFERENCE: lambda: fusion_attention(q, k, v, HEADS, "SBH", **kwargs),
-        DPA: lambda: megatron_dpa_forward(*heads4d, SCALE, buffer),
+        DPA: lambda: megatron_attention(*heads4d, None),
         SDPA: lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
         REFERENCE_BNSD: lambda: fusion_attention(qb, kb, vb, HEADS, "BNSD", **kwargs),
         SDPA_SBH_VIEWS: lambda: F.scaled_dot_product_attention(*views, is_causal=True, scale=SCALE),
@@ -171,18 +119,18 @@ def _repeats(seq: int) -> int:
     return 9 if seq <= 2048 else 3
 
 
-def _measure_seq(seq: int) -> tuple[list[dict], float]:
+def _measure_seq(seq: int, megatron_attention) -> tuple[list[dict], float]:
     """Rows for one S, and the largest output difference to SDPA (a sanity check)."""
     compressed_causal_mask()  # the plugin's one-time 4 MiB, outside the measurement
     usage, outputs = {}, {}
-    for name, run in _candidates(seq, buffer=None).items():  # DPA's first call: buffer counted
+    candidates = _candidates(seq, megatron_attention)
+    for name, run in candidates.items():  # DPA's first call at this S: its buffer is counted
         with track_allocations() as usage[name]:
             outputs[name] = run()
     want = _as_sbh(outputs[SDPA])
     max_diff = max((_as_sbh(outputs[n]) - want).abs().max().item() for n in METHODS)
     del outputs
-    buffer = torch.empty(HEADS, seq, seq)  # Megatron's resident GlobalMemoryBuffer tensor
-    seconds = interleaved_medians(_candidates(seq, buffer), repeats=_repeats(seq))
+    seconds = interleaved_medians(candidates, repeats=_repeats(seq))
     rows = [
         {"S": seq, "method": n, "seconds": seconds[n], "peak_bytes": usage[n].peak_bytes}
         for n in METHODS
@@ -205,12 +153,19 @@ def _ratios(rows: list[dict], seq: int, max_diff: float) -> dict:
 
 def measure(quick: bool = False) -> dict:
     """All methods at every S; goals at ``GOAL_SEQ`` (quick: the largest quick S)."""
+    from mcore_npu import runtime
+
     seq_lens = QUICK_SEQ_LENS if quick else SEQ_LENS
     rows, ratios = [], []
-    for seq in seq_lens:
-        seq_rows, max_diff = _measure_seq(seq)
-        rows += seq_rows
-        ratios.append(_ratios(rows, seq, max_diff))
+    runtime.initialize(runtime.ParallelLayout(), seed=SEED)
+    try:
+        megatron_attention = megatron_dot_product_attention()
+        for seq in seq_lens:
+            seq_rows, max_diff = _measure_seq(seq, megatron_attention)
+            rows += seq_rows
+            ratios.append(_ratios(rows, seq, max_diff))
+    finally:
+        runtime.shutdown()
     goal_seq = max(seq_lens) if quick else GOAL_SEQ
     at = next(r for r in ratios if r["S"] == goal_seq)
     return {

@@ -5,9 +5,10 @@ whose strict upper triangle is True (True = masked out); mode 6 takes a fixed ``
 one. Their content never depends on the sequence length, so one tensor per device serves every
 layer, micro-batch and sequence length: 4 MiB (6 MiB for the prefix mask), built on first use.
 
-``COMPRESSED_MASKS`` is the only mutable module state in mcore_npu. It never holds a mask whose
-size depends on S (Megatron-Core removed its per-length causal-mask cache after it ran out of
-memory at long sequence lengths).
+``COMPRESSED_MASKS`` is the package's only cache of tensors. (The other module-level state is
+host bookkeeping: the warn-once registry, what ``device`` last set, what ``cpu_support``
+replaced.) It never holds a mask whose size depends on S: Megatron-Core removed its per-length
+causal-mask cache after it ran out of memory at long sequence lengths.
 
 Example (the top-left corner of the causal mask; 1 = masked out)::
 

@@ -12,7 +12,9 @@ operator's and Megatron's convention); ``draw`` prints kept positions as 1.
 Which description Megatron's arguments become (``describe_mask``)::
 
     packed_seq_params.qkv_format   attn_mask_type                 attention_mask  window   result
-    sbhd / None                    any                            any             (l, r)   SlidingWindow
+    sbhd / None                    any                            None            (l, r)   SlidingWindow
+                                   (causal types: r must be 0; (-1, 0) is plain causal; a dense mask
+                                   together with a window is refused)
     sbhd / None                    any but no_mask                tensor          None     ExplicitMask
     sbhd / None                    causal, padding_causal         None            None     TopLeftCausalMask (Sq == Skv)
                                                                                             BottomRightCausalMask (Sq != Skv)
@@ -180,9 +182,10 @@ class ExplicitMask:
     """
 
     mask: torch.Tensor
+    seq_q: int | None = None  # Sq of the call, when known: a [B,1,1,Skv] mask is fine at Sq = 1
 
     def __post_init__(self) -> None:
-        check_explicit_mask(self.mask)
+        check_explicit_mask(self.mask, self.seq_q)
 
     def operator_args(self, device=None) -> OperatorMaskArgs:
         return OperatorMaskArgs(atten_mask=self.mask, sparse_mode=0)
@@ -243,8 +246,11 @@ MaskDescription = (
 )
 
 
-def check_explicit_mask(mask) -> None:
-    """Refuse, with the fix, dense masks the operator would refuse (True = masked out)."""
+def check_explicit_mask(mask, seq_q: int | None = None) -> None:
+    """Refuse, with the fix, dense masks the operator would refuse (True = masked out).
+
+    A ``[B, 1, 1, Skv]`` mask is a padding mask (refused) unless ``seq_q == 1`` (decoding).
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a bool tensor, got {type(mask).__name__}")
     if mask.dtype not in (torch.bool, torch.uint8):
@@ -252,7 +258,7 @@ def check_explicit_mask(mask) -> None:
             f"attention_mask: dtype {mask.dtype} is not bool; pass a bool mask with "
             "True = masked out (Megatron's polarity), not an additive float mask"
         )
-    if mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] > 1:
+    if mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] > 1 and seq_q != 1:
         raise ValueError(
             f"attention_mask: shape {list(mask.shape)} is a [B,1,1,S] padding mask, which "
             "npu_fusion_attention rejects; expand it with "
@@ -271,7 +277,28 @@ def draw(mask: torch.Tensor) -> str:
 
 
 _CAUSAL_TYPES = frozenset({"causal", "padding_causal"})
+_NEVER_LOOK_AHEAD = _CAUSAL_TYPES | {"causal_bottom_right"}
 _FULL_TYPES = frozenset({"no_mask", "padding"})
+
+
+def layer_window(kind: str, window_size: tuple[int, int] | None) -> SlidingWindow | None:
+    """The window a layer really applies, or None when it restricts nothing.
+
+    On causal layers no query may see a later key (Transformer Engine forces ``right = 0``
+    there too): ``right > 0`` is refused rather than silently dropped, ``right = -1`` means 0,
+    and ``left = -1`` (unbounded) is plain causal attention. ``(-1, -1)`` is no window at all.
+    """
+    if window_size is None:
+        return None
+    left, right = window_size
+    if kind in _NEVER_LOOK_AHEAD:
+        if right > 0:
+            raise ValueError(
+                f"window_size: ({left}, {right}) on a causal layer would let each query see "
+                f"{right} later tokens; use ({left}, 0) for a causal sliding window"
+            )
+        return None if left == -1 else SlidingWindow(left, 0)
+    return None if (left, right) == (-1, -1) else SlidingWindow(left, right)
 
 
 def describe_mask(
@@ -295,7 +322,14 @@ def describe_mask(
         memo: converts cu_seqlens to host offsets once per tensor; a throw-away one if None.
     """
     kind = getattr(attn_mask_type, "name", attn_mask_type)
-    window = SlidingWindow(*window_size) if window_size is not None else None
+    window = layer_window(kind, window_size)
+    if window is not None and attention_mask is not None:
+        raise ValueError(
+            f"attention_mask: a dense mask together with window_size={tuple(window_size)} would "
+            "lose one of them; pass attention_mask=None (a causal sliding window needs no mask; "
+            "in Megatron's data pipeline: --no-create-attention-mask-in-dataloader), or fold the "
+            "window into the mask yourself"
+        )
     if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
         if attention_mask is not None:
             raise ValueError(
@@ -313,9 +347,9 @@ def describe_mask(
             within,
         )
     if window is not None:
-        return window  # as Megatron's local attention: the window replaces any mask passed in
+        return window
     if attention_mask is not None and kind != "no_mask":
-        return ExplicitMask(attention_mask)
+        return ExplicitMask(attention_mask, seq_q)
     if kind in _CAUSAL_TYPES:
         return TopLeftCausalMask() if seq_q == seq_kv else BottomRightCausalMask()
     if kind == "causal_bottom_right":

@@ -113,26 +113,33 @@ def _running_sum(lengths) -> list[int]:
     return ends
 
 
+def _version(tensor: torch.Tensor) -> tuple[int, int]:
+    """Changes whenever the tensor's contents may have changed (in-place writes, new storage)."""
+    return tensor._version, tensor.data_ptr()
+
+
 class SeqLengthsMemo:
     """cu_seqlens tensor (by identity) -> host end offsets, converted once, reused by all layers.
 
     One memo is shared by every attention layer of a model (the layer spec creates it), so a
     forward pass over L layers syncs once per distinct cu_seqlens tensor, not L times. Entries
     are keyed by ``id()`` and checked through a weak reference, so a new tensor that reuses a
-    freed one's id is converted afresh. At most ``capacity`` entries are kept (LRU).
+    freed one's id is converted afresh; a tensor refilled in place (a static buffer, CUDA
+    graphs) is too, since its version counter moves. At most ``capacity`` entries are kept (LRU).
     """
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
         self.conversions = 0  # how many device-to-host syncs this memo has made
-        self._entries: OrderedDict[int, tuple[weakref.ref, tuple[int, ...]]] = OrderedDict()
+        # id -> (weak reference, (version, data pointer) when converted, host ends)
+        self._entries: OrderedDict[int, tuple[weakref.ref, tuple, tuple[int, ...]]] = OrderedDict()
 
     def actual_seq_lengths(self, cu_seqlens: torch.Tensor) -> tuple[int, ...]:
         """Like :func:`actual_seq_lengths`, but at most once per tensor object."""
         entry = self._entries.get(id(cu_seqlens))
-        if entry is not None and entry[0]() is cu_seqlens:
+        if entry is not None and entry[0]() is cu_seqlens and entry[1] == _version(cu_seqlens):
             self._entries.move_to_end(id(cu_seqlens))
-            return entry[1]
+            return entry[2]
         ends = actual_seq_lengths(cu_seqlens)
         self.conversions += 1
         self.remember(cu_seqlens, ends)
@@ -140,7 +147,7 @@ class SeqLengthsMemo:
 
     def remember(self, cu_seqlens: torch.Tensor, ends: tuple[int, ...]) -> None:
         """Record host offsets already known (e.g. from ``padding_to_packed``): no sync later."""
-        self._entries[id(cu_seqlens)] = (weakref.ref(cu_seqlens), tuple(ends))
+        self._entries[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _version(cu_seqlens), tuple(ends))
         self._entries.move_to_end(id(cu_seqlens))
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)

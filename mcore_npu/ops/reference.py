@@ -21,6 +21,9 @@ Which path each sparse mode takes, and what it costs beyond q/k/v and the output
 
 No path builds a [B, N, Sq, Skv] float score tensor, except the one the ``pse`` bias itself is.
 GQA never repeats K/V: SDPA runs with ``enable_gqa`` (query head i reads kv head i // (Nq/Nkv)).
+Measured, not assumed: on the CPU by ``mcore-npu bench attention``; on an H200 (torch 2.11,
+``benchmarks/cuda_reference_memory.py``, results in ``docs/cuda/``) a causal GQA call (32 query
+/ 8 kv heads, bf16, S = 8192) allocated exactly what a bare SDPA call does, the output plus 1.5 KiB.
 Rows whose every key is masked ("invalid rows") give output 0, ``softmax_max`` = float32 min,
 ``softmax_sum`` = float32 max, and zero gradients.
 
@@ -239,11 +242,6 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
         ``[B, Nq, Sq, 8]`` float32 or None.
     """
     seq_q, seq_kv = q.shape[-2], k.shape[-2]
-    if pse is not None and pse.shape[-2] not in (1, seq_q):
-        raise NotImplementedError(
-            f"npu_fusion_attention reference: the ALiBi-compressed pse ({list(pse.shape)}, "
-            f"1024 rows for Sq={seq_q}) is not implemented; pass the full [B|1, N, Sq, Skv] bias"
-        )
     mask = keep.mask
     if pse is not None and keep.causal:
         mask = keep.dense(seq_q, seq_kv, q.device)
@@ -356,11 +354,6 @@ def _segment_plan(options, s, seq_q, seq_kv, band_segment, device) -> _Keep:
     mode = options.sparse_mode
     if mode in (7, 8):
         mode = 4 if s == band_segment else (3 if mode == 7 else 2)
-    if options.pse is not None:
-        raise NotImplementedError(
-            "npu_fusion_attention reference: pse with layout TND is not implemented; "
-            "use a non-TND layout for position biases"
-        )
     dense_keep = None
     if options.atten_mask is not None and mode in (0, 1):
         # The 2-D [maxSq, maxSkv] mask applies to each segment from its top-left corner.

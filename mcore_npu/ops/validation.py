@@ -86,6 +86,8 @@ def validate_call(
     Raises:
         TypeError: an argument of the wrong type or dtype.
         ValueError: a shape, range or combination the operator rejects.
+        NotImplementedError: something the operator takes but the reference kernel does not
+            (``pse`` with TND or in ALiBi-compressed form), when ``kernel="reference"``.
     """
     layout = input_layout.upper() if isinstance(input_layout, str) else None
     report = _Reporter(query, key, value, layout)
@@ -114,7 +116,7 @@ def validate_call(
     _check_band(report, problem, sparse_mode, pre_tockens, next_tockens, atten_mask)
     _check_mask(report, problem, sparse_mode, atten_mask, query.device)
     _check_prefix(report, problem, sparse_mode, prefix)
-    _check_pse(report, problem, sparse_mode, pse, query)
+    _check_pse(report, problem, sparse_mode, pse, query, kernel)
     return problem
 
 
@@ -650,7 +652,7 @@ def _check_prefix(report, problem, sparse_mode, prefix) -> None:
             )
 
 
-def _check_pse(report, problem, sparse_mode, pse, query) -> None:
+def _check_pse(report, problem, sparse_mode, pse, query, kernel) -> None:
     if pse is None:
         return
     if not isinstance(pse, torch.Tensor):
@@ -675,6 +677,9 @@ def _check_pse(report, problem, sparse_mode, pse, query) -> None:
             "give pse the query's dtype and device",
         )
     if problem.layout == "TND":
+        if kernel == "reference":
+            report.fail(NotImplementedError, "pse", "with layout TND is not implemented by the "
+                        "reference kernel", "use a non-TND layout for position biases")  # fmt: skip
         return
     b, n, sq, skv = problem.batch, problem.heads_q, problem.seq_q, problem.seq_kv
     accepted = [
@@ -692,3 +697,7 @@ def _check_pse(report, problem, sparse_mode, pse, query) -> None:
             f"{', '.join(map(str, map(list, accepted)))}",
             "pass a [B|1, N, Sq|1, Skv] bias (N = query heads on this rank)",
         )
+    if kernel == "reference" and pse.shape[2] not in (1, sq):
+        report.fail(NotImplementedError, "pse", f"the ALiBi-compressed form ({list(pse.shape)}: "
+                    f"1024 rows for Sq={sq}) is not implemented by the reference kernel",
+                    "pass the full [B|1, N, Sq, Skv] bias")  # fmt: skip

@@ -277,3 +277,15 @@ def test_float64_only_for_the_reference():
 def test_band_without_mask_warns_that_it_is_ignored():
     with pytest.warns(UserWarning, match="ignored when atten_mask is None"):
         npu_fusion_attention(**call(OK, pre_tockens=2, next_tockens=0))
+
+
+def test_what_only_the_reference_lacks_is_refused_before_it_runs():
+    from mcore_npu.ops.validation import validate_call
+
+    alibi = torch.zeros(1, N, 1024, S)  # the ALiBi-compressed pse: 1024 rows for Sq = 8
+    with pytest.raises(NotImplementedError, match="pse: the ALiBi-compressed form"):
+        npu_fusion_attention(**call(OK, pse=alibi))
+    validate_call(**call(OK, pse=alibi), kernel="torch_npu")  # the real operator takes it
+    tnd_bias = torch.zeros(1, N, 4, 4)
+    with pytest.raises(NotImplementedError, match="pse: with layout TND"):
+        npu_fusion_attention(**call(OK_TND, pse=tnd_bias))
