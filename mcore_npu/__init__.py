@@ -13,7 +13,7 @@ Layers, bottom up (each imports only the ones below it)::
     ops/         the operator: reference implementation, validation, kernel dispatch
     masks        the compressed-mask cache, mask descriptions, dense/packed helpers
     attention    NPUFusionAttention, Megatron's core-attention slot
-    layer_specs  ModuleSpec builders for GPT layers and decoder blocks
+    layer_specs  ModuleSpec builders for GPT layers and decoder blocks (backends: which one)
     device       accelerator detection and the expandable-segments switch
     workers      ExpandableSegmentsMixin
     config       the YAML schema and its validation
@@ -41,7 +41,10 @@ _EXPORTS = {
     "get_gpt_layer_npu_spec": "mcore_npu.layer_specs",
     "get_gpt_decoder_block_npu_spec": "mcore_npu.layer_specs",
     "get_gpt_layer_spec": "mcore_npu.layer_specs",
+    "resolve_backend": "mcore_npu.backends",
     "current_accelerator": "mcore_npu.device",
+    "current_device": "mcore_npu.device",
+    "ExpandableSegmentsWarning": "mcore_npu.device",
     "is_npu_available": "mcore_npu.device",
     "set_expandable_segments": "mcore_npu.device",
     "expandable_segments": "mcore_npu.device",
