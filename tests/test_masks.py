@@ -955,3 +955,12 @@ def test_verls_mask_peaks_above_twice_its_output():
     with track_allocations() as usage:
         _verl_build_npu_attn_mask(keep)
     assert usage.peak_bytes > 2 * batch * seq * seq
+
+
+def test_memo_converts_again_after_an_in_place_update():
+    memo = SeqLengthsMemo()
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert memo.actual_seq_lengths(cu) == (4, 8)
+    cu.copy_(torch.tensor([0, 2, 8], dtype=torch.int32))  # a static buffer refilled for a new step
+    assert memo.actual_seq_lengths(cu) == (2, 8)
+    assert memo.conversions == 2
