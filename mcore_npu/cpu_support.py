@@ -104,10 +104,6 @@ class _Shims:
 _SHIMS = _Shims()
 
 
-def is_applied() -> bool:
-    return _SHIMS.applied
-
-
 def apply() -> None:
     """Install the CPU shims (idempotent). Refuses on a machine with an accelerator."""
     if _SHIMS.applied:

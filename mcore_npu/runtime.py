@@ -67,12 +67,6 @@ class Runtime:
     layout: ParallelLayout
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.launch.world_size // (
-            self.layout.tensor * self.layout.pipeline * self.layout.context
-        )
-
-    @property
     def is_logging_rank(self) -> bool:
         """The one rank that prints progress and writes metrics (global rank 0)."""
         return self.launch.rank == 0

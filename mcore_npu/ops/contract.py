@@ -75,11 +75,6 @@ class AttentionProblem:
     segments_q: tuple[int, ...] | None = None
     segments_kv: tuple[int, ...] | None = None
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (1 = MHA, Nq = MQA)."""
-        return self.heads_q // self.heads_kv
-
     def segment_lengths(self) -> list[tuple[int, int]]:
         """TND only: ``[(Sq_s, Skv_s), ...]`` per segment."""
         assert self.segments_q is not None and self.segments_kv is not None
