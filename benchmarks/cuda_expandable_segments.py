@@ -32,12 +32,12 @@ _KEY = "is_expandable"
 
 
 def _import_mcore_npu_device() -> Any:
-    """``mcore_npu.device``, from the installed package or from this checkout."""
+    """``mcore_npu.allocator.device``, from the installed package or from this checkout."""
     try:
-        from mcore_npu import device
+        from mcore_npu.allocator import device
     except ImportError:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from mcore_npu import device
+        from mcore_npu.allocator import device
     return device
 
 

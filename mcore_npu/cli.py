@@ -16,10 +16,16 @@ from mcore_npu._warnings import hide_known_harmless_warnings
 
 # subcommand -> (module, one-line help); each module exposes add_arguments(parser) and run(args)
 _SUBCOMMANDS = {
-    "train": ("mcore_npu.train", "train a GPT from a YAML config (CPU by default, NPU unchanged)"),
-    "bench": ("mcore_npu.bench", "measure attention, masks and a training step"),
-    "doctor": ("mcore_npu.doctor", "report on the environment: torch, megatron, torch_npu, CANN"),
-    "verify": ("mcore_npu.verify", "run the attention case table against the kernel"),
+    "train": (
+        "mcore_npu.training.train",
+        "train a GPT from a YAML config (CPU by default, NPU unchanged)",
+    ),
+    "bench": ("mcore_npu.tools.bench", "measure attention, masks and a training step"),
+    "doctor": (
+        "mcore_npu.tools.doctor",
+        "report on the environment: torch, megatron, torch_npu, CANN",
+    ),
+    "verify": ("mcore_npu.tools.verify", "run the attention case table against the kernel"),
 }
 
 

@@ -80,7 +80,7 @@ def _fresh_warn_once():
 @pytest.fixture(scope="session")
 def megatron_runtime():
     """Megatron-Core parallel state for one process (gloo, CPU shims), for in-process tests."""
-    from mcore_npu import cpu_support, runtime
+    from mcore_npu.training import cpu_support, runtime
 
     state = runtime.initialize(runtime.ParallelLayout(), seed=0)
     yield state

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_npu.cases import load_cases
-from mcore_npu.verify import check_kernel_case
+from mcore_npu.tools.cases import load_cases
+from mcore_npu.tools.verify import check_kernel_case
 
 pytestmark = pytest.mark.npu
 
@@ -23,9 +23,9 @@ def test_npu_kernel_matches_reference_on_the_case_table():
 
 
 def test_npu_spec_model_runs_on_the_kernel():
-    from mcore_npu import runtime
-    from mcore_npu.config import load_config
-    from mcore_npu.train import Trainer
+    from mcore_npu.training import runtime
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.train import Trainer
 
     cfg = load_config(None, ["train.steps=2", "attention.backend=npu_fusion",
                              "attention.kernel=torch_npu", "train.metrics_file=null"])  # fmt: skip

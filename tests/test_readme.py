@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_npu.bench import readme
+from mcore_npu.tools.bench import readme
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_readme_benchmark_section_matches_the_saved_results():
     text = (ROOT / "README.md").read_text()
     assert readme.splice(text, readme.render(ROOT / "docs" / "bench")) == text, (
-        "README.md is out of date with docs/bench/*.json: run python -m mcore_npu.bench.readme"
+        "README.md is out of date with docs/bench/*.json: run python -m mcore_npu.tools.bench.readme"
     )
 
 

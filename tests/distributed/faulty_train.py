@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from mcore_npu import train
+from mcore_npu.training import train
 
 
 class FaultyTrainer(train.Trainer):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_npu.cases import load_cases, make_inputs
 from mcore_npu.ops.reference import npu_fusion_attention
+from mcore_npu.tools.cases import load_cases, make_inputs
 from tests.ops.oracle import oracle
 
 CASES = load_cases()

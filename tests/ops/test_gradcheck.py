@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_npu.cases import load_cases, make_inputs, shrink
 from mcore_npu.ops.reference import npu_fusion_attention
+from mcore_npu.tools.cases import load_cases, make_inputs, shrink
 
 
 def _one_per_mode_and_layout():

@@ -1,0 +1,116 @@
+"""``mcore-npu bench step``: one training step, NPU spec (reference kernel) vs Megatron's local spec.
+
+Both trainers are built from ``configs/gpt_tiny.yaml``'s shape in one process and step in
+turns (interleaved), so noise hits both alike. Reported per sequence length: the median step
+time of each (after a warm-up step that also allocates the optimizer state), their ratio, and
+the peak bytes allocated during one step (``track_allocations``: activations, gradients, the
+optimizer update; the grad buffers and Adam state allocated before the step are not counted).
+"""
+
+from __future__ import annotations
+
+from mcore_npu.tools.bench import goal, markdown_table
+from mcore_npu.tools.bench.memory import track_allocations
+from mcore_npu.tools.bench.timing import interleaved_medians
+
+BACKENDS = ("npu_fusion", "local")
+
+
+def _trainers(seq_length: int, steps: int):
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.train import Trainer
+
+    trainers = {}
+    for backend in BACKENDS:
+        cfg = load_config(None, [
+            f"attention.backend={backend}", f"train.seq_length={seq_length}",
+            f"model.max_sequence_length={seq_length}", f"train.steps={steps}",
+            "train.metrics_file=null", "train.progress=false", "model.qk_layernorm=true",
+        ])  # fmt: skip
+        trainers[backend] = Trainer(cfg)
+    return trainers
+
+
+def measure(quick: bool = False) -> dict:
+    from mcore_npu.training import runtime
+
+    lengths = (128,) if quick else (128, 512, 1024)
+    repeats = 3 if quick else 7
+    rows = []
+    try:
+        for seq in lengths:
+            trainers = _trainers(seq, steps=repeats + 4)
+            for trainer in trainers.values():
+                trainer.train_step()  # warm-up: optimizer state, cached masks
+            peaks = {}
+            for backend, trainer in trainers.items():
+                with track_allocations() as usage:
+                    trainer.train_step()
+                peaks[backend] = usage.peak_bytes
+            times = interleaved_medians(
+                {b: t.train_step for b, t in trainers.items()}, repeats=repeats, warmup=0
+            )
+            rows.append({
+                "seq_length": seq,
+                "npu_fusion_seconds": times["npu_fusion"], "local_seconds": times["local"],
+                "time_ratio": times["npu_fusion"] / times["local"],
+                "npu_fusion_peak_bytes": peaks["npu_fusion"], "local_peak_bytes": peaks["local"],
+                "peak_ratio": peaks["npu_fusion"] / peaks["local"],
+            })  # fmt: skip
+    finally:
+        runtime.shutdown()
+    first = rows[0]
+    return {
+        "name": "step",
+        "setup": "gpt_tiny shape (2 layers, hidden 128, 4 heads / 2 kv groups, SwiGLU, RMSNorm, "
+        "qk-norm), micro-batch 4, global batch 8, fp32, CPU, reference kernel",
+        "rows": rows,
+        "goals": [
+            goal(
+                f"npu_fusion / local step time at S={first['seq_length']}",
+                first["time_ratio"],
+                1.0,
+                "time",
+            ),
+            goal(
+                f"npu_fusion / local step peak at S={first['seq_length']}",
+                first["peak_ratio"],
+                1.0,
+                "memory",
+            ),
+        ],
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        [r["seq_length"], f"{r['npu_fusion_seconds'] * 1e3:.1f}", f"{r['local_seconds'] * 1e3:.1f}",
+         f"{r['time_ratio']:.2f}x", f"{r['npu_fusion_peak_bytes'] / 2**20:.1f}",
+         f"{r['local_peak_bytes'] / 2**20:.1f}", f"{r['peak_ratio']:.2f}x"]
+        for r in result["rows"]
+    ]  # fmt: skip
+    headers = ["S", "npu_fusion ms", "local ms", "time ratio", "npu_fusion peak MiB",
+               "local peak MiB", "peak ratio"]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = [r["seq_length"] for r in result["rows"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.plot(seqs, [r["time_ratio"] for r in result["rows"]], marker="o")
+    left.axhline(1.0, color="grey", linestyle=":")
+    left.set(xlabel="sequence length", ylabel="npu_fusion / local", title="step time")
+    right.plot(seqs, [r["npu_fusion_peak_bytes"] / 2**20 for r in result["rows"]], marker="o",
+               label="npu_fusion (reference kernel)")  # fmt: skip
+    right.plot(seqs, [r["local_peak_bytes"] / 2**20 for r in result["rows"]], marker="s",
+               label="Megatron local")  # fmt: skip
+    right.set(xlabel="sequence length", ylabel="MiB", title="peak bytes in one step")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,558 @@
+"""The YAML schema of ``mcore-npu train``: structured OmegaConf configs, loading, validation.
+
+A config has six sections. The two keys that turn the plugin on::
+
+    attention:
+      backend: npu_fusion        # auto | npu_fusion | local | te
+    memory:
+      expandable_segments: true
+
+``load_config(path, overrides)`` reads YAML (safe loading), applies hydra-style dotlist
+overrides (``train.steps=50 attention.backend=local``), and validates every value before any
+process group starts. A bad value raises ``ConfigError`` whose message names the key path, the
+value received and the fix. ``model`` also takes any other field of Megatron's
+``TransformerConfig`` (checked against the installed one; an unknown name gets a suggestion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mcore_npu.transformer.backends import BACKENDS, resolve_backend
+
+KERNELS = ("auto", "torch_npu", "reference")  # = mcore_npu.ops.KERNELS (a test keeps them equal)
+DTYPES = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+BYTE_VOCAB = 256
+"""Byte-level tokens 0..255; ids from 256 up are reserved specials (256 = end of document)."""
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work, with its key path and the fix."""
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str) -> None:
+        self.key = key
+        super().__init__(f"config {key}={value!r}: {problem}; {fix}")
+
+
+@dataclass
+class ModelSection:
+    """GPT shape. Any other ``TransformerConfig`` field may be added; it lands in ``extra``."""
+
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = 2
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size (swiglu: 8/3, rounded to 64)
+    normalization: str = "RMSNorm"
+    activation: str = "swiglu"
+    qk_layernorm: bool = False
+    add_bias_linear: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    window_size: list[int] | None = None  # [left, right]; -1 = unbounded
+    init_method_std: float = 0.02
+    vocab_size: int = 264
+    max_sequence_length: int = 256
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionSection:
+    backend: str = (
+        "auto"  # auto: npu_fusion on NPU, te where transformer-engine imports, else local
+    )
+    kernel: str = "auto"  # npu_fusion only: auto = torch_npu on NPU tensors, reference elsewhere
+
+
+@dataclass
+class MemorySection:
+    expandable_segments: bool = True
+    strict: bool = False  # raise when expandable segments cannot take effect on an accelerator
+
+
+@dataclass
+class ParallelSection:
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+    context: int = 1  # only 1 here; data parallel = world size / (tensor * pipeline * context)
+
+
+@dataclass
+class TrainSection:
+    steps: int = 60
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    seq_length: int = 128
+    lr: float = 3.0e-3
+    min_lr: float = 3.0e-4
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1234
+    dtype: str = "fp32"
+    log_interval: int = 1
+    metrics_file: str | None = "runs/metrics.jsonl"
+    checkpoint_dir: str | None = None
+    save_interval: int = 0  # 0: save only at the end (when checkpoint_dir is set)
+    exit_interval: int = 0  # stop (after saving) at a multiple of this step; 0 = run to the end
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
+    init_from: str | None = None  # load model weights (any parallel layout) before step 1
+    progress: bool = True
+    timeout_s: float = 300.0
+
+
+@dataclass
+class DataSection:
+    path: str | None = None  # a UTF-8 text file; None = the embedded corpus
+    pack_sequences: bool = False  # micro-batch rows as one packed (thd) sequence
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    attention: AttentionSection = field(default_factory=AttentionSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+
+
+_SECTIONS = {
+    "model": ModelSection,
+    "attention": AttentionSection,
+    "memory": MemorySection,
+    "parallel": ParallelSection,
+    "train": TrainSection,
+    "data": DataSection,
+}
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: typing.Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+) -> DictConfig:
+    """YAML file (optional) + dotlist overrides -> a validated, typed config.
+
+    A file may start from another with a top-level ``base: gpt_tiny.yaml`` (relative path);
+    its own keys override the base's.
+
+    Args:
+        path: a YAML file, or None for the defaults.
+        overrides: ``["train.steps=50", "attention.backend=local"]``.
+        world_size: processes in the run; default ``WORLD_SIZE`` from the environment, else 1.
+
+    Raises:
+        ConfigError: a value that cannot work (key path, value and fix in the message).
+    """
+    raw = _read_yaml(path) if path is not None else {}
+    raw = _deep_merge(raw, _parse_overrides(overrides))
+    _check_sections(raw)
+    raw.setdefault("model", {})
+    raw["model"] = _route_model_keys(raw["model"])
+    cfg = OmegaConf.structured(Config)
+    try:
+        cfg = OmegaConf.merge(cfg, raw)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(key, _value_at(raw, key), _omegaconf_problem(err),
+                          "fix the type or spelling of that key") from None  # fmt: skip
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate(cfg, world_size)
+    return cfg
+
+
+def _read_yaml(path, _depth: int = 0) -> dict:
+    """A YAML mapping; a top-level ``base: other.yaml`` (relative to this file) is merged under it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "no such file", "pass the path of a YAML file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            "--config", str(path), f"not valid YAML ({err})", "fix the syntax"
+        ) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError("--config", str(path), "the top level is not a mapping",
+                          "write sections such as 'model:' and 'train:'")  # fmt: skip
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if _depth > 8:
+        raise ConfigError(f"{path}: base", base, "bases nest too deeply (a cycle?)",
+                          "point 'base' at a file that does not lead back here")  # fmt: skip
+    return _deep_merge(_read_yaml(path.parent / base, _depth + 1), loaded)
+
+
+def _parse_overrides(overrides) -> dict:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(item, item, "an override must look like key.path=value",
+                              "e.g. train.steps=50")  # fmt: skip
+    return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))) if overrides else {}
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _check_sections(raw: dict) -> None:
+    sections = list(_SECTIONS)
+    for key, value in raw.items():
+        if key not in sections:
+            raise ConfigError(key, value, "unknown section", _suggest(key, sections))
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "a section must be a mapping", f"write '{key}:' keys")
+        if key == "model":
+            continue
+        names = [f.name for f in dataclasses.fields(_SECTIONS[key])]
+        for name in value:
+            if name not in names:
+                raise ConfigError(
+                    f"{key}.{name}", value[name], "unknown key", _suggest(name, names)
+                )
+
+
+def _suggest(name: str, candidates) -> str:
+    close = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(candidates)}"
+
+
+def _route_model_keys(model: dict) -> dict:
+    """Keys of ``ModelSection`` stay; other ``TransformerConfig`` fields move into ``extra``."""
+    own = {f.name for f in dataclasses.fields(ModelSection)} - {"extra"}
+    given_extra = dict(model.get("extra") or {})
+    passthrough = [(k, v) for k, v in model.items() if k not in own and k != "extra"]
+    if not passthrough and not given_extra:
+        return dict(model)  # no TransformerConfig passthrough: no need to import megatron
+    hints = _transformer_config_hints()
+    extra = {}
+    for key, value in [*passthrough, *given_extra.items()]:
+        if key in own:
+            raise ConfigError(f"model.extra.{key}", value, "is a model key",
+                              f"set model.{key} directly")  # fmt: skip
+        if key in _SET_ELSEWHERE:
+            raise ConfigError(f"model.{key}", value, "is set from another part of this config",
+                              f"set {_SET_ELSEWHERE[key]} instead")  # fmt: skip
+        if key not in hints:
+            raise ConfigError(
+                f"model.{key}",
+                value,
+                "not a model key nor a field of the installed megatron-core TransformerConfig",
+                _suggest(key, sorted(own | set(hints))),
+            )
+        _check_annotation(f"model.{key}", value, hints[key])
+        extra[key] = value
+    return {**{k: v for k, v in model.items() if k in own}, "extra": extra}
+
+
+_SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and where
+    "tensor_model_parallel_size": "parallel.tensor",
+    "pipeline_model_parallel_size": "parallel.pipeline",
+    "virtual_pipeline_model_parallel_size": "parallel.pipeline (no virtual stages)",
+    "context_parallel_size": "parallel.context",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "expert_model_parallel_size": "nothing: expert parallelism is not launched by this trainer",
+    "expert_tensor_parallel_size": "nothing: expert parallelism is not launched by this trainer",
+    "bf16": "train.dtype",
+    "fp16": "train.dtype",
+    "params_dtype": "train.dtype",
+    "pipeline_dtype": "train.dtype",
+    "activation_func": "model.activation",
+    "gated_linear_unit": "model.activation",
+}
+
+
+def _transformer_config_hints() -> dict[str, Any]:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    try:
+        hints = typing.get_type_hints(TransformerConfig)
+    except Exception:  # unresolvable forward references: fall back to "any value"
+        hints = {}
+    return {name: hints.get(name, Any) for name in names}
+
+
+_SIMPLE = (bool, int, float, str)
+
+
+def _check_annotation(key: str, value: Any, annotation: Any) -> None:
+    """Accept YAML scalars/lists where the TransformerConfig field's type allows them."""
+    allowed = _simple_types(annotation)
+    if allowed is None:
+        raise ConfigError(key, value, f"this field has type {annotation} and cannot be set from "
+                          "YAML", "leave it out (mcore_npu sets it) or set it from Python")  # fmt: skip
+    if value is None and type(None) in allowed:
+        return
+    if isinstance(value, bool) and bool not in allowed:
+        raise ConfigError(key, value, f"expected {_names(allowed)}", "write a value of that type")
+    plain = tuple(t for t in allowed if t is not type(None))
+    int_for_float = isinstance(value, int) and float in allowed
+    if not isinstance(value, plain) and not int_for_float:
+        raise ConfigError(key, value, f"expected {_names(allowed)}", "write a value of that type")
+
+
+def _simple_types(annotation) -> tuple | None:
+    if annotation is Any:
+        return (object,)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        parts = []
+        for arg in typing.get_args(annotation):
+            sub = _simple_types(arg)
+            if sub is not None:
+                parts.extend(sub)
+        return tuple(parts) or None
+    if origin is typing.Literal:
+        return tuple({type(a) for a in typing.get_args(annotation)})
+    if origin in (list, tuple):
+        return (list, tuple)
+    if annotation is type(None) or annotation in _SIMPLE:
+        return (annotation,)
+    return None
+
+
+def _names(types_) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types_)
+
+
+def _omegaconf_problem(err: OmegaConfBaseException) -> str:
+    message = str(err).splitlines()[0]
+    return message.replace("\n", " ")
+
+
+def _value_at(raw: dict, dotted: str):
+    node: Any = raw
+    for part in str(dotted).split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(key, value, problem, fix)
+
+
+def validate(cfg: DictConfig, world_size: int = 1) -> None:
+    """Every cross-field rule of the schema; raises ``ConfigError`` on the first violation."""
+    _validate_choices(cfg)
+    _validate_sizes(cfg)
+    _validate_heads(cfg)
+    _validate_parallel(cfg, world_size)
+    _validate_train(cfg)
+
+
+def _validate_choices(cfg) -> None:
+    choices = [
+        ("attention.backend", cfg.attention.backend, BACKENDS),
+        ("attention.kernel", cfg.attention.kernel, KERNELS),
+        ("train.dtype", cfg.train.dtype, DTYPES),
+        ("train.lr_schedule", cfg.train.lr_schedule, LR_SCHEDULES),
+        ("model.activation", cfg.model.activation, ACTIVATIONS),
+        ("model.normalization", cfg.model.normalization, NORMALIZATIONS),
+        ("model.position_embedding_type", cfg.model.position_embedding_type, POSITION_EMBEDDINGS),
+    ]
+    for key, value, allowed in choices:
+        if value not in allowed:
+            _fail(key, value, "unknown choice", f"use one of {', '.join(allowed)}")
+    if cfg.attention.kernel != "auto" and cfg.attention.backend not in ("npu_fusion", "auto"):
+        _fail("attention.kernel", cfg.attention.kernel,
+              f"only the npu_fusion backend has kernels (backend is {cfg.attention.backend})",
+              "set attention.backend=npu_fusion or leave attention.kernel=auto")  # fmt: skip
+
+
+def _validate_sizes(cfg) -> None:
+    positive = [
+        ("model.num_layers", cfg.model.num_layers),
+        ("model.hidden_size", cfg.model.hidden_size),
+        ("model.num_attention_heads", cfg.model.num_attention_heads),
+        ("model.max_sequence_length", cfg.model.max_sequence_length),
+        ("train.steps", cfg.train.steps + 1),  # 0 steps is allowed: save an initial checkpoint
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.global_batch_size", cfg.train.global_batch_size),
+        ("train.seq_length", cfg.train.seq_length),
+        ("train.log_interval", cfg.train.log_interval),
+        ("parallel.tensor", cfg.parallel.tensor),
+        ("parallel.pipeline", cfg.parallel.pipeline),
+        ("parallel.context", cfg.parallel.context),
+    ]
+    for key, value in positive:
+        if value <= 0:
+            shown = value - 1 if key == "train.steps" else value
+            _fail(key, shown, "must be positive" + (" or 0" if key == "train.steps" else ""),
+                  "use a value >= 1")  # fmt: skip
+    if cfg.model.ffn_hidden_size is not None and cfg.model.ffn_hidden_size <= 0:
+        _fail("model.ffn_hidden_size", cfg.model.ffn_hidden_size, "must be positive", "or null")
+    for key, value in (("model.hidden_dropout", cfg.model.hidden_dropout),
+                       ("model.attention_dropout", cfg.model.attention_dropout)):  # fmt: skip
+        if not 0.0 <= value < 1.0:
+            _fail(key, value, "a dropout probability must lie in [0, 1)", "use e.g. 0.0 or 0.1")
+    if cfg.model.vocab_size < BYTE_VOCAB + 1:
+        _fail(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"the byte-level data needs {BYTE_VOCAB} byte ids plus the end-of-document id 256",
+            "use at least 257 (default 264)",
+        )
+    if cfg.train.seq_length > cfg.model.max_sequence_length:
+        _fail("train.seq_length", cfg.train.seq_length,
+              f"exceeds model.max_sequence_length={cfg.model.max_sequence_length}",
+              "raise model.max_sequence_length or shorten train.seq_length")  # fmt: skip
+    window = cfg.model.window_size
+    if window is not None and (len(window) != 2 or any(w < -1 for w in window)):
+        _fail("model.window_size", list(window), "must be [left, right] with -1 = unbounded",
+              "e.g. [128, 0] for a causal window of 129 tokens")  # fmt: skip
+
+
+def _validate_heads(cfg) -> None:
+    m = cfg.model
+    if m.hidden_size % m.num_attention_heads:
+        _fail("model.num_attention_heads", m.num_attention_heads,
+              f"does not divide model.hidden_size={m.hidden_size}",
+              "pick heads that divide the hidden size")  # fmt: skip
+    groups = m.num_query_groups or m.num_attention_heads
+    if groups <= 0 or m.num_attention_heads % groups:
+        _fail("model.num_query_groups", m.num_query_groups,
+              f"must divide model.num_attention_heads={m.num_attention_heads}",
+              "use a divisor (1 = MQA, heads = MHA)")  # fmt: skip
+    tp = cfg.parallel.tensor
+    if m.num_attention_heads % tp:
+        _fail(
+            "parallel.tensor",
+            tp,
+            f"does not divide model.num_attention_heads={m.num_attention_heads}",
+            "pick a tensor-parallel size that divides the heads",
+        )
+    if groups % tp and tp % groups:
+        _fail(
+            "parallel.tensor",
+            tp,
+            f"and model.num_query_groups={groups} do not divide one another",
+            "pick a tensor-parallel size that divides the query groups",
+        )
+    if m.vocab_size % tp:
+        _fail("model.vocab_size", m.vocab_size, f"is not divisible by parallel.tensor={tp}",
+              "round the vocabulary up to a multiple of the tensor-parallel size")  # fmt: skip
+
+
+def _validate_parallel(cfg, world_size: int) -> None:
+    p = cfg.parallel
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
+        _fail(
+            "parallel.tensor",
+            p.tensor,
+            f"tensor*pipeline*context = {model_parallel} does not "
+            f"divide the world size {world_size}",
+            "launch a multiple of that many processes",
+        )
+    data_parallel = world_size // model_parallel
+    if p.context > 1:
+        _fail("parallel.context", p.context, "mcore-npu train does not split batches over "
+              "context-parallel ranks (and the npu_fusion and local attention run without context "
+              "parallelism)", "use parallel.context=1; long sequences: data.pack_sequences or "
+              "parallel.sequence_parallel")  # fmt: skip
+    if p.sequence_parallel and p.tensor == 1:
+        _fail("parallel.sequence_parallel", True, "needs parallel.tensor > 1",
+              "set parallel.tensor >= 2 or turn sequence parallelism off")  # fmt: skip
+    backend = _resolved_backend(cfg)
+    if p.sequence_parallel and backend == "local":
+        _fail("parallel.sequence_parallel", True, "Megatron's local spec norms refuse it "
+              f"(attention.backend={cfg.attention.backend} resolves to local here)",
+              "use attention.backend=npu_fusion (its norms support it) or te")  # fmt: skip
+    if cfg.data.pack_sequences and backend == "local":
+        _fail("data.pack_sequences", True, "Megatron's local attention takes no packed "
+              f"sequences (attention.backend={cfg.attention.backend} resolves to local here)",
+              "use attention.backend=npu_fusion or te, or unpacked batches")  # fmt: skip
+    if cfg.model.num_layers % p.pipeline:
+        _fail(
+            "parallel.pipeline",
+            p.pipeline,
+            f"does not divide model.num_layers={cfg.model.num_layers}",
+            "pick a pipeline size that divides the layer count",
+        )
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * data_parallel):
+        _fail("train.global_batch_size", t.global_batch_size, f"is not a multiple of "
+              f"micro_batch_size * data_parallel = {t.micro_batch_size} * {data_parallel}",
+              "make it a multiple")  # fmt: skip
+    if p.sequence_parallel and t.seq_length % p.tensor:
+        _fail(
+            "train.seq_length",
+            t.seq_length,
+            f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)",
+            "use a multiple of the tensor-parallel size",
+        )
+
+
+def _resolved_backend(cfg) -> str:
+    try:
+        return resolve_backend(cfg.attention.backend)
+    except ImportError as err:
+        _fail("attention.backend", cfg.attention.backend, str(err).split(";")[0],
+              "install it, or use attention.backend=npu_fusion or local")  # fmt: skip
+
+
+def _validate_train(cfg) -> None:
+    t = cfg.train
+    if t.timeout_s <= 0:
+        _fail("train.timeout_s", t.timeout_s, "must be positive", "e.g. 300 (seconds)")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        _fail("train.lr", t.lr, f"needs 0 <= train.min_lr ({t.min_lr}) <= train.lr and lr > 0",
+              "e.g. lr=3e-3, min_lr=3e-4")  # fmt: skip
+    if t.warmup_steps < 0:
+        _fail("train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up")
+    if t.save_interval < 0:
+        _fail("train.save_interval", t.save_interval, "must be >= 0", "0 saves only at the end")
+    if t.exit_interval < 0:
+        _fail("train.exit_interval", t.exit_interval, "must be >= 0", "0 runs to train.steps")
+    if t.grad_clip < 0:
+        _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 0 to disable clipping")
+    if t.resume and not t.checkpoint_dir:
+        _fail("train.resume", True, "needs train.checkpoint_dir", "set train.checkpoint_dir")
+    if t.init_from and t.resume:
+        _fail("train.init_from", t.init_from, "and train.resume both load weights",
+              "use one of them")  # fmt: skip
+    if t.init_from and not Path(t.init_from).exists():
+        _fail("train.init_from", t.init_from, "no such checkpoint", "pass a checkpoint directory")
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        _fail("data.path", cfg.data.path, "no such file", "pass a UTF-8 text file or null")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (what a run records next to its checkpoints)."""
+    return OmegaConf.to_yaml(cfg)

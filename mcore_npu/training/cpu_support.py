@@ -1,0 +1,180 @@
+"""The small shims Megatron-Core needs to train on a CPU (gloo), in one place.
+
+Megatron-Core assumes CUDA in a few spots (see ``megatron_core.md`` in the project reference):
+``torch.cuda.current_device()`` for allocations, a CUDA RNG tracker, ``device="cuda"`` factory
+calls in the pipeline schedules and grad buffers, ``torch.cuda.synchronize()`` in p2p and
+checkpoint saving. ``apply()`` answers each of them on the CPU:
+
+====================================  ==================================================
+Megatron does                         on CPU, after ``apply()``
+====================================  ==================================================
+``torch.cuda.current_device()``       returns ``torch.device("cpu")``
+``torch.cuda.synchronize()``          does nothing
+RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator states
+``_get/_set_cuda_rng_state``          the CPU generator's state (full recompute)
+``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
+gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
+``torch.cuda.FloatTensor`` grads)     type assertion
+====================================  ==================================================
+
+Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
+``apply()`` refuses to run where CUDA or an NPU is available. It is idempotent and ``revert()``
+undoes it (for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mcore_npu.allocator.device import current_accelerator
+
+
+class CudaFactoriesOnCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _rng_tracker_base():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    return mp_random.CudaRNGStatesTracker
+
+
+def make_cpu_rng_tracker():
+    """A Megatron RNG tracker whose named streams are CPU generator states."""
+
+    class CpuRngTracker(_rng_tracker_base()):
+        """Megatron's tracker with CPU states: ``fork(name)`` swaps the CPU RNG in and out."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            outer = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+            self.seeds_.add(seed)
+            self._is_initialized = True
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise KeyError(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRngTracker()
+
+
+@dataclass
+class _Shims:
+    """What ``apply()`` replaced, so ``revert()`` can put it back."""
+
+    originals: dict[str, object] = field(default_factory=dict)
+    mode: CudaFactoriesOnCpu | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.mode is not None
+
+
+_SHIMS = _Shims()
+
+
+def apply() -> None:
+    """Install the CPU shims (idempotent). Refuses on a machine with an accelerator."""
+    if _SHIMS.applied:
+        return
+    accelerator = current_accelerator()
+    if accelerator != "cpu":
+        raise RuntimeError(
+            f"cpu_support.apply(): this machine has an accelerator ({accelerator}); the CPU "
+            "shims must never be active next to one. Run on the accelerator instead."
+        )
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.tensor_parallel import random as mp_random
+
+    originals = _SHIMS.originals
+    originals["torch.cuda.current_device"] = torch.cuda.current_device
+    originals["torch.cuda.synchronize"] = torch.cuda.synchronize
+    originals["tracker"] = mp_random._CUDA_RNG_STATE_TRACKER
+    originals["tracker_initialized"] = mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    originals["_get_cuda_rng_state"] = mp_random._get_cuda_rng_state
+    originals["_set_cuda_rng_state"] = mp_random._set_cuda_rng_state
+    originals["clip_grad_by_total_norm_fp32"] = megatron_optimizer.clip_grad_by_total_norm_fp32
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    mp_random._CUDA_RNG_STATE_TRACKER = make_cpu_rng_tracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grads_on_cpu
+    _SHIMS.mode = CudaFactoriesOnCpu()
+    _SHIMS.mode.__enter__()
+
+
+def revert() -> None:
+    """Undo ``apply()`` (tests use it to leave the process as they found it)."""
+    if not _SHIMS.applied:
+        return
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.tensor_parallel import random as mp_random
+
+    _SHIMS.mode.__exit__(None, None, None)
+    originals = _SHIMS.originals
+    torch.cuda.current_device = originals["torch.cuda.current_device"]
+    torch.cuda.synchronize = originals["torch.cuda.synchronize"]
+    mp_random._CUDA_RNG_STATE_TRACKER = originals["tracker"]
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = originals["tracker_initialized"]
+    mp_random._get_cuda_rng_state = originals["_get_cuda_rng_state"]
+    mp_random._set_cuda_rng_state = originals["_set_cuda_rng_state"]
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
+    _SHIMS.originals.clear()
+    _SHIMS.mode = None
+
+
+def clip_grads_on_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(coeff)
+
+
+def seed_cpu_streams(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """Seed the CPU generator and Megatron's three named streams (as Megatron seeds CUDA)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = mp_random._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add("data-parallel-rng", seed)
+    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
+    tracker.add("expert-parallel-rng", seed + 1024 + 100 * ep_rank + etp_rank)

@@ -1,0 +1,118 @@
+"""Byte-level text data for ``mcore-npu train``: deterministic, resumable, split by rank.
+
+Tokens are the UTF-8 bytes of a text (ids 0..255); id 256 ends a document. A sample is a window
+of ``seq_length + 1`` tokens starting at a pseudo-random offset drawn from a permutation seeded by
+``train.seed``, so sample ``k`` is the same whatever the parallel layout and whether or not the
+run was resumed. Global step ``s`` uses samples ``s * global_batch .. (s + 1) * global_batch - 1``;
+data-parallel rank ``r`` takes its contiguous share of them, in micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+END_OF_DOCUMENT = 256
+
+
+def load_corpus(path: str | None = None) -> torch.Tensor:
+    """The tokens of ``path`` (UTF-8 text) or of the embedded corpus: int64 ``[N]``."""
+    if path is None:
+        text = (
+            resources.files("mcore_npu.training")
+            .joinpath("corpus/default.txt")
+            .read_text(encoding="utf-8")
+        )
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    return torch.cat([data, torch.tensor([END_OF_DOCUMENT])])
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch, ``[b, s]`` each (packed: ``[1, b*s]`` plus segment boundaries).
+
+    ``cu_seqlens`` (packed only) is Megatron's convention: int32 ``[b + 1]`` with a leading 0.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    def to(self, device) -> MicroBatch:
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
+        return MicroBatch(**moved, cu_seqlens=cu, max_seqlen=self.max_seqlen)
+
+
+class ByteDataset:
+    """Samples of ``seq_length + 1`` tokens from a token stream, in a seeded order."""
+
+    def __init__(self, tokens: torch.Tensor, seq_length: int, seed: int) -> None:
+        starts = tokens.numel() - seq_length - 1
+        if starts <= 0:
+            raise ValueError(
+                f"data: the text has {tokens.numel()} tokens, too few for train.seq_length="
+                f"{seq_length}; use a longer text (data.path) or a shorter sequence"
+            )
+        self.tokens = tokens
+        self.seq_length = seq_length
+        self.order = torch.randperm(starts, generator=torch.Generator().manual_seed(seed))
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Sample ``index`` (any non-negative int; the order repeats every epoch): ``[S + 1]``."""
+        start = int(self.order[index % self.order.numel()])
+        return self.tokens[start : start + self.seq_length + 1]
+
+    def micro_batches(
+        self,
+        step: int,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        packed: bool = False,
+    ) -> Iterator[MicroBatch]:
+        """This data-parallel rank's micro-batches of global step ``step`` (0-based)."""
+        per_rank = global_batch // dp_size
+        first = step * global_batch + dp_rank * per_rank
+        for offset in range(0, per_rank, micro_batch):
+            rows = torch.stack([self.sample(first + offset + i) for i in range(micro_batch)])
+            yield _packed(rows) if packed else _dense(rows)
+
+
+def _dense(rows: torch.Tensor) -> MicroBatch:
+    batch, width = rows.shape
+    seq = width - 1
+    return MicroBatch(
+        tokens=rows[:, :-1].contiguous(),
+        labels=rows[:, 1:].contiguous(),
+        loss_mask=torch.ones(batch, seq),
+        position_ids=torch.arange(seq).expand(batch, seq).contiguous(),
+    )
+
+
+def _packed(rows: torch.Tensor) -> MicroBatch:
+    """The rows as one packed sequence ``[1, b*s]``; each row is its own segment."""
+    dense = _dense(rows)
+    batch, seq = dense.tokens.shape
+    return MicroBatch(
+        tokens=dense.tokens.reshape(1, -1),
+        labels=dense.labels.reshape(1, -1),
+        loss_mask=dense.loss_mask.reshape(1, -1),
+        position_ids=dense.position_ids.reshape(1, -1),
+        cu_seqlens=torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32),
+        max_seqlen=seq,
+    )

@@ -1,0 +1,144 @@
+"""Config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel``.
+
+Usable on its own from Python once Megatron's parallel state exists (``mcore_npu.training.runtime``)::
+
+    cfg = load_config("configs/gpt_tiny.yaml")
+    model = build_model(cfg)        # this pipeline stage's part of the GPT
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mcore_npu.allocator import device
+from mcore_npu.transformer.backends import resolve_backend
+from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+_ACTIVATIONS = {  # name -> (activation_func, gated_linear_unit)
+    "swiglu": (F.silu, True),
+    "gelu": (F.gelu, False),
+    "relu": (F.relu, False),
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(cfg):
+    """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    fields = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or _default_ffn(m.hidden_size, m.activation),
+        normalization=m.normalization,
+        qk_layernorm=m.qk_layernorm,
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        window_size=tuple(m.window_size) if m.window_size is not None else None,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        context_parallel_size=p.context,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=_DTYPES[t.dtype],
+        pipeline_dtype=_DTYPES[t.dtype],
+        bf16=t.dtype == "bf16",
+        fp16=t.dtype == "fp16",
+        **_activation_fields(m.activation),
+        **_portable_fields(),
+    )
+    fields.update(dict(m.extra))
+    return TransformerConfig(**fields)
+
+
+def _default_ffn(hidden: int, activation: str) -> int:
+    if activation != "swiglu":
+        return 4 * hidden
+    return 64 * -(-(8 * hidden // 3) // 64)  # 8/3 * hidden rounded up to a multiple of 64
+
+
+def _activation_fields(name: str) -> dict:
+    if name == "squared_relu":
+        from megatron.core.activations import squared_relu
+
+        return {"activation_func": squared_relu, "gated_linear_unit": False}
+    func, gated = _ACTIVATIONS[name]
+    return {"activation_func": func, "gated_linear_unit": gated}
+
+
+def _portable_fields() -> dict:
+    """Settings that run on every device: no apex/TE fusions, CPU-side init on a CPU."""
+    on_cpu = device.current_accelerator() == "cpu"
+    return dict(
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_comm=False,  # gloo has no batched isend/irecv
+    )
+
+
+def attention_choice(cfg, device) -> tuple[str, str | None]:
+    """``(backend, kernel)`` the model's attention uses on ``device`` (kernel: npu_fusion only)."""
+    from mcore_npu.ops import resolve_kernel
+
+    backend = resolve_backend(cfg.attention.backend)
+    kernel = resolve_kernel(cfg.attention.kernel, device) if backend == "npu_fusion" else None
+    return backend, kernel
+
+
+def layer_spec(cfg, config):
+    """The decoder-block spec for ``attention.backend`` (auto resolved on this machine)."""
+    backend = resolve_backend(cfg.attention.backend)
+    if backend == "npu_fusion":
+        return get_gpt_decoder_block_npu_spec(
+            config, kernel=cfg.attention.kernel, normalization=cfg.model.normalization
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=backend == "te", normalization=cfg.model.normalization
+    )
+
+
+def build_model(cfg, config=None, *, pre_process=None, post_process=None):
+    """This pipeline stage's ``GPTModel`` (wrapped in ``Float16Module`` for bf16/fp16).
+
+    Args:
+        cfg: the validated config (``mcore_npu.training.config.load_config``).
+        config: a ``TransformerConfig``; built from ``cfg`` if None.
+        pre_process, post_process: embedding / output layer on this stage; default from
+            Megatron's pipeline state.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config(cfg)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg, config),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base,
+    )
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model

@@ -1,0 +1,390 @@
+"""``mcore-npu train``: train a GPT with Megatron-Core from a YAML config.
+
+One process::
+
+    mcore-npu train --config configs/gpt_tiny.yaml train.steps=20
+
+Several (tensor / pipeline / data parallel; gloo on CPU, hccl on NPU, nccl on CUDA)::
+
+    torchrun --standalone --nproc-per-node 2 -m mcore_npu.train --config configs/gpt_tiny_tp2.yaml
+
+The loop is Megatron's: its forward-backward schedule (so pipeline parallelism works), its
+``DistributedDataParallel`` and ``finalize_model_grads`` (data-parallel all-reduce, sequence-
+parallel norm grads, embedding sync), its optimizer and learning-rate schedule, and
+``dist_checkpointing`` for checkpoints that reshard across parallel layouts. Every step is
+seeded from ``(train.seed, step)`` and reads a deterministic slice of the data, so a resumed run
+reproduces the losses of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mcore_npu._warnings import hide_known_harmless_warnings
+from mcore_npu.allocator.workers import ExpandableSegmentsMixin
+from mcore_npu.training import checkpointing, runtime
+from mcore_npu.training.config import ConfigError, load_config, to_yaml
+from mcore_npu.training.data import ByteDataset, MicroBatch, load_corpus
+from mcore_npu.training.metrics import RunReporter, peak_memory_bytes
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # 1-based: the number of optimizer steps done
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Summary:
+    steps: int
+    first_loss: float | None
+    final_loss: float | None
+    tokens_per_s: float
+    peak_memory_bytes: int
+    backend: str
+    kernel: str | None
+    expandable_segments: bool
+
+    def line(self) -> str:
+        loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
+        kernel = f" kernel={self.kernel}" if self.kernel else ""
+        return (
+            f"mcore-npu train: done steps={self.steps} final_loss={loss} "
+            f"tokens_per_s={self.tokens_per_s:.0f} peak_memory={self.peak_memory_bytes / 2**20:.0f}MiB "
+            f"backend={self.backend}{kernel} "
+            f"expandable_segments={'on' if self.expandable_segments else 'off'}"
+        )
+
+
+class Trainer(ExpandableSegmentsMixin):
+    """A Megatron-Core GPT training run, set up from a validated config.
+
+    The mixin sets expandable segments (``memory.expandable_segments``) before anything but the
+    device choice runs, so every allocation of the run lands in them;
+    ``self.expandable_segments_enabled`` says whether that took effect (False on CPU).
+    """
+
+    def __init__(self, cfg) -> None:
+        runtime.select_device()  # first: the NPU allocator setter acts on the current device
+        super().__init__(
+            expandable_segments=cfg.memory.expandable_segments,
+            expandable_segments_strict=cfg.memory.strict,
+        )
+        self.cfg = cfg
+        _check_dtype_supported(cfg)
+        par = cfg.parallel
+        layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context)
+        self.runtime = runtime.initialize(
+            layout, seed=cfg.train.seed, timeout_s=cfg.train.timeout_s
+        )
+        from mcore_npu.training.model import attention_choice, build_model, transformer_config
+
+        self.backend, self.kernel = attention_choice(cfg, self.runtime.device)
+        self.config = transformer_config(cfg)
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every tensor-parallel rank
+        self.model = self._data_parallel(build_model(cfg, self.config))
+        self.optimizer = self._optimizer()
+        self.scheduler = self._scheduler()
+        self._connect_schedule()
+        self.dataset = ByteDataset(load_corpus(cfg.data.path), cfg.train.seq_length, cfg.train.seed)
+        self.step = 0
+        self._restore()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _data_parallel(self, module):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        return DistributedDataParallel(self.config, ddp_config, module)
+
+    def _optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.cfg.train
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            clip_grad=t.grad_clip,
+            bf16=self.config.bf16,
+            fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=False,
+        )
+        return get_megatron_optimizer(config, [self.model])
+
+    def _scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        t = self.cfg.train
+        total = max(1, t.steps)
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=min(t.warmup_steps, total - 1),
+            lr_decay_steps=total,
+            lr_decay_style=t.lr_schedule,
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=total,
+            wd_incr_style="constant",
+            # on resume, the config's schedule wins over the one saved in the checkpoint
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+        )
+
+    def _connect_schedule(self) -> None:
+        """Megatron's schedule reads these hooks from the model config."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        if self.config.fp16:
+            self.config.grad_scale_func = self.optimizer.scale_loss
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _model_state(self):
+        return self.model.module.sharded_state_dict()
+
+    def _restore(self) -> None:
+        t = self.cfg.train
+        if t.resume:
+            path = checkpointing.latest(t.checkpoint_dir)
+            if path is not None:
+                self._load(path, with_optimizer=True)
+        elif t.init_from:
+            source = checkpointing.latest(t.init_from) or t.init_from
+            self._load(source, with_optimizer=False)
+
+    def _load(self, path, *, with_optimizer: bool) -> None:
+        model_state = self._model_state()
+        template = {"model": model_state}
+        if with_optimizer:
+            template["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)
+        loaded = checkpointing.load(template, path)
+        self.model.module.load_state_dict(loaded["model"])
+        if with_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["scheduler"])
+            self.step = int(loaded["step"])
+
+    def save(self):
+        """Save model, optimizer, scheduler and step as ``step_<N>`` in ``train.checkpoint_dir``."""
+        model_state = self._model_state()
+        state = {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "config": to_yaml(self.cfg),
+        }
+        return checkpointing.save(state, self.cfg.train.checkpoint_dir, self.step)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over ``train.global_batch_size`` samples."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        t, started = self.cfg.train, time.perf_counter()
+        runtime.seed_streams(t.seed + self.step)  # a resumed run draws the same dropout masks
+        batches = [b.to(self.runtime.device) for b in self.dataset.micro_batches(
+            self.step, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            packed=self.cfg.data.pack_sequences,
+        )]  # fmt: skip
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(batches),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=batches[0].tokens.shape[1],
+            micro_batch_size=batches[0].tokens.shape[0],
+            forward_only=False,
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        return StepResult(
+            step=self.step,
+            loss=self._global_mean_loss(losses),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"],
+            tokens=t.global_batch_size * t.seq_length,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _forward_step(self, data_iterator, model):
+        batch: MicroBatch = next(data_iterator)
+        output = model(
+            batch.tokens,
+            batch.position_ids,
+            None,  # no dense mask: causal attention comes from the layer's mask type
+            labels=batch.labels,
+            packed_seq_params=_packed_seq_params(batch),
+        )
+        return output, partial(_masked_mean_loss, batch.loss_mask)
+
+    def _global_mean_loss(self, losses) -> float:
+        """Mean loss of the step, known on every rank (last pipeline stage, all data ranks)."""
+        from megatron.core import parallel_state
+
+        values = [entry["lm loss"] for entry in losses] if losses else []
+        local = torch.stack(values).mean() if values else torch.zeros(())
+        local = local.float().to(self.runtime.device)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+        return local.item() / parallel_state.get_data_parallel_world_size()
+
+    def train(self) -> Summary:
+        """Run ``train.steps`` steps (from the restored step), saving as configured."""
+        t = self.cfg.train
+        reporter = RunReporter(
+            enabled=self.runtime.is_logging_rank, total_steps=t.steps, first_step=self.step,
+            metrics_file=t.metrics_file, progress=t.progress, resume=t.resume and self.step > 0,
+        )  # fmt: skip
+        results: list[StepResult] = []
+        try:
+            while self.step < t.steps and not (results and _due(self.step, t.exit_interval)):
+                result = self.train_step()
+                results.append(result)
+                if result.step % t.log_interval == 0 or result.step == t.steps:
+                    reporter.step(self._record(result))
+                if t.checkpoint_dir and _due(result.step, t.save_interval):
+                    self.save()
+            if t.checkpoint_dir and not _due(self.step, t.save_interval):
+                self.save()  # the final (or exit-interval) state, unless just saved
+        finally:
+            reporter.close()
+        return self._summary(results)
+
+    def _record(self, result: StepResult) -> dict:
+        return {
+            "step": result.step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": result.tokens / result.seconds,
+            "step_time_s": result.seconds,
+            "memory_bytes": peak_memory_bytes(self.runtime.device),
+        }
+
+    def _summary(self, results: list[StepResult]) -> Summary:
+        seconds = sum(r.seconds for r in results)
+        return Summary(
+            steps=self.step,
+            first_loss=results[0].loss if results else None,
+            final_loss=results[-1].loss if results else None,
+            tokens_per_s=sum(r.tokens for r in results) / seconds if seconds else 0.0,
+            peak_memory_bytes=peak_memory_bytes(self.runtime.device),
+            backend=self.backend,
+            kernel=self.kernel,
+            expandable_segments=self.expandable_segments_enabled,
+        )
+
+
+def _due(step: int, interval: int) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+def _check_dtype_supported(cfg) -> None:
+    from mcore_npu.allocator import device
+
+    if cfg.train.dtype != "fp32" and device.current_accelerator() == "cpu":
+        raise ConfigError(
+            "train.dtype",
+            cfg.train.dtype,
+            "Megatron's mixed-precision optimizer only takes CUDA/NPU tensors",
+            "use train.dtype=fp32 on a CPU, or run on an NPU/GPU",
+        )
+
+
+def _packed_seq_params(batch: MicroBatch):
+    if batch.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config (default: the built-in defaults)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. train.steps=20"
+    )
+
+
+def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int:
+    """Train; exit 0 on success, 2 on a bad config, 1 on any other error (one line on stderr)."""
+    hide_known_harmless_warnings()
+    rank = runtime.LaunchEnv.from_environ().rank
+    try:
+        summary = trainer_class(load_config(args.config, args.overrides)).train()
+        if rank == 0:
+            print(summary.line(), flush=True)
+        return 0
+    except ConfigError as err:
+        print(f"mcore-npu train: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as err:  # one line with the cause, after the traceback for debugging
+        traceback.print_exc()
+        print(f"mcore-npu train: failed on rank {rank}: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    finally:
+        runtime.shutdown()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mcore_npu.train", description=__doc__.splitlines()[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""The transformer room: what fills Megatron-Core's spec slots, and the spec builders.
+
+- :mod:`~mcore_npu.transformer.attention`: ``NPUFusionAttention``, the core-attention slot.
+- :mod:`~mcore_npu.transformer.norms`: LayerNorm / RMSNorm that work under sequence parallelism.
+- :mod:`~mcore_npu.transformer.layer_specs`: ``get_gpt_layer_npu_spec``,
+  ``get_gpt_decoder_block_npu_spec``, ``get_gpt_layer_spec``.
+- :mod:`~mcore_npu.transformer.backends`: which backend ``"auto"`` means on this machine.
+
+Built on :mod:`mcore_npu.masks` and :mod:`mcore_npu.ops`; imports Megatron-Core in its modules,
+never in this ``__init__``. Nothing here patches Megatron, keeps global state or writes ``config``.
+"""

@@ -1,0 +1,221 @@
+"""``NPUFusionAttention``: Megatron-Core's core-attention slot, filled by one fused call.
+
+Megatron's ``SelfAttention`` projects q/k/v, applies RoPE and hands the core attention
+``(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)``. This
+module turns that into exactly one ``mcore_npu.ops.fusion_attention`` call:
+
+=============  =================================  ===========================  ==============
+format         inputs (per tensor-parallel rank)  operator layout              output
+=============  =================================  ===========================  ==============
+sbhd           q ``[sq, b, np, hn]``,             SBH (heads merged by view)   ``[sq, b, np*hn]``
+               k/v ``[sk, b, ng, hn]``
+thd (packed)   q ``[t, np, hn]``, k/v ``[t, ng, hn]``  TND                     ``[t, np*hn]``
+=============  =================================  ===========================  ==============
+
+(np: query heads, ng: kv groups, hn: head dim.) K/V are never repeated: the operator does GQA
+natively with ``head_num = np``. The mask arguments come from ``mcore_npu.masks.describe_mask``:
+causal attention uses the cached compressed mask (sparse_mode 2/3), sliding windows mode 4,
+packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
+polarity (True = masked out) is the operator's, so explicit masks pass through untouched.
+
+Nothing here writes to ``config``, patches Megatron or keeps global state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+
+from mcore_npu.masks import SeqLengthsMemo, describe_mask
+from mcore_npu.ops import KERNELS, fusion_attention
+
+try:  # Megatron >= 0.15
+    from megatron.core.transformer.utils import is_layer_window_attention
+except ImportError:  # older releases have no sliding window in local attention
+    is_layer_window_attention = None
+
+
+class NPUFusionAttention(MegatronModule):
+    """Core attention through ``npu_fusion_attention`` (or its reference off-NPU).
+
+    Args:
+        config: Megatron ``TransformerConfig`` (read only).
+        layer_number: 1-based layer index (for the sliding-window skip pattern).
+        attn_mask_type: the layer's ``AttnMaskType`` (causal for GPT).
+        attention_type: ``"self"`` or ``"cross"`` (unused, as in Megatron's local attention).
+        attention_dropout: overrides ``config.attention_dropout`` when given.
+        softmax_scale: overrides ``1/sqrt(head_dim)`` when given.
+        cp_comm_type: context-parallel communication; only CP = 1 is supported.
+        kernel: ``"auto"`` (torch_npu on NPU tensors, the reference elsewhere), ``"torch_npu"``
+            or ``"reference"``. Set through ``ModuleSpec.params`` by the layer specs.
+        seq_lengths_memo: shared by all layers of a model so that cu_seqlens is converted to
+            host offsets once per step; a private one if None.
+        **kwargs: the process-group argument Megatron passes (``pg_collection`` since 0.15,
+            ``model_comm_pgs`` in 0.13-0.14, nothing before); used when present.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        *,
+        kernel: str = "auto",
+        seq_lengths_memo: SeqLengthsMemo | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        _check_supported(config, kernel)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.kernel = kernel
+        self.seq_lengths_memo = (
+            seq_lengths_memo if seq_lengths_memo is not None else SeqLengthsMemo()
+        )
+
+        tp_size = _tensor_parallel_size(kwargs)
+        self.num_heads_per_partition = _divide(config.num_attention_heads, tp_size, "heads")
+        self.num_query_groups_per_partition = _divide(config.num_query_groups, tp_size, "groups")
+        self.head_dim = config.kv_channels
+        self.softmax_scale = _softmax_scale(softmax_scale, self.head_dim)
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self.window_size = _layer_window(config, self.layer_number)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """sbhd: ``[sq, b, np, hn]`` -> ``[sq, b, np*hn]``; thd: ``[t, np, hn]`` -> ``[t, np*hn]``."""
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        seq_q, seq_kv = query.shape[0], key.shape[0]
+        mask = describe_mask(
+            attn_mask_type if attn_mask_type is not None else self.attn_mask_type,
+            attention_mask,
+            seq_q=seq_q,
+            seq_kv=seq_kv,
+            packed_seq_params=packed_seq_params,
+            window_size=self.window_size,
+            memo=self.seq_lengths_memo,
+        )
+        op_kwargs = mask.operator_args(query.device).as_kwargs()
+        pse = self._bias(attention_bias, query, seq_q, seq_kv, packed)
+        if pse is not None:
+            op_kwargs["pse"] = pse
+        keep_prob = 1.0 - self.dropout_p if self.training else 1.0
+        if packed:  # [t, np, hn] stays [t, np, hn]: layout TND
+            layout, q, k, v = "TND", query, key, value
+        else:  # [s, b, n, hn] -> [s, b, n*hn] (a view for contiguous inputs): layout SBH
+            layout, q, k, v = "SBH", query.flatten(2), key.flatten(2), value.flatten(2)
+        with self._dropout_rng(keep_prob):
+            out = fusion_attention(
+                q, k, v, self.num_heads_per_partition, layout,
+                kernel=self.kernel, scale=self.softmax_scale, keep_prob=keep_prob, **op_kwargs,
+            )  # fmt: skip
+        return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
+
+    def _bias(self, attention_bias, query, seq_q, seq_kv, packed):
+        """Megatron's ``attention_bias`` (added after scaling) as the operator's ``pse`` (added
+        before scaling), ``[b|1, np, sq|1, sk]``."""
+        if attention_bias is None:
+            return None
+        if packed:
+            raise NotImplementedError(
+                "attention_bias with packed (thd) sequences is not supported by NPUFusionAttention;"
+                " use unpacked (sbhd) batches for position biases"
+            )
+        batch, heads = query.shape[1], self.num_heads_per_partition
+        shape = tuple(attention_bias.shape)
+        accepted = [
+            (batch, heads, seq_q, seq_kv),
+            (1, heads, seq_q, seq_kv),
+            (batch, heads, 1, seq_kv),
+        ]
+        if shape not in accepted:
+            raise ValueError(
+                f"attention_bias: shape {list(shape)} is not accepted; npu_fusion_attention takes "
+                f"{' or '.join(str(list(a)) for a in accepted)} (heads per tensor-parallel rank)"
+            )
+        # Megatron's bias is post-scale (TE: softmax(scale * QK^T + bias)); the operator adds
+        # pse before scaling (softmax(scale * (QK^T + pse))): divide by the scale once here.
+        return (attention_bias / self.softmax_scale).to(query.dtype)
+
+    def _dropout_rng(self, keep_prob: float):
+        """Megatron runs attention dropout under the model-parallel RNG stream (not with SP)."""
+        if keep_prob >= 1.0 or self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _check_supported(config, kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise NotImplementedError(
+            f"context_parallel_size={config.context_parallel_size}: NPUFusionAttention runs "
+            "without context parallelism. Use context_parallel_size=1 and shard sequences with "
+            "packing or sequence parallelism, or use the TE spec (attention.backend: te) on CUDA, "
+            "or MindSpeed's ring attention on Ascend"
+        )
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise NotImplementedError(
+            f"softmax_type={softmax_type!r}: attention sinks are outside npu_fusion_attention's "
+            "released contract; use softmax_type='vanilla'"
+        )
+
+
+def _tensor_parallel_size(kwargs) -> int:
+    groups = kwargs.get("pg_collection") or kwargs.get("model_comm_pgs")
+    tp_group = getattr(groups, "tp", None)
+    if tp_group is not None:
+        return tp_group.size()
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(
+            f"num_attention_{what}: {total} is not divisible by the tensor-parallel size {parts}"
+        )
+    return total // parts
+
+
+def _softmax_scale(softmax_scale, head_dim) -> float:
+    """The scale the scores are multiplied by: ``1/sqrt(head_dim)`` unless Megatron passes one.
+
+    Query-key layer scaling (``apply_query_key_layer_scaling``) needs no term here: Megatron
+    divides the matmul scale by the layer number and multiplies the fp32 softmax input by it
+    again, a range trick for fp16 scores whose net scale is unchanged. The fused kernel computes
+    the scores in fp32, so the net scale is exactly what it must get.
+    """
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def _layer_window(config, layer_number) -> tuple[int, int] | None:
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if is_layer_window_attention is not None and not is_layer_window_attention(
+        window, skip, layer_number
+    ):
+        return None
+    return tuple(window)

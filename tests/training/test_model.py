@@ -1,0 +1,53 @@
+"""config -> TransformerConfig + spec -> GPTModel: the built model is what the YAML says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_npu.ops import KERNELS
+from mcore_npu.training import config as config_module
+from mcore_npu.training.config import load_config
+from mcore_npu.training.model import build_model, transformer_config
+from mcore_npu.transformer.attention import NPUFusionAttention
+from tests.launch import ROOT
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+GPT_TINY = ROOT / "configs" / "gpt_tiny.yaml"
+
+
+def test_model_built_from_gpt_tiny_matches_the_yaml():
+    cfg = load_config(GPT_TINY)
+    model = build_model(cfg)
+    config = model.config
+    assert (config.num_layers, config.hidden_size) == (2, 128)
+    assert (config.num_attention_heads, config.num_query_groups) == (4, 2)
+    assert config.ffn_hidden_size == 384  # swiglu: 8/3 * 128 rounded up to a multiple of 64
+    assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+    assert config.qk_layernorm and config.normalization == "RMSNorm"
+    assert len(model.decoder.layers) == 2
+    layer = model.decoder.layers[0]
+    assert isinstance(layer.self_attention.core_attention, NPUFusionAttention)
+    assert isinstance(layer.input_layernorm, torch.nn.RMSNorm)
+    assert isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
+    assert model.position_embedding_type == "rope"
+    assert model.embedding.word_embeddings.weight.shape == (264, 128)
+    assert model.output_layer.weight.shape == (264, 128)  # untied output layer
+
+
+def test_model_section_passthrough_reaches_transformer_config():
+    cfg = load_config(GPT_TINY, ["model.layernorm_epsilon=1e-6", "model.window_size=[8,0]"])
+    config = transformer_config(cfg)
+    assert config.layernorm_epsilon == 1e-6 and config.window_size == (8, 0)
+
+
+def test_local_backend_builds_megatron_local_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    model = build_model(load_config(GPT_TINY, ["attention.backend=local"]))
+    assert type(model.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+
+
+def test_config_kernel_names_are_the_dispatch_kernel_names():
+    assert config_module.KERNELS == KERNELS
