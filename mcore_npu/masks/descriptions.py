@@ -16,6 +16,9 @@ Which description Megatron's arguments become (``describe_mask``)::
                                    (causal types: r must be 0; (-1, 0) is plain causal; a dense mask
                                    together with a window is refused)
     sbhd / None                    any but no_mask                tensor          None     ExplicitMask
+                                   (a [B,1,1,Skv] padding mask with Sq > 1: its rows expanded to
+                                   [B,1,Sq,Skv] once per mask tensor through the memo, as Megatron's
+                                   local attention broadcasts it; it replaces causal there too)
     sbhd / None                    causal, padding_causal         None            None     TopLeftCausalMask (Sq == Skv)
                                                                                             BottomRightCausalMask (Sq != Skv)
     sbhd / None                    causal_bottom_right            None            None     BottomRightCausalMask
@@ -261,8 +264,9 @@ def check_explicit_mask(mask, seq_q: int | None = None) -> None:
     if mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] > 1 and seq_q != 1:
         raise ValueError(
             f"attention_mask: shape {list(mask.shape)} is a [B,1,1,S] padding mask, which "
-            "npu_fusion_attention rejects; expand it with "
-            "mcore_npu.masks.build_npu_attention_mask(keep_mask) or pack the batch with "
+            "npu_fusion_attention rejects; pass it through describe_mask (NPUFusionAttention "
+            "does: it expands the rows once per mask tensor), expand it with "
+            "mcore_npu.masks.build_npu_attention_mask(keep_mask), or pack the batch with "
             "mcore_npu.masks.padding_to_packed(keep_mask)"
         )
     if mask.dim() not in (2, 4):
@@ -319,7 +323,8 @@ def describe_mask(
         seq_q, seq_kv: Sq and Skv of this call (dense layouts).
         packed_seq_params: Megatron's ``PackedSeqParams``; ``qkv_format == "thd"`` -> ``Packed``.
         window_size: this layer's ``(left, right)`` window, or None.
-        memo: converts cu_seqlens to host offsets once per tensor; a throw-away one if None.
+        memo: converts cu_seqlens to host offsets and expands ``[B, 1, 1, Skv]`` masks once per
+            tensor; a throw-away one if None.
     """
     kind = getattr(attn_mask_type, "name", attn_mask_type)
     window = layer_window(kind, window_size)
@@ -349,6 +354,11 @@ def describe_mask(
     if window is not None:
         return window
     if attention_mask is not None and kind != "no_mask":
+        if _is_key_padding_mask(attention_mask) and seq_q > 1:
+            # Megatron's [B, 1, 1, Skv] padding mask broadcasts over the query rows (and, as in
+            # the local spec, replaces the causal mask); the operator wants the rows spelt out
+            memo = memo if memo is not None else SeqLengthsMemo()
+            attention_mask = memo.rows_expanded(attention_mask, seq_q)
         return ExplicitMask(attention_mask, seq_q)
     if kind in _CAUSAL_TYPES:
         return TopLeftCausalMask() if seq_q == seq_kv else BottomRightCausalMask()
@@ -359,6 +369,17 @@ def describe_mask(
     raise ValueError(
         f"attention_mask: attn_mask_type={kind} needs an explicit bool mask (True = masked "
         "out), got None; pass attention_mask or use a causal / no_mask layer"
+    )
+
+
+def _is_key_padding_mask(mask) -> bool:
+    """A bool ``[B|1, 1, 1, Skv]`` (True = masked out): one key mask per batch entry. Other
+    dtypes are left to ``ExplicitMask``, which refuses them with the fix."""
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype in (torch.bool, torch.uint8)
+        and mask.dim() == 4
+        and tuple(mask.shape[1:3]) == (1, 1)
     )
 
 

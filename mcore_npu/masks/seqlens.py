@@ -9,7 +9,8 @@ a host list of cumulative **end** offsets **without** the leading 0::
     actual_seq_qlen   [3, 3, 5]                                 (npu_fusion_attention)
 
 ``actual_seq_lengths`` is the one function that converts; it costs one device-to-host sync.
-``SeqLengthsMemo`` makes that sync happen once per cu_seqlens tensor, however many layers ask.
+``SeqLengthsMemo`` makes that sync happen once per cu_seqlens tensor, however many layers ask
+(and expands a ``[B, 1, 1, S]`` padding mask once per mask tensor, likewise).
 """
 
 from __future__ import annotations
@@ -119,36 +120,69 @@ def _version(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 class SeqLengthsMemo:
-    """cu_seqlens tensor (by identity) -> host end offsets, converted once, reused by all layers.
+    """Per-step values derived from Megatron's batch tensors, computed once per tensor object.
 
     One memo is shared by every attention layer of a model (the layer spec creates it), so a
-    forward pass over L layers syncs once per distinct cu_seqlens tensor, not L times. Entries
-    are keyed by ``id()`` and checked through a weak reference, so a new tensor that reuses a
-    freed one's id is converted afresh; a tensor refilled in place (a static buffer, CUDA
-    graphs) is too, since its version counter moves. At most ``capacity`` entries are kept (LRU).
+    forward pass over L layers pays once per distinct tensor, not L times:
+
+    - :meth:`actual_seq_lengths`: ``cu_seqlens`` -> host end offsets (one device-to-host sync);
+    - :meth:`rows_expanded`: a ``[B, 1, 1, Skv]`` padding mask (True = masked out) -> the
+      ``[B, 1, Sq, Skv]`` bool mask the operator accepts (one allocation of B·Sq·Skv bytes).
+
+    Entries are keyed by ``(id(), what)`` and checked through a weak reference, so a new tensor
+    that reuses a freed one's id is derived afresh; a tensor refilled in place (a static buffer,
+    CUDA graphs) is too, since its version counter moves. At most ``capacity`` entries are kept
+    (LRU), so nothing outlives the step that made it by more than a few steps.
     """
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self.conversions = 0  # how many device-to-host syncs this memo has made
-        # id -> (weak reference, (version, data pointer) when converted, host ends)
-        self._entries: OrderedDict[int, tuple[weakref.ref, tuple, tuple[int, ...]]] = OrderedDict()
+        self.conversions = 0  # how many cu_seqlens device-to-host syncs this memo has made
+        self.expansions = 0  # how many [B,1,1,S] masks it has expanded
+        # (id, what) -> (weak reference, (version, data pointer) when derived, value)
+        self._entries: OrderedDict[tuple[int, object], tuple[weakref.ref, tuple, object]] = (
+            OrderedDict()
+        )
 
     def actual_seq_lengths(self, cu_seqlens: torch.Tensor) -> tuple[int, ...]:
         """Like :func:`actual_seq_lengths`, but at most once per tensor object."""
-        entry = self._entries.get(id(cu_seqlens))
-        if entry is not None and entry[0]() is cu_seqlens and entry[1] == _version(cu_seqlens):
-            self._entries.move_to_end(id(cu_seqlens))
-            return entry[2]
-        ends = actual_seq_lengths(cu_seqlens)
-        self.conversions += 1
-        self.remember(cu_seqlens, ends)
+        ends = self._lookup(cu_seqlens, "ends")
+        if ends is None:
+            ends = actual_seq_lengths(cu_seqlens)
+            self.conversions += 1
+            self.remember(cu_seqlens, ends)
         return ends
+
+    def rows_expanded(self, mask: torch.Tensor, seq_q: int) -> torch.Tensor:
+        """``[B, 1, 1, Skv]`` -> a contiguous bool ``[B, 1, Sq, Skv]`` (True = masked out).
+
+        Every query row gets the key mask of its batch entry, exactly what Megatron's local
+        attention does by broadcasting. Made once per mask tensor and Sq, shared by all layers.
+        """
+        expanded = self._lookup(mask, ("rows", seq_q))
+        if expanded is None:
+            batch, _, _, seq_kv = mask.shape
+            expanded = mask.bool().expand(batch, 1, seq_q, seq_kv).contiguous()
+            self.expansions += 1
+            self._store(mask, ("rows", seq_q), expanded)
+        return expanded
 
     def remember(self, cu_seqlens: torch.Tensor, ends: tuple[int, ...]) -> None:
         """Record host offsets already known (e.g. from ``padding_to_packed``): no sync later."""
-        self._entries[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _version(cu_seqlens), tuple(ends))
-        self._entries.move_to_end(id(cu_seqlens))
+        self._store(cu_seqlens, "ends", tuple(ends))
+
+    def _lookup(self, tensor: torch.Tensor, what):
+        key = (id(tensor), what)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not tensor or entry[1] != _version(tensor):
+            return None
+        self._entries.move_to_end(key)
+        return entry[2]
+
+    def _store(self, tensor: torch.Tensor, what, value) -> None:
+        key = (id(tensor), what)
+        self._entries[key] = (weakref.ref(tensor), _version(tensor), value)
+        self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 

@@ -558,10 +558,30 @@ def test_describe_thd_converts_each_cu_seqlens_tensor_once_per_memo():
     assert memo.conversions == 3
 
 
-def test_describe_refuses_a_padding_mask_of_shape_b11s():
+@pytest.mark.parametrize("batch", [2, 1])
+def test_describe_expands_a_b11s_padding_mask_once_per_mask_tensor(batch):
+    mask = torch.zeros(batch, 1, 1, 4, dtype=torch.bool)  # True = masked out
+    mask[0, ..., 3] = True
+    memo = SeqLengthsMemo()
+    first = describe_mask(AttnMaskType.causal, mask, seq_q=4, seq_kv=4, memo=memo)
+    again = describe_mask(AttnMaskType.causal, mask, seq_q=4, seq_kv=4, memo=memo)
+    assert isinstance(first, ExplicitMask) and first.mask is again.mask and memo.expansions == 1
+    assert first.mask.shape == (batch, 1, 4, 4)
+    assert torch.equal(first.mask, mask.expand(batch, 1, 4, 4))  # every query row, no causal
+    mask[0, ..., 0] = True  # refilled in place: expanded afresh
+    refreshed = describe_mask(AttnMaskType.causal, mask, seq_q=4, seq_kv=4, memo=memo)
+    assert memo.expansions == 2 and bool(refreshed.mask[0, 0, 2, 0])
+
+
+def test_explicit_mask_itself_refuses_a_b11s_mask_naming_the_ways_out():
     mask = torch.zeros(2, 1, 1, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"attention_mask: shape \[2, 1, 1, 4\]"):
-        describe_mask(AttnMaskType.padding, mask, seq_q=4, seq_kv=4)
+    with pytest.raises(ValueError, match=r"attention_mask: shape \[2, 1, 1, 4\].*describe_mask"):
+        ExplicitMask(mask, seq_q=4)
+
+
+def test_describe_refuses_a_float_b11s_mask():
+    with pytest.raises(TypeError, match="attention_mask: dtype torch.float32"):
+        describe_mask(AttnMaskType.padding, torch.zeros(2, 1, 1, 4), seq_q=4, seq_kv=4)
 
 
 def test_describe_refuses_a_float_mask():

@@ -164,11 +164,19 @@ def test_attention_bias_is_added_after_scaling_as_in_megatron():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_style_mask_is_refused_naming_the_helpers():
-    core = _core(tiny_config())
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="attention_mask.*build_npu_attention_mask"):
-        core(q, k, v, torch.zeros(2, 1, 1, 8, dtype=torch.bool))
+def test_padding_style_mask_is_expanded_once_and_shared_by_every_layer(fake_torch_npu):
+    # Megatron's own attention tests pass a [B, 1, 1, S] bool mask (True = masked out)
+    config = tiny_config(num_layers=3)
+    model = gpt(config, npu_spec(config, kernel="torch_npu"))
+    ids, pos = batch(b=2, s=16)
+    mask = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    mask[0, ..., 12:] = True
+    model(ids, pos, mask)
+    sent = [kwargs["atten_mask"] for _, kwargs in fake_torch_npu.calls]
+    assert len(sent) == 3 and all(m is sent[0] for m in sent)  # one tensor for all layers
+    assert sent[0].shape == (2, 1, 16, 16) and sent[0].is_contiguous()
+    assert torch.equal(sent[0], mask.expand(2, 1, 16, 16))
+    assert {kwargs["sparse_mode"] for _, kwargs in fake_torch_npu.calls} == {0}
 
 
 def test_torch_npu_kernel_without_torch_npu_says_why(monkeypatch):

@@ -71,6 +71,18 @@ def test_explicit_padding_mask_matches_local_spec():
     _assert_real_row_grads_match(local, npu, ids, pos, mask, keep)
 
 
+@pytest.mark.parametrize("batch_dim", [2, 1])
+def test_megatron_b11s_padding_mask_matches_local_spec_on_every_row(batch_dim):
+    # the mask shape of Megatron's own test_attention.py; every batch entry keeps some keys, so
+    # every query row attends to something and all rows are compared
+    local, npu = twin_models(tiny_config())
+    ids, pos = batch()
+    mask = torch.zeros(batch_dim, 1, 1, 16, dtype=torch.bool)  # True = masked out
+    mask[0, ..., 11:] = True
+    mask[-1, ..., :3] = True
+    _assert_same(local, npu, ids, pos, mask, mask)
+
+
 def _assert_real_row_grads_match(local, npu, ids, pos, mask, keep):
     for model in (local, npu):
         model.zero_grad()
