@@ -8,19 +8,19 @@ machines without an NPU through a pure-PyTorch reference of the operator.
 Importing this package is cheap: it imports neither torch, megatron-core, torch_npu nor
 transformer-engine. The public names below are resolved on first use.
 
-Layers, bottom up (each imports only the ones below it)::
+Rooms, bottom up (each imports only the rooms below it; ``tests/test_layering.py`` checks)::
 
-    ops/         the operator: reference implementation, validation, kernel dispatch
-    masks        the compressed-mask cache, mask descriptions, dense/packed helpers
-    attention    NPUFusionAttention, Megatron's core-attention slot
-    layer_specs  ModuleSpec builders for GPT layers and decoder blocks (backends: which one)
-    device       accelerator detection and the expandable-segments switch
-    workers      ExpandableSegmentsMixin
-    config       the YAML schema and its validation
-    model        config -> TransformerConfig + spec -> GPTModel
-    runtime      torchrun environment -> process groups -> Megatron parallel state
-    train        the trainer behind ``mcore-npu train``
-    cli          the ``mcore-npu`` command
+    ops/           the operators: contracts, validation, references, kernel dispatch
+    allocator/     accelerator detection, expandable segments, the worker mixin
+    masks/         the compressed-mask cache, mask descriptions, per-step memos, helpers
+    transformer/   NPUFusionAttention, norms and the layer-spec builders (Megatron's slots)
+    training/      the demo trainer behind ``mcore-npu train``
+    tools/         doctor, verify, bench
+    integrations/  adapters for other frameworks, imported only on demand
+    cli            the ``mcore-npu`` command; ``python -m mcore_npu.train`` for torchrun
+
+The plugin a Megatron user needs is ops, masks, transformer and allocator; the names below are
+its public face.
 """
 
 from __future__ import annotations
