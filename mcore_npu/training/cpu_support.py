@@ -15,6 +15,9 @@ RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator stat
 ``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
 gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
 ``torch.cuda.FloatTensor`` grads)     type assertion
+``torch.cuda.Stream()``,              ``CpuStream``: a stream that runs nothing (CPU work is
+``current_stream()``, ``stream(s)``   synchronous), for the MoE alltoall dispatcher's
+                                      device-to-host side stream
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -89,6 +92,32 @@ def make_cpu_rng_tracker():
     return CpuRngTracker()
 
 
+class CpuStream:
+    """A stand-in for ``torch.cuda.Stream`` on the CPU, where every operation is synchronous:
+    waiting, recording events and synchronising are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_DEFAULT_STREAM = CpuStream()
+
+
 @dataclass
 class _Shims:
     """What ``apply()`` replaced, so ``revert()`` can put it back."""
@@ -125,7 +154,12 @@ def apply() -> None:
     originals["_get_cuda_rng_state"] = mp_random._get_cuda_rng_state
     originals["_set_cuda_rng_state"] = mp_random._set_cuda_rng_state
     originals["clip_grad_by_total_norm_fp32"] = megatron_optimizer.clip_grad_by_total_norm_fp32
+    for name in ("Stream", "current_stream", "stream"):
+        originals[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
 
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     mp_random._CUDA_RNG_STATE_TRACKER = make_cpu_rng_tracker()
@@ -153,6 +187,8 @@ def revert() -> None:
     mp_random._get_cuda_rng_state = originals["_get_cuda_rng_state"]
     mp_random._set_cuda_rng_state = originals["_set_cuda_rng_state"]
     megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
+    for name in ("Stream", "current_stream", "stream"):
+        setattr(torch.cuda, name, originals[f"torch.cuda.{name}"])
     _SHIMS.originals.clear()
     _SHIMS.mode = None
 
