@@ -186,11 +186,11 @@ def _swap_mlp(subs, fused: dict) -> None:
     if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
         moe.router = NPUTopKRouter
     experts = moe.experts
-    if isinstance(experts, ModuleSpec) and experts.module is SequentialMLP:
-        if fused["grouped_matmul"] != "off":
-            moe.experts = ModuleSpec(module=NPUGroupedMLP, params={
-                "kernel": fused["grouped_matmul"], "param_layout": fused["param_layout"]},
-                submodules=experts.submodules)  # fmt: skip
+    grouped = isinstance(experts, ModuleSpec) and experts.module is SequentialMLP
+    if grouped and fused["grouped_matmul"] != "off":
+        params = {"kernel": fused["grouped_matmul"], "param_layout": fused["param_layout"]}
+        moe.experts = ModuleSpec(module=NPUGroupedMLP, params=params,
+                                 submodules=experts.submodules)  # fmt: skip
 
 
 def _swap_npu_parts(
