@@ -34,10 +34,12 @@ def is_plain_swiglu(config) -> bool:
 class NPUMLP(MLP):
     """``MLP`` whose SwiGLU runs through ``mcore_npu.ops.swiglu`` (see the module docstring)."""
 
-    def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+    def __init__(self, config, submodules, *args, kernel: str = "auto", **kwargs) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
-        super().__init__(*args, **kwargs)
+        if not args and not kwargs.get("is_expert", False):
+            kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)  # the dense MLP's width
+        super().__init__(config, submodules, *args, **kwargs)
         self.kernel = kernel
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
