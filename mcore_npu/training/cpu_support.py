@@ -18,6 +18,9 @@ gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, n
 ``torch.cuda.Stream()``,              ``CpuStream``: a stream that runs nothing (CPU work is
 ``current_stream()``, ``stream(s)``   synchronous), for the MoE alltoall dispatcher's
                                       device-to-host side stream
+alltoall dispatcher's split sizes     ``splits_to_host``: CPU tensors become numpy arrays too
+(``maybe_move_tensor_to_cpu`` only    (``all_to_all_single`` takes lists, not tensors)
+converts CUDA tensors to numpy)
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -118,6 +121,14 @@ class CpuStream:
 _CPU_DEFAULT_STREAM = CpuStream()
 
 
+def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: honour
+    ``as_numpy`` (the alltoall dispatcher's split sizes must reach gloo as plain numbers)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 @dataclass
 class _Shims:
     """What ``apply()`` replaced, so ``revert()`` can put it back."""
@@ -156,6 +167,10 @@ def apply() -> None:
     originals["clip_grad_by_total_norm_fp32"] = megatron_optimizer.clip_grad_by_total_norm_fp32
     for name in ("Stream", "current_stream", "stream"):
         originals[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    originals["maybe_move_tensor_to_cpu"] = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = splits_to_host
 
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
@@ -189,6 +204,9 @@ def revert() -> None:
     megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
     for name in ("Stream", "current_stream", "stream"):
         setattr(torch.cuda, name, originals[f"torch.cuda.{name}"])
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = originals["maybe_move_tensor_to_cpu"]
     _SHIMS.originals.clear()
     _SHIMS.mode = None
 
