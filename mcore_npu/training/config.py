@@ -405,6 +405,8 @@ def _validate_choices(cfg) -> None:
             _fail(key, value, "unknown choice", f"use one of {', '.join(allowed)}")
     for name in ("rms_norm", "swiglu", "grouped_matmul"):
         value = cfg.fused[name]
+        if value in ("False", "false"):  # YAML 1.1 reads an unquoted `off` as false
+            value = cfg.fused[name] = "off"
         if value is not None and value not in (*KERNELS, "off"):
             _fail(f"fused.{name}", value, "unknown choice",
                   f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip

@@ -165,6 +165,12 @@ def test_tiny_moe_config_validates_for_one_and_two_expert_ranks():
     assert config.expert_model_parallel_size == 2 and config.num_moe_experts == 4
 
 
+def test_fused_off_survives_yamls_boolean_reading(tmp_path):
+    (tmp_path / "off.yaml").write_text("fused:\n  grouped_matmul: off\n  swiglu: 'off'\n")
+    cfg = load_config(tmp_path / "off.yaml", ["fused.rms_norm=off"])
+    assert cfg.fused.grouped_matmul == cfg.fused.swiglu == cfg.fused.rms_norm == "off"
+
+
 def test_qwen3_moe_example_validates_for_its_cluster():
     from mcore_npu.training.model import transformer_config
 
