@@ -41,7 +41,7 @@ from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.backends import resolve_backend
 from mcore_npu.transformer.experts import PARAM_LAYOUTS, NPUGroupedMLP
-from mcore_npu.transformer.mlp import NPUMLP
+from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
 from mcore_npu.transformer.norms import SequenceParallelNorm
 from mcore_npu.transformer.router import NPUTopKRouter
 
@@ -169,9 +169,11 @@ def _norm_spec(rms_norm_kernel: str) -> ModuleSpec:
 
 
 def _swap_mlp(subs, fused: dict) -> None:
-    """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, SequentialMLP -> NPUGroupedMLP."""
+    """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, SequentialMLP -> NPUGroupedMLP,
+    SharedExpertMLP -> NPUSharedExpertMLP."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     mlp = subs.mlp
     if not isinstance(mlp, ModuleSpec):
@@ -185,6 +187,12 @@ def _swap_mlp(subs, fused: dict) -> None:
         return
     if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
         moe.router = NPUTopKRouter
+    shared = moe.shared_experts
+    plain_shared = isinstance(shared, ModuleSpec) and shared.module is SharedExpertMLP
+    if plain_shared and fused["swiglu"] != "off":
+        params = {**shared.params, "kernel": fused["swiglu"]}
+        moe.shared_experts = ModuleSpec(module=NPUSharedExpertMLP, params=params,
+                                        submodules=shared.submodules)  # fmt: skip
     experts = moe.experts
     grouped = isinstance(experts, ModuleSpec) and experts.module is SequentialMLP
     if grouped and fused["grouped_matmul"] != "off":

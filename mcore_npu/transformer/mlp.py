@@ -10,12 +10,14 @@ clamp, no GLU offset, no TE activation), forward is::
 The fc1 bias is added before the operator, which is what Megatron computes with and without
 ``bias_activation_fusion`` (``bias_swiglu_impl(y, b) = swiglu(y + b)``). Every other
 activation goes to Megatron's own ``MLP.forward``. Parameter names are ``MLP``'s.
+``NPUSharedExpertMLP`` does the same for the MoE layer's shared experts.
 """
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from mcore_npu.ops import KERNELS, swiglu
 
@@ -58,3 +60,15 @@ class NPUMLP(MLP):
             output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
             output_bias = None
         return output, output_bias
+
+
+class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
+    """Megatron's ``SharedExpertMLP`` (gate, overlap, parameter names unchanged) whose MLP part
+    is :class:`NPUMLP`: ``SharedExpertMLP.forward`` calls ``super().forward``, which the method
+    order sends to ``NPUMLP.forward``."""
+
+    def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        self.kernel = kernel

@@ -56,6 +56,15 @@ def test_moe_and_dense_layers_call_the_three_operators_with_the_documented_argum
         assert len(weight) == (1 if kwargs["group_type"] == 2 else 4)
 
 
+def test_shared_experts_use_npu_swiglu_too(monkeypatch):
+    config = moe_config(moe_layer_freq=[1, 1], shared_expert=True)
+    model, standin = _run(monkeypatch, config)
+    assert type(model.decoder.layers[0].mlp.shared_experts).__name__ == "NPUSharedExpertMLP"
+    widths = sorted(args[0].shape[-1] for name, args, _ in standin.calls if name == "npu_swiglu")
+    shared = 2 * config.moe_shared_expert_intermediate_size
+    assert widths == sorted([2 * config.moe_ffn_hidden_size] * 2 + [shared] * 2)
+
+
 def test_off_leaves_megatrons_modules(monkeypatch):
     config = moe_config(moe_layer_freq=[1, 0])
     spec = npu_moe_spec(config, kernel="reference", rms_norm_kernel="off", swiglu_kernel="off",
