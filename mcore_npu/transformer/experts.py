@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from mcore_npu.ops import KERNELS, grouped_linear, swiglu
 from mcore_npu.transformer.mlp import is_plain_swiglu
@@ -216,18 +217,27 @@ class NPUGroupedMLP(MegatronModule):
                                       "parallelism with a gated linear unit; use "
                                       "expert_tensor_parallel_size=1")  # fmt: skip
         first = self.ep_group.rank() * self.num_local_experts
+        dp_rank = self.dp_group.rank()
         result = {}
-        local_names = dict(self.named_parameters())
-        for name, param in local_names.items():
+        for name, param in self.named_parameters():
             e, which = _expert_of(name, self.param_layout)
             key = f"{prefix}experts.{first + e}.{which}.weight"
             axes = [] if tp == 1 else [(0 if which == "linear_fc1" else 1, tp_rank, tp)]
             result[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
                 key, param, *sharded_offsets, *[(len(sharded_offsets) + a, r, n) for a, r, n
                                                 in axes],
-                replica_id=(0, 0, self.dp_group.rank()),
+                replica_id=(0, 0, dp_rank),
                 prepend_axis_num=len(sharded_offsets),
             )  # fmt: skip
+        if self.param_layout == "local":  # the linears' (empty) extra state, as SequentialMLP's
+            for e in range(self.num_local_experts):
+                for which in ("linear_fc1", "linear_fc2"):
+                    result[f"{prefix}local_experts.{e}.{which}._extra_state"] = (
+                        make_sharded_object_for_checkpoint(
+                            None, f"{prefix}experts.{first + e}.{which}._extra_state",
+                            sharded_offsets, replica_id=(0, tp_rank, dp_rank),
+                        )
+                    )  # fmt: skip
         return result
 
 

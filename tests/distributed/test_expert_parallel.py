@@ -41,3 +41,17 @@ def test_expert_parallel_losses_match_one_process(layout, single, tmp_path):
     assert max_abs_diff(run.losses, single.losses) <= 1e-5, (run.losses, single.losses)
     assert single.losses[-1] < single.losses[0]  # the model learns, so the steps differ
     assert run.stdout.count("mcore-npu train: done") == 1
+
+
+def test_an_expert_parallel_checkpoint_loads_in_one_process_and_in_ep2(tmp_path, single):
+    """EP=2 saves a step-0 checkpoint (seed 99: weights unlike the default seed's); one process
+    and EP=2 both start from it and must agree with each other, and differ from ``single``."""
+    init = tmp_path / "init"
+    assert_ok(train(["train.steps=0", "train.seed=99", f"train.checkpoint_dir={init}",
+                     "parallel.expert=2"], config="gpt_tiny_moe.yaml", nproc=2))  # fmt: skip
+    start = [*BATCH, f"train.init_from={init}"]
+    one = assert_ok(train(start, config="gpt_tiny_moe.yaml", metrics=tmp_path / "one.jsonl"))
+    ep2 = assert_ok(train([*start, "parallel.expert=2"], config="gpt_tiny_moe.yaml", nproc=2,
+                          metrics=tmp_path / "ep2.jsonl"))  # fmt: skip
+    assert max_abs_diff(ep2.losses, one.losses) <= 1e-5, (ep2.losses, one.losses)
+    assert abs(one.losses[0] - single.losses[0]) > 1e-4  # the checkpoint's weights were used
