@@ -22,7 +22,16 @@ from mcore_npu.ops.validation import validate_call
 
 KERNELS = ("auto", "torch_npu", "reference")
 
-__all__ = ["KERNELS", "fusion_attention", "load_torch_npu", "resolve_kernel"]
+__all__ = [
+    "KERNELS",
+    "fusion_attention",
+    "grouped_linear",
+    "grouped_matmul",
+    "load_torch_npu",
+    "resolve_kernel",
+    "rms_norm",
+    "swiglu",
+]
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
@@ -117,3 +126,7 @@ def fusion_attention(
         sparse_mode=op_kwargs.get("sparse_mode", 0),
     )
     return run_reference(problem, query, key, value, options, need_stats=False)[0]
+
+
+# The fused operators beyond attention (they use resolve_kernel / load_torch_npu from above).
+from mcore_npu.ops.fused import grouped_linear, grouped_matmul, rms_norm, swiglu  # noqa: E402

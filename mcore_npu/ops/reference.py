@@ -44,7 +44,10 @@ import torch.nn.functional as F
 
 from mcore_npu.ops import contract as C
 from mcore_npu.ops.contract import AttentionProblem
+from mcore_npu.ops.grouped_matmul import npu_grouped_matmul  # noqa: F401  (torch_npu name)
+from mcore_npu.ops.rms_norm import npu_rms_norm  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.sparse_modes import band_covers_everything, band_keep, causal_keep, prefix_keep
+from mcore_npu.ops.swiglu import npu_swiglu  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.validation import split_q_band_segment, validate_call
 
 STATS_CHUNK_BYTES = 64 * 2**20

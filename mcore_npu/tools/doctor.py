@@ -630,6 +630,40 @@ def check_attention(probe: _Probe) -> Check:
     return Check("attention", OK, detail)
 
 
+FUSED_OPERATORS = ("npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_grouped_matmul")
+"""The torch_npu operators the NPU spec calls (each has a reference in ``mcore_npu.ops``)."""
+
+
+def check_fused_ops(probe: _Probe) -> Check:
+    """Which of ``FUSED_OPERATORS`` the installed torch_npu has, and its grouped-matmul keywords."""
+    if probe.torch is None:
+        return _not_checked("fused ops")
+    absent = _distribution_version("torch-npu") is None and _module_origin("torch_npu") is None
+    if absent and "torch_npu" not in sys.modules:
+        return Check("fused ops", OK, "no torch_npu: every operator runs its reference")
+    if accelerators.npu_import_error() is not None:
+        return Check("fused ops", OK, "torch_npu does not import (see the torch-npu line): "
+                     "every operator runs its reference")  # fmt: skip
+    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
+    have = [name for name in FUSED_OPERATORS if _attribute(torch_npu, name)]
+    missing = [name for name in FUSED_OPERATORS if name not in have]
+    detail = f"torch_npu has {', '.join(have) or 'none of them'}"
+    if "npu_grouped_matmul" in have:
+        keywords = importlib.import_module("mcore_npu.ops.fused").grouped_matmul_keywords(
+            torch_npu.npu_grouped_matmul
+        )
+        newer = "group_type" in keywords and "group_list_type" in keywords
+        detail += ("; npu_grouped_matmul takes group_type/group_list_type" if newer else
+                   "; npu_grouped_matmul is the older signature (no group_type: expert weight "
+                   "gradients by one matmul per expert)")  # fmt: skip
+    if missing:
+        return Check("fused ops", WARN, f"{detail}; missing {', '.join(missing)}",
+                     "an older torch-npu release",
+                     "upgrade torch-npu, or set that operator's kernel to reference "
+                     "(YAML fused.<op>: reference)")  # fmt: skip
+    return Check("fused ops", OK, detail)
+
+
 CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("python", check_python),
     ("torch", check_torch),
@@ -641,6 +675,7 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("allocator env", check_allocator_env),
     ("allocator setter", check_allocator_setter),
     ("attention", check_attention),
+    ("fused ops", check_fused_ops),
 )
 """The report's lines, in order. Each takes the shared probe and returns one Check."""
 

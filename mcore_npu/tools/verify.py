@@ -1,4 +1,8 @@
-"""``mcore-npu verify``: the attention case table, forward and backward, against a trusted answer.
+"""``mcore-npu verify``: an operator case table, forward and backward, against a trusted answer.
+
+The attention table (default) is described below. ``--cases specs/fused_ops_cases.yaml`` runs
+the fused operators' table instead (``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul``; see
+``mcore_npu.tools.fused_cases``) in the same two modes, with columns forward / grad0 / grad1.
 
 Two modes, chosen by the device:
 
@@ -476,6 +480,12 @@ class Target:
         return "hardware" if self.hardware else "oracle"
 
     def check(self, case: AttentionCase) -> CaseResult:
+        from mcore_npu.tools import fused_cases
+
+        if isinstance(case, fused_cases.FusedCase):
+            if self.hardware:
+                return fused_cases.check_kernel_fused_case(case, self.device)
+            return fused_cases.check_reference_fused_case(case, self.device)
         if self.hardware:
             return check_kernel_case(case, self.device)
         return check_reference_case(case, self.device)
@@ -509,8 +519,14 @@ def choose_target(requested: str | None) -> Target:
 
 
 def select_cases(path: str | Path | None, substring: str | None) -> list[AttentionCase]:
-    """The table's cases whose id contains ``substring`` (all of them without one)."""
-    cases = load_cases(path)
+    """The table's cases whose id contains ``substring`` (all of them without one).
+
+    A fused-operator table (``kind: fused_ops``) gives ``FusedCase`` objects instead.
+    """
+    from mcore_npu.tools import fused_cases
+
+    fused = path is not None and fused_cases.is_fused_table(path)
+    cases = fused_cases.load_fused_cases(path) if fused else load_cases(path)
     if substring:
         cases = [case for case in cases if substring in case.id]
         if not cases:
@@ -531,13 +547,14 @@ class _TextReport:
     """Prints the pass/fail table row by row (to the current ``sys.stdout``)."""
 
     id_width: int
+    quantities: tuple[str, ...] = QUANTITIES
 
     def header(self) -> None:
-        columns = "".join(f"{name:>10}" for name in QUANTITIES)
+        columns = "".join(f"{name:>10}" for name in self.quantities)
         print(f"{'':6}{'case':<{self.id_width}}{columns}", flush=True)
 
     def row(self, result: CaseResult) -> None:
-        cells = "".join(_cell(result, name) for name in QUANTITIES)
+        cells = "".join(_cell(result, name) for name in self.quantities)
         status = "PASS" if result.passed else "FAIL"
         print(f"{status:6}{result.case_id:<{self.id_width}}{cells}".rstrip(), flush=True)
         for line in _failure_details(result):
@@ -657,7 +674,11 @@ def _run_text(cases: list[AttentionCase], target: Target, args) -> list[CaseResu
         f"cases: {args.cases} ({len(cases)} cases{selection}); mode {target.mode}, "
         f"device {target.device}"
     )
-    report = _TextReport(id_width=max(len(case.id) for case in cases) + 2)
+    from mcore_npu.tools import fused_cases
+
+    fused = isinstance(cases[0], fused_cases.FusedCase)
+    report = _TextReport(id_width=max(len(case.id) for case in cases) + 2,
+                         quantities=fused_cases.QUANTITIES if fused else QUANTITIES)  # fmt: skip
     report.header()
     results = run_cases(cases, target.check, on_result=report.row)
     failures = [result for result in results if not result.passed]

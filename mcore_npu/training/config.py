@@ -82,6 +82,16 @@ class AttentionSection:
 
 
 @dataclass
+class FusedSection:
+    """Kernels of the fused operators in the npu_fusion spec (null = attention.kernel; off =
+    Megatron's own module: torch RMSNorm, MLP, SequentialMLP)."""
+
+    rms_norm: str | None = None  # npu_rms_norm in the input / pre-MLP / q-k / final norms
+    swiglu: str | None = None  # npu_swiglu as the SwiGLU activation (dense MLP and experts)
+    grouped_matmul: str | None = None  # npu_grouped_matmul experts (MoE layers)
+
+
+@dataclass
 class MemorySection:
     expandable_segments: bool = True
     strict: bool = False  # raise when expandable segments cannot take effect on an accelerator
@@ -93,6 +103,7 @@ class ParallelSection:
     pipeline: int = 1
     sequence_parallel: bool = False
     context: int = 1  # only 1 here; data parallel = world size / (tensor * pipeline * context)
+    expert: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
 
 
 @dataclass
@@ -132,6 +143,7 @@ class DataSection:
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
+    fused: FusedSection = field(default_factory=FusedSection)
     memory: MemorySection = field(default_factory=MemorySection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -141,6 +153,7 @@ class Config:
 _SECTIONS = {
     "model": ModelSection,
     "attention": AttentionSection,
+    "fused": FusedSection,
     "memory": MemorySection,
     "parallel": ParallelSection,
     "train": TrainSection,
@@ -284,8 +297,8 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
     "virtual_pipeline_model_parallel_size": "parallel.pipeline (no virtual stages)",
     "context_parallel_size": "parallel.context",
     "sequence_parallel": "parallel.sequence_parallel",
-    "expert_model_parallel_size": "nothing: expert parallelism is not launched by this trainer",
-    "expert_tensor_parallel_size": "nothing: expert parallelism is not launched by this trainer",
+    "expert_model_parallel_size": "parallel.expert",
+    "expert_tensor_parallel_size": "nothing: it follows parallel.tensor",
     "bf16": "train.dtype",
     "fp16": "train.dtype",
     "params_dtype": "train.dtype",
@@ -373,6 +386,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_sizes(cfg)
     _validate_heads(cfg)
     _validate_parallel(cfg, world_size)
+    _validate_experts(cfg, world_size)
     _validate_train(cfg)
 
 
@@ -389,6 +403,16 @@ def _validate_choices(cfg) -> None:
     for key, value, allowed in choices:
         if value not in allowed:
             _fail(key, value, "unknown choice", f"use one of {', '.join(allowed)}")
+    for name in ("rms_norm", "swiglu", "grouped_matmul"):
+        value = cfg.fused[name]
+        if value in ("False", "false"):  # YAML 1.1 reads an unquoted `off` as false
+            value = cfg.fused[name] = "off"
+        if value is not None and value not in (*KERNELS, "off"):
+            _fail(f"fused.{name}", value, "unknown choice",
+                  f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
+        if value is not None and cfg.attention.backend not in ("npu_fusion", "auto"):
+            _fail(f"fused.{name}", value, "only the npu_fusion backend has fused kernels "
+                  f"(backend is {cfg.attention.backend})", "leave it null")  # fmt: skip
     if cfg.attention.kernel != "auto" and cfg.attention.backend not in ("npu_fusion", "auto"):
         _fail("attention.kernel", cfg.attention.kernel,
               f"only the npu_fusion backend has kernels (backend is {cfg.attention.backend})",
@@ -517,6 +541,25 @@ def _validate_parallel(cfg, world_size: int) -> None:
             f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)",
             "use a multiple of the tensor-parallel size",
         )
+
+
+def _validate_experts(cfg, world_size: int) -> None:
+    p, experts = cfg.parallel, cfg.model.extra.get("num_moe_experts")
+    if p.expert < 1:
+        _fail("parallel.expert", p.expert, "must be positive", "use 1 (no expert parallelism)")
+    if p.expert == 1:
+        return
+    if not experts:
+        _fail("parallel.expert", p.expert, "needs an MoE model (model.num_moe_experts)",
+              "set model.num_moe_experts or parallel.expert=1")  # fmt: skip
+    if experts % p.expert:
+        _fail("parallel.expert", p.expert, f"does not divide model.num_moe_experts={experts}",
+              "pick a divisor of the expert count")  # fmt: skip
+    data_parallel = world_size // (p.tensor * p.pipeline * p.context)
+    if data_parallel % p.expert:
+        _fail("parallel.expert", p.expert, f"does not divide the data-parallel size "
+              f"{data_parallel} (experts are split over data-parallel ranks)",
+              "launch more processes or lower parallel.expert")  # fmt: skip
 
 
 def _resolved_backend(cfg) -> str:

@@ -15,6 +15,12 @@ RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator stat
 ``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
 gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
 ``torch.cuda.FloatTensor`` grads)     type assertion
+``torch.cuda.Stream()``,              ``CpuStream``: a stream that runs nothing (CPU work is
+``current_stream()``, ``stream(s)``   synchronous), for the MoE alltoall dispatcher's
+                                      device-to-host side stream
+alltoall dispatcher's split sizes     ``splits_to_host``: CPU tensors become numpy arrays too
+(``maybe_move_tensor_to_cpu`` only    (``all_to_all_single`` takes lists, not tensors)
+converts CUDA tensors to numpy)
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -89,6 +95,40 @@ def make_cpu_rng_tracker():
     return CpuRngTracker()
 
 
+class CpuStream:
+    """A stand-in for ``torch.cuda.Stream`` on the CPU, where every operation is synchronous:
+    waiting, recording events and synchronising are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_DEFAULT_STREAM = CpuStream()
+
+
+def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: honour
+    ``as_numpy`` (the alltoall dispatcher's split sizes must reach gloo as plain numbers)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 @dataclass
 class _Shims:
     """What ``apply()`` replaced, so ``revert()`` can put it back."""
@@ -125,7 +165,16 @@ def apply() -> None:
     originals["_get_cuda_rng_state"] = mp_random._get_cuda_rng_state
     originals["_set_cuda_rng_state"] = mp_random._set_cuda_rng_state
     originals["clip_grad_by_total_norm_fp32"] = megatron_optimizer.clip_grad_by_total_norm_fp32
+    for name in ("Stream", "current_stream", "stream"):
+        originals[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
+    from megatron.core.transformer.moe import token_dispatcher
 
+    originals["maybe_move_tensor_to_cpu"] = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = splits_to_host
+
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     mp_random._CUDA_RNG_STATE_TRACKER = make_cpu_rng_tracker()
@@ -153,6 +202,11 @@ def revert() -> None:
     mp_random._get_cuda_rng_state = originals["_get_cuda_rng_state"]
     mp_random._set_cuda_rng_state = originals["_set_cuda_rng_state"]
     megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
+    for name in ("Stream", "current_stream", "stream"):
+        setattr(torch.cuda, name, originals[f"torch.cuda.{name}"])
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = originals["maybe_move_tensor_to_cpu"]
     _SHIMS.originals.clear()
     _SHIMS.mode = None
 

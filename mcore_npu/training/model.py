@@ -44,6 +44,7 @@ def transformer_config(cfg):
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
         sequence_parallel=p.sequence_parallel,
         params_dtype=_DTYPES[t.dtype],
         pipeline_dtype=_DTYPES[t.dtype],
@@ -100,7 +101,12 @@ def layer_spec(cfg, config):
     backend = resolve_backend(cfg.attention.backend)
     if backend == "npu_fusion":
         return get_gpt_decoder_block_npu_spec(
-            config, kernel=cfg.attention.kernel, normalization=cfg.model.normalization
+            config,
+            kernel=cfg.attention.kernel,
+            normalization=cfg.model.normalization,
+            rms_norm_kernel=cfg.fused.rms_norm,
+            swiglu_kernel=cfg.fused.swiglu,
+            grouped_matmul_kernel=cfg.fused.grouped_matmul,
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

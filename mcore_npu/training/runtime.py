@@ -54,6 +54,7 @@ class ParallelLayout:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def _initialize_parallel_state(layout: ParallelLayout) -> None:
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
     )
 
 

@@ -85,7 +85,7 @@ class Trainer(ExpandableSegmentsMixin):
         self.cfg = cfg
         _check_dtype_supported(cfg)
         par = cfg.parallel
-        layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context)
+        layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context, par.expert)
         self.runtime = runtime.initialize(
             layout, seed=cfg.train.seed, timeout_s=cfg.train.timeout_s
         )

@@ -6,11 +6,17 @@ weight gradients differ per rank and must be summed over the tensor-parallel gro
 ``finalize_model_grads`` does that for parameters tagged ``sequence_parallel = True``; these norms
 tag theirs. Parameter names (``weight``, ``bias``) are those of ``torch.nn.LayerNorm`` /
 ``torch.nn.RMSNorm``, i.e. of the local spec, so checkpoints move between the two specs.
+
+RMSNorm runs through ``npu_rms_norm`` (:class:`NPURMSNorm`, ``kernel`` as in ``mcore_npu.ops``);
+pass ``kernel=None`` for ``torch.nn.RMSNorm``. Each token is normalised on its own, so sequence
+parallelism changes nothing in the forward.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mcore_npu.ops import KERNELS, rms_norm
 
 
 def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
@@ -19,20 +25,47 @@ def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
     return module
 
 
-class SequenceParallelNorm:
-    """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` (``config.normalization``).
+class NPURMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension through ``npu_rms_norm``: x ``[*, H]`` -> ``[*, H]``.
 
-    Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...).
+    ``weight`` ``[H]`` (``torch.nn.RMSNorm``'s name) is gamma; ``eps`` is Megatron's
+    ``layernorm_epsilon`` (the slot passes it).
     """
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, kernel: str = "auto") -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps, self.kernel = float(eps), kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return rms_norm(x, gamma, self.eps, kernel=self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, kernel={self.kernel!r}"
+
+
+class SequenceParallelNorm:
+    """Builds ``torch.nn.LayerNorm``, or RMSNorm (``config.normalization``).
+
+    Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...) plus
+    ``kernel`` (from the spec's params): RMSNorm is :class:`NPURMSNorm` with that kernel, or
+    ``torch.nn.RMSNorm`` when ``kernel`` is None.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, kernel: str | None = None,
+                **_unused):  # fmt: skip
         if config.layernorm_zero_centered_gamma:
             raise NotImplementedError(
                 "layernorm_zero_centered_gamma: not supported by the torch norms of this spec; "
                 "set it to False"
             )
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
         if config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm" and kernel is not None:
+            norm = NPURMSNorm(hidden_size, eps=eps, kernel=kernel)
         elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         else:

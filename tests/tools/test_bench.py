@@ -36,6 +36,11 @@ def test_quick_benchmark_writes_json_and_png(which, tmp_path):
         assert EXPECTED_ROW_KEYS[which] <= row.keys(), row
         assert all(row[key] >= 0 for key in row if "peak" in key), row  # the causal path: 0
         assert all(row[key] > 0 for key in row if "seconds" in key), row
+    if which == "step":  # the MoE rows: grouped experts and SequentialMLP, measured together
+        for row in result["moe_rows"]:
+            assert row["grouped_seconds"] > 0 and row["sequential_seconds"] > 0, row
+            assert row["grouped_peak_bytes"] > 0 and row["sequential_peak_bytes"] > 0, row
+            assert row["time_ratio"] == row["grouped_seconds"] / row["sequential_seconds"]
     assert result["goals"]
     assert all(goal["met"] for goal in result["goals"] if goal["kind"] == "memory")
     assert all(goal["measured"] > 0 for goal in result["goals"] if goal["kind"] == "time")

@@ -27,6 +27,7 @@ NAMES = [
     "allocator env",
     "allocator setter",
     "attention",
+    "fused ops",
 ]
 ENV_NOISE = (
     "PYTORCH_NPU_ALLOC_CONF",

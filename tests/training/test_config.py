@@ -130,3 +130,56 @@ def test_ascend_example_validates_for_its_cluster():
     cfg = load_config(CONFIGS / "ascend_llama_8b_32k.yaml", world_size=16)
     assert cfg.train.dtype == "bf16" and cfg.data.pack_sequences
     assert cfg.train.seq_length == 32768 and cfg.memory.expandable_segments
+
+
+# ---------------------------------------------------------------- MoE, expert parallel, fused ops
+
+MOE_BAD = [
+    (["parallel.expert=2"], "parallel.expert"),  # gpt_tiny has no experts
+    (["model.num_moe_experts=3", "parallel.expert=2"], "parallel.expert"),
+    (["model.num_moe_experts=4", "parallel.expert=4"], "parallel.expert"),  # dp is 2
+    (["parallel.expert=0"], "parallel.expert"),
+    (["model.expert_model_parallel_size=2"], "model.expert_model_parallel_size"),
+    (["fused.rms_norm=npu"], "fused.rms_norm"),
+    (["fused.swiglu=fast"], "fused.swiglu"),
+    (["fused.grouped_matmul=cuda"], "fused.grouped_matmul"),
+    (["attention.backend=local", "fused.swiglu=reference"], "fused.swiglu"),
+    (["fused.rmsnorm=off"], "fused.rmsnorm"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", MOE_BAD, ids=[" ".join(o) for o, _ in MOE_BAD])
+def test_bad_moe_or_fused_config_is_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "gpt_tiny.yaml", overrides, world_size=2)
+    assert str(info.value).startswith(f"config {key}"), str(info.value)
+
+
+def test_tiny_moe_config_validates_for_one_and_two_expert_ranks():
+    from mcore_npu.training.model import transformer_config
+
+    cfg = load_config(CONFIGS / "gpt_tiny_moe.yaml", ["parallel.expert=2"], world_size=2)
+    assert cfg.model.extra.num_moe_experts == 4 and cfg.model.extra.moe_router_topk == 2
+    assert cfg.parallel.expert == 2 and cfg.fused.grouped_matmul is None
+    config = transformer_config(cfg)
+    assert config.expert_model_parallel_size == 2 and config.num_moe_experts == 4
+
+
+def test_fused_off_survives_yamls_boolean_reading(tmp_path):
+    (tmp_path / "off.yaml").write_text("fused:\n  grouped_matmul: off\n  swiglu: 'off'\n")
+    cfg = load_config(tmp_path / "off.yaml", ["fused.rms_norm=off"])
+    assert cfg.fused.grouped_matmul == cfg.fused.swiglu == cfg.fused.rms_norm == "off"
+
+
+def test_qwen3_moe_example_validates_for_its_cluster():
+    from mcore_npu.training.model import transformer_config
+
+    cfg = load_config(CONFIGS / "ascend_qwen3_moe_30b_a3b.yaml", world_size=16)
+    assert cfg.fused.rms_norm == cfg.fused.swiglu == cfg.fused.grouped_matmul == "torch_npu"
+    assert cfg.parallel.expert == 8 and cfg.train.dtype == "bf16"
+    config = transformer_config(cfg)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
+        128, 8, 768)  # fmt: skip
+    assert config.kv_channels == 128 and config.qk_layernorm
+    with pytest.raises(ConfigError, match="parallel.expert"):
+        load_config(CONFIGS / "ascend_qwen3_moe_30b_a3b.yaml", world_size=8)  # dp 4 < 8 experts

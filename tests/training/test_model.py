@@ -29,8 +29,10 @@ def test_model_built_from_gpt_tiny_matches_the_yaml():
     assert len(model.decoder.layers) == 2
     layer = model.decoder.layers[0]
     assert isinstance(layer.self_attention.core_attention, NPUFusionAttention)
-    assert isinstance(layer.input_layernorm, torch.nn.RMSNorm)
-    assert isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
+    from mcore_npu.transformer.norms import NPURMSNorm  # RMSNorm through npu_rms_norm
+
+    assert isinstance(layer.input_layernorm, NPURMSNorm)
+    assert isinstance(model.decoder.final_layernorm, NPURMSNorm)
     assert model.position_embedding_type == "rope"
     assert model.embedding.word_embeddings.weight.shape == (264, 128)
     assert model.output_layer.weight.shape == (264, 128)  # untied output layer

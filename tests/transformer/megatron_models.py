@@ -56,11 +56,14 @@ def local_spec(config):
 
 
 def npu_spec(config, kernel="reference"):
+    """The NPU layer spec; ``kernel`` is the attention's, the other fused operators run their
+    reference (tests/transformer/test_fused_contract.py checks their torch_npu calls)."""
     from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
 
     return get_gpt_layer_npu_spec(
-        normalization=config.normalization, qk_layernorm=config.qk_layernorm, kernel=kernel
-    )
+        normalization=config.normalization, qk_layernorm=config.qk_layernorm, kernel=kernel,
+        rms_norm_kernel="reference", swiglu_kernel="reference", grouped_matmul_kernel="reference",
+    )  # fmt: skip
 
 
 def twin_models(config):

@@ -1,5 +1,11 @@
 """``mcore-npu bench step``: one training step, NPU spec (reference kernel) vs Megatron's local spec.
 
+A second table (``moe_rows``) does the same for the MoE shape of ``configs/gpt_tiny_moe.yaml``
+(4 experts, top-2): the NPU spec with its grouped experts (``npu_grouped_matmul`` reference)
+against the same NPU spec with Megatron's ``SequentialMLP`` experts (``fused.grouped_matmul=off``:
+Megatron's local MoE path; its own router needs Transformer Engine on megatron-core 0.16.1),
+both built and stepped in turns in the same run.
+
 Both trainers are built from ``configs/gpt_tiny.yaml``'s shape in one process and step in
 turns (interleaved), so noise hits both alike. Reported per sequence length: the median step
 time of each (after a warm-up step that also allocates the optimizer state), their ratio, and
@@ -14,6 +20,10 @@ from mcore_npu.tools.bench.memory import track_allocations
 from mcore_npu.tools.bench.timing import interleaved_medians
 
 BACKENDS = ("npu_fusion", "local")
+MOE_MODEL = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=128",
+             "model.moe_token_dispatcher_type=alltoall", "model.moe_router_dtype=fp32",
+             "model.moe_aux_loss_coeff=0.01"]  # fmt: skip
+MOE_VARIANTS = {"grouped": [], "sequential": ["fused.grouped_matmul=off"]}
 
 
 def _trainers(seq_length: int, steps: int):
@@ -29,6 +39,59 @@ def _trainers(seq_length: int, steps: int):
         ])  # fmt: skip
         trainers[backend] = Trainer(cfg)
     return trainers
+
+
+def _moe_trainers(seq_length: int, steps: int):
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.train import Trainer
+
+    return {
+        name: Trainer(
+            load_config(
+                None,
+                [
+                    "attention.backend=npu_fusion",
+                    f"train.seq_length={seq_length}",
+                    f"model.max_sequence_length={seq_length}",
+                    f"train.steps={steps}",
+                    "train.metrics_file=null",
+                    "train.progress=false",
+                    "model.qk_layernorm=true",
+                    *MOE_MODEL,
+                    *extra,
+                ],
+            )
+        )  # fmt: skip
+        for name, extra in MOE_VARIANTS.items()
+    }
+
+
+def _time_and_peak(trainers: dict, repeats: int) -> tuple[dict, dict]:
+    """Median step time and one step's peak bytes of each trainer (interleaved, one run)."""
+    for trainer in trainers.values():
+        trainer.train_step()  # warm-up: optimizer state, cached masks
+    peaks = {}
+    for name, trainer in trainers.items():
+        with track_allocations() as usage:
+            trainer.train_step()
+        peaks[name] = usage.peak_bytes
+    times = interleaved_medians({n: t.train_step for n, t in trainers.items()}, repeats=repeats,
+                                warmup=0)  # fmt: skip
+    return times, peaks
+
+
+def _moe_rows(lengths, repeats: int) -> list[dict]:
+    rows = []
+    for seq in lengths:
+        times, peaks = _time_and_peak(_moe_trainers(seq, steps=repeats + 4), repeats)
+        rows.append({
+            "seq_length": seq,
+            "grouped_seconds": times["grouped"], "sequential_seconds": times["sequential"],
+            "time_ratio": times["grouped"] / times["sequential"],
+            "grouped_peak_bytes": peaks["grouped"], "sequential_peak_bytes": peaks["sequential"],
+            "peak_ratio": peaks["grouped"] / peaks["sequential"],
+        })  # fmt: skip
+    return rows
 
 
 def measure(quick: bool = False) -> dict:
@@ -57,6 +120,7 @@ def measure(quick: bool = False) -> dict:
                 "npu_fusion_peak_bytes": peaks["npu_fusion"], "local_peak_bytes": peaks["local"],
                 "peak_ratio": peaks["npu_fusion"] / peaks["local"],
             })  # fmt: skip
+        moe_rows = _moe_rows(lengths[:2], repeats)
     finally:
         runtime.shutdown()
     first = rows[0]
@@ -65,6 +129,10 @@ def measure(quick: bool = False) -> dict:
         "setup": "gpt_tiny shape (2 layers, hidden 128, 4 heads / 2 kv groups, SwiGLU, RMSNorm, "
         "qk-norm), micro-batch 4, global batch 8, fp32, CPU, reference kernel",
         "rows": rows,
+        "moe_setup": "the same shape with 4 experts (top-2, expert width 128, alltoall "
+        "dispatcher) in both layers; grouped = NPUGroupedMLP (grouped-matmul reference), "
+        "sequential = Megatron's SequentialMLP, same NPU router and attention",
+        "moe_rows": moe_rows,
         "goals": [
             goal(
                 f"npu_fusion / local step time at S={first['seq_length']}",
@@ -91,7 +159,19 @@ def table(result: dict) -> str:
     ]  # fmt: skip
     headers = ["S", "npu_fusion ms", "local ms", "time ratio", "npu_fusion peak MiB",
                "local peak MiB", "peak ratio"]  # fmt: skip
-    return markdown_table(headers, rows)
+    text = markdown_table(headers, rows)
+    if not result.get("moe_rows"):
+        return text
+    moe = [
+        [r["seq_length"], f"{r['grouped_seconds'] * 1e3:.1f}",
+         f"{r['sequential_seconds'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x",
+         f"{r['grouped_peak_bytes'] / 2**20:.1f}", f"{r['sequential_peak_bytes'] / 2**20:.1f}",
+         f"{r['peak_ratio']:.2f}x"]
+        for r in result["moe_rows"]
+    ]  # fmt: skip
+    moe_headers = ["S", "grouped ms", "SequentialMLP ms", "time ratio", "grouped peak MiB",
+                   "SequentialMLP peak MiB", "peak ratio"]  # fmt: skip
+    return f"{text}\n\nMoE ({result['moe_setup']}):\n\n{markdown_table(moe_headers, moe)}"
 
 
 def plot(result: dict, path) -> None:

@@ -1,0 +1,157 @@
+"""Dispatch of the fused operators beyond attention: ``kernel = auto | torch_npu | reference``.
+
+- :func:`rms_norm` -> ``torch_npu.npu_rms_norm`` or :func:`mcore_npu.ops.rms_norm.npu_rms_norm`
+- :func:`swiglu` -> ``torch_npu.npu_swiglu`` or :func:`mcore_npu.ops.swiglu.npu_swiglu`
+- :func:`grouped_linear` -> ``npu_grouped_matmul`` three times per projection (forward, dX, dW),
+  MindSpeed's backward scheme, through :class:`GroupedLinear`
+
+Every call is validated first (the same checks for both kernels), then reaches the chosen kernel
+with exactly the documented arguments. ``torch_npu`` is imported at call time only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from mcore_npu.ops import grouped_matmul as gmm
+from mcore_npu.ops import rms_norm as rms
+from mcore_npu.ops import swiglu as glu
+
+GROUPED_MATMUL_NEWER_KEYWORDS = ("group_type", "group_list_type")
+"""Keywords older ``npu_grouped_matmul`` releases (torch 2.1/2.2 builds) do not take."""
+
+
+def _chosen(kernel: str, t) -> str:
+    from mcore_npu.ops import resolve_kernel
+
+    return resolve_kernel(kernel, getattr(t, "device", torch.device("cpu")))
+
+
+def _torch_npu():
+    from mcore_npu.ops import load_torch_npu
+
+    return load_torch_npu()
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6, *, kernel="auto"):
+    """``npu_rms_norm(x, gamma, epsilon=epsilon)[0]``: x [*, H] -> y [*, H] (rstd dropped)."""
+    chosen = _chosen(kernel, x)
+    rms.validate_rms_norm(x, gamma, epsilon, kernel=chosen)
+    if chosen == "torch_npu":
+        return _torch_npu().npu_rms_norm(x, gamma, epsilon=epsilon)[0]
+    return rms.npu_rms_norm(x, gamma, epsilon=epsilon)[0]
+
+
+def swiglu(x: torch.Tensor, dim: int = -1, *, kernel="auto") -> torch.Tensor:
+    """``npu_swiglu(x, dim=dim)``: [..., 2F] -> [..., F], silu(first half) * second half."""
+    chosen = _chosen(kernel, x)
+    glu.validate_swiglu(x, dim, kernel=chosen)
+    if chosen == "torch_npu":
+        return _torch_npu().npu_swiglu(x, dim=dim)
+    return glu.npu_swiglu(x, dim=dim)
+
+
+def grouped_matmul(x, weight, *, kernel="auto", **op_kwargs) -> list[torch.Tensor]:
+    """One ``npu_grouped_matmul(x, weight, **op_kwargs)`` call on the chosen kernel.
+
+    Keywords that the installed torch_npu does not take (older releases stop at ``group_list``,
+    ``split_item``, ``output_dtype``) raise TypeError naming them, before the call.
+    """
+    first = x[0] if isinstance(x, (list, tuple)) and x else x
+    chosen = _chosen(kernel, first)
+    unknown = set(op_kwargs) - set(inspect.signature(gmm.npu_grouped_matmul).parameters)
+    if unknown:
+        raise TypeError(f"grouped_matmul: unknown operator keyword(s) {sorted(unknown)}; "
+                        "see mcore_npu.ops.grouped_matmul for the operator's keywords")  # fmt: skip
+    if chosen != "torch_npu":
+        gmm.validate_grouped_matmul(x, weight, kernel=chosen, **op_kwargs)
+        return gmm.npu_grouped_matmul(x, weight, **op_kwargs)
+    op = _torch_npu().npu_grouped_matmul
+    accepted = grouped_matmul_keywords(op)
+    missing = [k for k in op_kwargs if k not in accepted]
+    if missing:
+        raise TypeError(f"grouped_matmul: the installed torch_npu's npu_grouped_matmul takes "
+                        f"no {missing}; upgrade torch-npu or leave them out")  # fmt: skip
+    checked = dict(op_kwargs)
+    if "group_type" not in accepted and checked.get("group_list") is not None:
+        checked["group_type"] = 0  # older releases split x's rows (M) by group_list
+    gmm.validate_grouped_matmul(x, weight, kernel=chosen, **checked)
+    return op(x, weight, **op_kwargs)
+
+
+def grouped_matmul_keywords(op) -> frozenset[str]:
+    """The keyword names ``op`` accepts, probed from its signature (never from a version).
+
+    A builtin without an introspectable signature is taken to be a newer release (all keywords).
+    """
+    try:
+        params = inspect.signature(op).parameters
+    except (TypeError, ValueError):
+        params = inspect.signature(gmm.npu_grouped_matmul).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        params = inspect.signature(gmm.npu_grouped_matmul).parameters
+    return frozenset(name for name in params if name not in ("x", "weight"))
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ W_e.T`` with one grouped matmul per pass.
+
+    Weights keep Megatron's linear layout ``[N, K]`` (out, in); the operator sees ``W_e.T``.
+    Forward: ``(x=[X], weight=[W_e.T], group_list, split_item=2, group_type=0)``. Backward: dX
+    with ``weight=[W_e]`` and the same group list; dW with ``x=[X.T], weight=[dY],
+    split_item=3, group_type=2`` -> ``[E, K, N]``, dW_e = its e-th slice transposed. A torch_npu
+    without ``group_type`` (older releases) gets dW from one ``mm`` per expert instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x, counts, kernel, *weights):
+        ctx.kernel, ctx.counts = kernel, counts
+        ctx.save_for_backward(x, *weights)
+        return _call(kernel, [x], [w.t() for w in weights], counts, split_item=2, group_type=0)[0]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, *weights = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_x = _call(ctx.kernel, [grad_y], list(weights), ctx.counts, split_item=2,
+                       group_type=0)[0]  # fmt: skip
+        if _supports(ctx.kernel, "group_type"):
+            stacked = _call(ctx.kernel, [x.t()], [grad_y], ctx.counts, split_item=3,
+                            group_type=2)[0]  # [E, K, N]  # fmt: skip
+            grads_w = [g.t() for g in stacked.unbind(0)]
+        else:
+            ends = torch.cumsum(ctx.counts.cpu(), 0).tolist()
+            starts = [0, *ends[:-1]]
+            grads_w = [grad_y[s:e].t() @ x[s:e] for s, e in zip(starts, ends)]
+        return (grad_x, None, None, *grads_w)
+
+
+def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, kernel="auto"):
+    """Expert projection: x [T, K] (rows sorted by expert), weights E x [N, K] -> y [T, N].
+
+    ``tokens_per_expert`` [E] (int tensor or list) gives the rows per expert; zeros allowed.
+    """
+    chosen = _chosen(kernel, x)
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64)
+    counts = counts.to(x.device) if chosen == "torch_npu" else counts.cpu()
+    return GroupedLinear.apply(x, counts, chosen, *weights)
+
+
+def _supports(kernel: str, keyword: str) -> bool:
+    if kernel != "torch_npu":
+        return True
+    return keyword in grouped_matmul_keywords(_torch_npu().npu_grouped_matmul)
+
+
+def _call(kernel, x, weight, counts, *, split_item, group_type):
+    """One operator call with the group list as counts (cumulative where counts are unknown)."""
+    kwargs = dict(group_list=counts, split_item=split_item, group_type=group_type,
+                  group_list_type=1)  # fmt: skip
+    if not _supports(kernel, "group_list_type"):
+        kwargs.update(group_list=torch.cumsum(counts, 0))
+        del kwargs["group_list_type"]
+    if not _supports(kernel, "group_type"):
+        del kwargs["group_type"]
+    return grouped_matmul(x, weight, kernel=kernel, **kwargs)

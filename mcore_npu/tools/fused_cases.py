@@ -1,0 +1,202 @@
+"""The fused-operator case table (``specs/fused_ops_cases.yaml``) and its float64 oracle.
+
+``load_fused_cases`` expands the table into one :class:`FusedCase` per case and dtype;
+``make_call`` draws seeded inputs (in float64, then cast, so one case's inputs agree across
+dtypes) and the operator's arguments. The oracle is written here from the operator contracts
+(explicit sums, no code shared with ``mcore_npu.ops``); ``check_reference_fused_case`` compares
+the reference with it, ``check_kernel_fused_case`` torch_npu (through the ``ops`` dispatch) with
+the reference in float32 on the same rounded inputs. Both return ``verify``'s ``CaseResult``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from mcore_npu.tools.cases import Tolerance
+
+FUSED_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/fused_ops_cases.yaml")))
+OPERATORS = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul")
+QUANTITIES = ("forward", "grad0", "grad1")
+"""Output, then the gradients of the call's inputs in order (x; gamma or the weights)."""
+
+
+@dataclass(frozen=True)
+class FusedCase:
+    id: str
+    operator: str
+    params: tuple[tuple[str, Any], ...]
+    dtype: torch.dtype
+    forward: Tolerance
+    grad: Tolerance
+    seed: int
+
+    def param(self, name: str, default=None):
+        return dict(self.params).get(name, default)
+
+
+def is_fused_table(path) -> bool:
+    """Whether ``path`` is a fused-operator table (``kind: fused_ops``)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and loaded.get("kind") == "fused_ops"
+
+
+def load_fused_cases(path=None) -> list[FusedCase]:
+    table = yaml.safe_load(Path(path or FUSED_TABLE).read_text(encoding="utf-8"))
+    cases = []
+    for operator in OPERATORS:
+        for entry in table.get(operator, []):
+            for dtype_name in table["dtypes"]:
+                tol = table["tolerances"][dtype_name]
+                case_id = f"{operator}/{entry['name']}/{dtype_name}"
+                seed = table["seed"] + int(
+                    hashlib.sha256(entry["name"].encode()).hexdigest()[:6], 16
+                )
+                cases.append(FusedCase(
+                    case_id, operator, tuple(sorted(entry.items())), getattr(torch, dtype_name),
+                    Tolerance(**tol["forward"]), Tolerance(**tol["grad"]), seed,
+                ))  # fmt: skip
+    return cases
+
+
+def _normal(shape, seed) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
+    """``(inputs, kwargs)``: the differentiable input tensors (leaves) and the other arguments.
+
+    rms_norm: ``[x, gamma]``; swiglu: ``[x]``; grouped matmul: ``[x, *weights]`` with ``x`` the
+    single x tensor (for ``group_type=None``, x is split into per-group tensors by the call).
+    """
+    s = case.seed
+    if case.operator == "npu_rms_norm":
+        shape = case.param("shape")
+        x = _normal(shape, s) * 2
+        gamma = _normal(shape[len(shape) - case.param("gamma_rank") :], s + 1)
+        leaves = [x, gamma]
+        kwargs = {"epsilon": case.param("epsilon")}
+    elif case.operator == "npu_swiglu":
+        leaves, kwargs = [_normal(case.param("shape"), s) * 2], {"dim": case.param("dim")}
+    else:
+        counts, k, n = case.param("counts"), case.param("k"), case.param("n")
+        if case.param("group_type") == 2:
+            leaves = [_normal((n, sum(counts)), s), _normal((sum(counts), k), s + 1)]
+        else:
+            weights = [_normal((k, n), s + 1 + e) / k**0.5 for e in range(len(counts))]
+            leaves = [_normal((sum(counts), k), s), *weights]
+        group_list = counts if case.param("group_list_type") == 1 else _cumulative(counts)
+        kwargs = {"split_item": case.param("split_item"), "group_type": case.param("group_type"),
+                  "group_list_type": case.param("group_list_type")}  # fmt: skip
+        if case.param("group_type") is not None:
+            kwargs["group_list"] = torch.tensor(group_list, dtype=torch.int64, device=device)
+    leaves = [t.to(dtype).to(device).requires_grad_(True) for t in leaves]
+    return leaves, kwargs
+
+
+def _cumulative(counts):
+    ends, total = [], 0
+    for c in counts:
+        total += c
+        ends.append(total)
+    return ends
+
+
+def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
+    """Run ``op`` (a torch_npu-shaped callable) on the case; the output as one tensor."""
+    if case.operator == "npu_rms_norm":
+        return op(leaves[0], leaves[1], **kwargs)[0]
+    if case.operator == "npu_swiglu":
+        return op(leaves[0], **kwargs)
+    x, weights = leaves[0], leaves[1:]
+    if case.param("group_type") is None:
+        x_list = list(x.split(case.param("counts"), dim=0))
+        return torch.cat(op(x_list, weights, **kwargs), dim=0)
+    if case.param("weight_3d"):
+        weights = [torch.stack(weights)]
+    out = op([x], weights, **kwargs)
+    return torch.cat([o.reshape(-1) for o in out]) if len(out) > 1 else out[0]
+
+
+def oracle(case: FusedCase, leaves) -> torch.Tensor:
+    """The float64 answer from the contract (explicit sums; differentiable)."""
+    if case.operator == "npu_rms_norm":
+        x, gamma = leaves
+        dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+        mean_square = (x * x).sum(dim=dims, keepdim=True) / gamma.numel()
+        return x * gamma / torch.sqrt(mean_square + case.param("epsilon"))
+    if case.operator == "npu_swiglu":
+        (x,) = leaves
+        dim, half = case.param("dim"), leaves[0].shape[case.param("dim")] // 2
+        a, b = x.narrow(dim, 0, half), x.narrow(dim, half, half)
+        return a * b / (1 + torch.exp(-a))
+    counts, x, weights = case.param("counts"), leaves[0], leaves[1:]
+    blocks, start = [], 0
+    for e, c in enumerate(counts):
+        if case.param("group_type") == 2:  # Y_e = A[:, k_e] @ B[k_e, :]
+            a, b = x[:, start : start + c], weights[0][start : start + c]
+            blocks.append((a.unsqueeze(2) * b.unsqueeze(0)).sum(1))
+        else:  # Y[rows_e] = X[rows_e] @ W_e
+            rows = x[start : start + c]
+            blocks.append((rows.unsqueeze(2) * weights[e].unsqueeze(0)).sum(1))
+        start += c
+    if case.param("group_type") == 2:
+        return torch.stack(blocks)
+    if case.param("split_item") in (0, 1) and case.param("group_type") is not None:
+        return torch.cat([b.reshape(-1) for b in blocks])
+    return torch.cat(blocks, dim=0)
+
+
+def _compare_all(case, got, got_leaves, want, want_leaves, upstream):
+    from mcore_npu.tools.verify import CaseResult, compare
+
+    got_grads = torch.autograd.grad(got, got_leaves, upstream.to(got.dtype), allow_unused=True)
+    want_grads = torch.autograd.grad(want, want_leaves, upstream.to(want.dtype), allow_unused=True)
+    comparisons = [compare("forward", got, want, None, case.forward)]
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        g = torch.zeros_like(got_leaves[i]) if g is None else g
+        w = torch.zeros_like(want_leaves[i]) if w is None else w
+        name = "grad0" if i == 0 else "grad1"
+        if i >= 2:  # further weights: fold into grad1 (the worst of them counts)
+            prev = next(c for c in comparisons if c.name == "grad1")
+            new = compare(name, g, w, None, case.grad)
+            if new.max_error > prev.max_error:
+                comparisons[comparisons.index(prev)] = new
+            continue
+        comparisons.append(compare(name, g, w, None, case.grad))
+    return CaseResult(case.id, tuple(comparisons))
+
+
+def check_reference_fused_case(case: FusedCase, device="cpu"):
+    """The reference in the case's dtype against the float64 oracle."""
+    from mcore_npu.ops import reference
+
+    leaves, kwargs = make_call(case, case.dtype, device)
+    got = call_operator(case, getattr(reference, case.operator), leaves, kwargs)
+    exact, _ = make_call(case, case.dtype, "cpu")
+    exact = [t.detach().double().requires_grad_(True) for t in exact]  # the same rounded inputs
+    want = oracle(case, exact)
+    upstream = _normal(want.shape, case.seed + 99)
+    return _compare_all(case, got, leaves, want, exact, upstream)
+
+
+def check_kernel_fused_case(case: FusedCase, device):
+    """torch_npu on ``device`` against the float32 reference on the CPU (same rounded inputs)."""
+    from mcore_npu.ops import load_torch_npu, reference
+
+    leaves, kwargs = make_call(case, case.dtype, device)
+    got = call_operator(case, getattr(load_torch_npu(), case.operator), leaves, kwargs)
+    rounded, cpu_kwargs = make_call(case, case.dtype, "cpu")
+    wide = [t.detach().float().requires_grad_(True) for t in rounded]
+    want = call_operator(case, getattr(reference, case.operator), wide, cpu_kwargs)
+    upstream = _normal(want.shape, case.seed + 99)
+    return _compare_all(case, got, leaves, want, wide, upstream)

@@ -1,0 +1,278 @@
+"""Grouped experts for Megatron's MoE layer: one ``npu_grouped_matmul`` per projection.
+
+``NPUGroupedMLP`` fills the ``experts`` slot of ``MoESubmodules`` and takes what the slot passes
+(``num_local_experts, config, submodules=None, pg_collection=...``) plus the spec's ``kernel``
+and ``param_layout``. Forward, for the tokens the dispatcher sorted by local expert::
+
+    x [T, H] --fc1 (grouped, one call)--> [T, F'] --SwiGLU (npu_swiglu) / activation--> [T, F]
+      --* probs [T, 1]--> --fc2 (grouped, one call)--> [T, H]
+
+``F`` = ``moe_ffn_hidden_size / expert_tp``, ``F' = 2F`` with a gated linear unit. Backward runs
+one grouped matmul for dX and one (``group_type=2``) for all experts' dW per projection
+(:class:`mcore_npu.ops.fused.GroupedLinear`). Off-NPU the reference runs with the same arguments.
+
+Parameters (Megatron's linear layout ``[out, in]``), by ``param_layout``:
+
+- ``"local"``: ``local_experts.{e}.linear_fc1.weight`` ``[F', H]`` and
+  ``local_experts.{e}.linear_fc2.weight`` ``[H, F]`` (``SequentialMLP``'s names: its state dict
+  loads as is);
+- ``"te"``: ``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` (``TEGroupedMLP``'s names, which
+  the Hugging Face bridges map to).
+
+With a gated linear unit a rank's fc1 rows are ``[gate shard; up shard]``, as in Megatron.
+Expert biases (``add_bias_linear``) are refused. With ``use_cpu_initialization`` every rank draws
+all global experts' weights from the CPU generator and keeps its own, so the model is the same
+whatever the expert-parallel layout; otherwise each rank draws its own under Megatron's
+expert-parallel RNG stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+from mcore_npu.ops import KERNELS, grouped_linear, swiglu
+from mcore_npu.transformer.mlp import is_plain_swiglu
+
+PARAM_LAYOUTS = ("local", "te")
+
+
+class _Weight(torch.nn.Module):
+    """Holds one ``weight`` parameter (the ``linear_fc1`` / ``linear_fc2`` of an expert).
+
+    Like Megatron's linear layers it has an (empty) ``_extra_state`` entry, so SequentialMLP's
+    state dict loads with ``strict=True``.
+    """
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore (Megatron's local linears keep None here too)."""
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = _Weight(fc1), _Weight(fc2)
+
+
+class _Grouped(torch.nn.Module):
+    """``weight0 .. weight{E-1}``: TE's GroupedLinear names."""
+
+    def __init__(self, weights: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        for e, w in enumerate(weights):
+            self.register_parameter(f"weight{e}", w)
+
+
+class NPUGroupedMLP(MegatronModule):
+    """The routed experts of one MoE layer as two grouped matmuls (see the module docstring).
+
+    Args:
+        num_local_experts: experts on this expert-parallel rank (E).
+        config: Megatron ``TransformerConfig`` (reads ``moe_ffn_hidden_size``,
+            ``gated_linear_unit``, ``activation_func``, ``add_bias_linear``, init settings).
+        submodules: ignored (the slot's MLP submodules; the weights live here).
+        pg_collection: Megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``).
+        kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` for grouped matmul and SwiGLU.
+        param_layout: ``"local"`` (SequentialMLP names) or ``"te"`` (TEGroupedMLP names).
+    """
+
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *,
+                 kernel: str = "auto", param_layout: str = "local", **_unused):  # fmt: skip
+        super().__init__(config=config)
+        _check_choices(kernel, param_layout, config)
+        self.kernel, self.param_layout = kernel, param_layout
+        self.num_local_experts = num_local_experts
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        self.ep_group, self.tp_group = pg_collection.ep, pg_collection.expt_tp
+        self.dp_group = pg_collection.expt_dp
+        tp = self.tp_group.size()
+        if config.moe_ffn_hidden_size % tp:
+            raise ValueError(f"moe_ffn_hidden_size: {config.moe_ffn_hidden_size} is not divisible "
+                             f"by the expert tensor-parallel size {tp}; pick a multiple")  # fmt: skip
+        self.ffn_per_rank = config.moe_ffn_hidden_size // tp
+        fc1, fc2 = self._make_weights()
+        if param_layout == "local":
+            self.local_experts = torch.nn.ModuleList(_Expert(a, b) for a, b in zip(fc1, fc2))
+        else:
+            self.linear_fc1, self.linear_fc2 = _Grouped(fc1), _Grouped(fc2)
+
+    # ------------------------------------------------------------------ weights
+
+    def fc1_weights(self) -> list[torch.nn.Parameter]:
+        """E x ``[F', H]`` in local-expert order."""
+        if self.param_layout == "local":
+            return [expert.linear_fc1.weight for expert in self.local_experts]
+        return [getattr(self.linear_fc1, f"weight{e}") for e in range(self.num_local_experts)]
+
+    def fc2_weights(self) -> list[torch.nn.Parameter]:
+        """E x ``[H, F]`` in local-expert order."""
+        if self.param_layout == "local":
+            return [expert.linear_fc2.weight for expert in self.local_experts]
+        return [getattr(self.linear_fc2, f"weight{e}") for e in range(self.num_local_experts)]
+
+    def _make_weights(self):
+        c = self.config
+        glu = 2 if c.gated_linear_unit else 1
+        shapes = ((glu * self.ffn_per_rank, c.hidden_size), (c.hidden_size, self.ffn_per_rank))
+        device = torch.device("cpu") if c.use_cpu_initialization else _current_device()
+        made = []
+        for (rows, cols), init, tp_dim in zip(shapes, (c.init_method, c.output_layer_init_method),
+                                              (0, 1)):  # fmt: skip
+            local = [torch.empty(rows, cols, dtype=c.params_dtype, device=device)
+                     for _ in range(self.num_local_experts)]  # fmt: skip
+            if c.perform_initialization:
+                self._initialize(local, init, tp_dim, glu if tp_dim == 0 else 1)
+            params = [torch.nn.Parameter(w) for w in local]
+            for p in params:
+                _tag(p, tp_dim)
+            made.append(params)
+        return made
+
+    def _initialize(self, local, init_method, tp_dim, glu):
+        """Fill ``local`` in place (see the module docstring for the two schemes)."""
+        if not self.config.use_cpu_initialization:
+            from megatron.core.tensor_parallel.random import (
+                get_cuda_rng_tracker,
+                get_expert_parallel_rng_tracker_name,
+            )
+
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for w in local:
+                    init_method(w)
+            return
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        first = self.ep_group.rank() * self.num_local_experts
+        rows, cols = local[0].shape
+        full = (rows * tp, cols) if tp_dim == 0 else (rows, cols * tp)
+        for g in range(self.ep_group.size() * self.num_local_experts):
+            master = torch.empty(full, dtype=torch.float32)
+            init_method(master)
+            e = g - first
+            if 0 <= e < self.num_local_experts:
+                # [glu * F_total, H] -> glu parts -> this rank's slice of each -> concatenated
+                parts = master.chunk(glu, dim=tp_dim)
+                mine = [p.chunk(tp, dim=tp_dim)[tp_rank] for p in parts]
+                local[e].data.copy_(torch.cat(mine, dim=tp_dim))
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """Experts on the dispatched tokens.
+
+        Args:
+            permuted_local_hidden_states: ``[T, H]``, rows sorted by local expert.
+            tokens_per_expert: ``[E]`` rows per local expert (tensor or list; zeros allowed).
+            permuted_probs: ``[T]`` routing probability of each row.
+
+        Returns:
+            ``(output [T, H], None)`` (no separate bias, as the MoE layer requires).
+        """
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)  # probs applied once, before fc1
+            probs = torch.ones_like(probs)
+        h = grouped_linear(x, self.fc1_weights(), tokens_per_expert, kernel=self.kernel)
+        h = self._activation(h)  # [T, F]
+        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        out = grouped_linear(h, self.fc2_weights(), tokens_per_expert, kernel=self.kernel)
+        return out, None
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if not c.gated_linear_unit:
+            return c.activation_func(h)
+        if is_plain_swiglu(c):
+            return swiglu(h, -1, kernel=self.kernel)
+        gate, linear = torch.chunk(h, 2, dim=-1)
+        if (val := c.activation_func_clamp_value) is not None:
+            gate, linear = gate.clamp(max=val), linear.clamp(min=-val, max=val)
+        return c.activation_func(gate) * (linear + c.glu_linear_offset)
+
+    def backward_dw(self):
+        """Weight gradients are computed in backward already (no delayed wgrad)."""
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """One sharded tensor per expert weight, keyed by the global expert index.
+
+        Keys ``{prefix}experts.{g}.linear_fc1.weight`` (SequentialMLP's singleton-shard form) for
+        both layouts; expert-TP shards add the TP axis (refused with a gated linear unit).
+        """
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        if tp > 1 and self.config.gated_linear_unit:
+            raise NotImplementedError("NPUGroupedMLP.sharded_state_dict: expert tensor "
+                                      "parallelism with a gated linear unit; use "
+                                      "expert_tensor_parallel_size=1")  # fmt: skip
+        first = self.ep_group.rank() * self.num_local_experts
+        dp_rank = self.dp_group.rank()
+        result = {}
+        for name, param in self.named_parameters():
+            e, which = _expert_of(name, self.param_layout)
+            key = f"{prefix}experts.{first + e}.{which}.weight"
+            axes = [] if tp == 1 else [(0 if which == "linear_fc1" else 1, tp_rank, tp)]
+            result[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                key, param, *sharded_offsets, *[(len(sharded_offsets) + a, r, n) for a, r, n
+                                                in axes],
+                replica_id=(0, 0, dp_rank),
+                prepend_axis_num=len(sharded_offsets),
+            )  # fmt: skip
+        if self.param_layout == "local":  # the linears' (empty) extra state, as SequentialMLP's
+            for e in range(self.num_local_experts):
+                for which in ("linear_fc1", "linear_fc2"):
+                    result[f"{prefix}local_experts.{e}.{which}._extra_state"] = (
+                        make_sharded_object_for_checkpoint(
+                            None, f"{prefix}experts.{first + e}.{which}._extra_state",
+                            sharded_offsets, replica_id=(0, tp_rank, dp_rank),
+                        )
+                    )  # fmt: skip
+        return result
+
+
+def _expert_of(name: str, layout: str) -> tuple[int, str]:
+    """``local_experts.3.linear_fc1.weight`` / ``linear_fc1.weight3`` -> ``(3, "linear_fc1")``."""
+    parts = name.split(".")
+    if layout == "local":
+        return int(parts[1]), parts[2]
+    return int(parts[1].removeprefix("weight")), parts[0]
+
+
+def _tag(param: torch.nn.Parameter, tp_dim: int) -> None:
+    """Megatron's expert-parameter attributes: TP-sharded along ``tp_dim``, reduced over the
+    expert-data-parallel group (``allreduce = False``)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = tp_dim
+    param.partition_stride = 1
+    param.allreduce = False
+
+
+def _current_device() -> torch.device:
+    from mcore_npu.allocator import device
+
+    return device.current_device()
+
+
+def _check_choices(kernel, param_layout, config) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+    if param_layout not in PARAM_LAYOUTS:
+        raise ValueError(f"param_layout: unknown layout {param_layout!r}; pass one of "
+                         f"{', '.join(PARAM_LAYOUTS)}")  # fmt: skip
+    if config.add_bias_linear:
+        raise ValueError("add_bias_linear: NPUGroupedMLP has no expert biases; set "
+                         "add_bias_linear=False or use Megatron's SequentialMLP")  # fmt: skip
+    if config.fp8 or config.fp4:
+        raise ValueError("fp8/fp4: NPUGroupedMLP runs the floating-point grouped matmul; turn "
+                         "fp8/fp4 off")  # fmt: skip

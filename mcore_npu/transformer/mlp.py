@@ -1,0 +1,74 @@
+"""Megatron's dense ``MLP`` with ``npu_swiglu`` as the SwiGLU activation.
+
+``NPUMLP`` takes the ``mlp`` slot's arguments plus ``kernel``. When the config's activation is
+exactly what ``npu_swiglu`` computes (``gated_linear_unit=True``, ``activation_func=F.silu``, no
+clamp, no GLU offset, no TE activation), forward is::
+
+    x [S, B, H] --fc1--> [S, B, 2F] (+ fc1 bias) --npu_swiglu(dim=-1)--> [S, B, F]
+      (* per_token_scale) --fc2--> [S, B, H]
+
+The fc1 bias is added before the operator, which is what Megatron computes with and without
+``bias_activation_fusion`` (``bias_swiglu_impl(y, b) = swiglu(y + b)``). Every other
+activation goes to Megatron's own ``MLP.forward``. Parameter names are ``MLP``'s.
+``NPUSharedExpertMLP`` does the same for the MoE layer's shared experts.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+from mcore_npu.ops import KERNELS, swiglu
+
+
+def is_plain_swiglu(config) -> bool:
+    """SwiGLU exactly as ``npu_swiglu`` computes it: silu(first half) * second half."""
+    return (
+        bool(config.gated_linear_unit)
+        and config.activation_func is F.silu
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and not getattr(config, "glu_linear_offset", 0.0)
+        and not getattr(config, "use_te_activation_func", False)
+    )
+
+
+class NPUMLP(MLP):
+    """``MLP`` whose SwiGLU runs through ``mcore_npu.ops.swiglu`` (see the module docstring)."""
+
+    def __init__(self, config, submodules, *args, kernel: str = "auto", **kwargs) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        if not args and not kwargs.get("is_expert", False):
+            kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)  # the dense MLP's width
+        super().__init__(config, submodules, *args, **kwargs)
+        self.kernel = kernel
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        """``(output [S, B, H], output_bias [H] or None)``, as ``MLP.forward``."""
+        if not is_plain_swiglu(self.config):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        intermediate, bias = self.linear_fc1(hidden_states)  # [S, B, 2F/tp]
+        if bias is not None:
+            intermediate = intermediate + bias
+        intermediate = swiglu(intermediate, -1, kernel=self.kernel)  # [S, B, F/tp]
+        if per_token_scale is not None:
+            dtype = intermediate.dtype
+            intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
+        output, output_bias = self.linear_fc2(intermediate)
+        if per_token_scale is not None and output_bias is not None:
+            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+            output_bias = None
+        return output, output_bias
+
+
+class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
+    """Megatron's ``SharedExpertMLP`` (gate, overlap, parameter names unchanged) whose MLP part
+    is :class:`NPUMLP`: ``SharedExpertMLP.forward`` calls ``super().forward``, which the method
+    order sends to ``NPUMLP.forward``."""
+
+    def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        self.kernel = kernel

@@ -1,0 +1,94 @@
+"""NPUGroupedMLP on its own: weights independent of the expert/tensor-parallel layout, the
+activation choices, and refusals.
+
+The layout tests give the module ``pg_collection`` stand-ins that only answer ``rank()`` and
+``size()`` (no process group is needed to draw weights); everything else is real megatron-core.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_npu.transformer.experts import NPUGroupedMLP
+from tests.transformer.megatron_models import tiny_config
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+
+class _Group:
+    """Answers what NPUGroupedMLP asks of a process group: its rank and size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _experts(ep=(0, 1), tp=(0, 1), num_experts=4, **overrides):
+    fields = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32)
+    config = tiny_config(**{**fields, **overrides})
+    groups = SimpleNamespace(ep=_Group(*ep), expt_tp=_Group(*tp), expt_dp=_Group(0, 1))
+    torch.manual_seed(11)
+    return NPUGroupedMLP(num_experts // ep[1], config, pg_collection=groups, kernel="reference")
+
+
+def test_expert_parallel_ranks_hold_the_one_process_experts():
+    whole = _experts()
+    for rank in (0, 1):
+        part = _experts(ep=(rank, 2))
+        for e in range(2):
+            g = 2 * rank + e
+            assert torch.equal(part.fc1_weights()[e], whole.fc1_weights()[g])
+            assert torch.equal(part.fc2_weights()[e], whole.fc2_weights()[g])
+
+
+def test_tensor_parallel_ranks_hold_gate_and_up_shards():
+    whole = _experts()
+    f = 32
+    for rank in (0, 1):
+        part = _experts(tp=(rank, 2))
+        gate, up = whole.fc1_weights()[1][:f], whole.fc1_weights()[1][f:]
+        half = slice(rank * f // 2, (rank + 1) * f // 2)
+        assert torch.equal(part.fc1_weights()[1], torch.cat([gate[half], up[half]]))
+        assert torch.equal(part.fc2_weights()[1], whole.fc2_weights()[1][:, half])
+
+
+@pytest.mark.parametrize("gated, activation", [(True, F.silu), (False, F.gelu), (True, F.gelu)])
+def test_forward_matches_a_per_expert_loop(gated, activation):
+    experts = _experts(gated_linear_unit=gated, activation_func=activation)
+    counts = torch.tensor([3, 0, 4, 1])
+    x = torch.randn(8, 64)
+    probs = torch.rand(8)
+    out, bias = experts(x, counts, probs)
+    assert bias is None
+    rows, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        h = x[start : start + n] @ experts.fc1_weights()[e].t()
+        if gated:
+            a, b = h.chunk(2, dim=-1)
+            h = activation(a) * b
+        else:
+            h = activation(h)
+        rows.append((h * probs[start : start + n, None]) @ experts.fc2_weights()[e].t())
+        start += n
+    torch.testing.assert_close(out, torch.cat(rows), rtol=1e-5, atol=1e-6)
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        _experts(add_bias_linear=True)
+    with pytest.raises(ValueError, match="param_layout: unknown layout 'mcore'"):
+        NPUGroupedMLP(4, tiny_config(num_moe_experts=4, moe_ffn_hidden_size=32),
+                      pg_collection=SimpleNamespace(ep=_Group(0, 1), expt_tp=_Group(0, 1),
+                                                    expt_dp=_Group(0, 1)),
+                      param_layout="mcore")  # fmt: skip
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size"):
+        _experts(tp=(0, 3))

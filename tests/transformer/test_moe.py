@@ -1,0 +1,78 @@
+"""A tiny MoE GPT (4 experts, top-2) from the NPU spec against Megatron's local MoE path
+(SequentialMLP, same router): logits and every gradient within 1e-5 in fp32, on CPU.
+
+The NPU spec runs NPUTopKRouter, NPUGroupedMLP (grouped matmul reference, swiglu reference),
+NPURMSNorm, NPUMLP and NPUFusionAttention; the local model runs Megatron's modules with only
+the router swapped (megatron-core 0.16.1's own router needs TE, see test_router.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.transformer.megatron_models import batch
+from tests.transformer.moe_models import moe_config, twin_moe_models
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+
+def _logits_and_grads(model, ids, pos):
+    model.zero_grad()
+    logits = model(ids, pos, None)
+    logits.float().pow(2).mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _te_name(name: str) -> str:
+    if ".experts.local_experts." not in name:
+        return name
+    head, tail = name.split(".experts.local_experts.")
+    e, which, leaf = tail.split(".")
+    return f"{head}.experts.{which}.{leaf}{e}"
+
+
+@pytest.mark.parametrize("shared_expert", [False, True])
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("param_layout", ["local", "te"])
+def test_npu_spec_moe_matches_megatrons_sequential_mlp(shared_expert, dispatcher, param_layout):
+    config = moe_config(shared_expert=shared_expert, dispatcher=dispatcher)
+    local, npu = twin_moe_models(config, param_layout=param_layout)
+    experts = npu.decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "NPUGroupedMLP"
+    assert type(local.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP"
+    ids, pos = batch(b=2, s=16)
+    want, want_grads = _logits_and_grads(local, ids, pos)
+    got, got_grads = _logits_and_grads(npu, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rename = _te_name if param_layout == "te" else (lambda n: n)
+    assert {rename(n) for n in want_grads} == set(got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[rename(name)], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert any(".experts." in n and g.abs().sum() > 0 for n, g in got_grads.items())
+
+
+def test_te_layout_has_transformer_engines_grouped_names():
+    config = moe_config()
+    _, npu = twin_moe_models(config, param_layout="te")
+    names = [n for n, _ in npu.decoder.layers[0].mlp.experts.named_parameters()]
+    assert names == [f"linear_fc1.weight{e}" for e in range(4)] + [
+        f"linear_fc2.weight{e}" for e in range(4)
+    ]
+
+
+def test_moe_gpt_from_the_npu_spec_trains_on_cpu():
+    config = moe_config(shared_expert=True)
+    _, npu = twin_moe_models(config)
+    opt = torch.optim.Adam(npu.parameters(), lr=1e-2)
+    ids, pos = batch(b=4, s=16, seed=3)
+    labels = torch.roll(ids, -1, dims=1)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = npu(ids, pos, None, labels=labels).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -1,0 +1,109 @@
+"""``NPUTopKRouter``: Megatron's TopKRouter with TE-free gating.
+
+Which megatron-core releases need it (read from each release's wheel, moe_utils.py and
+moe_layer.py; checked against the installed release below):
+
+| release | ``te_general_gemm`` without TE | effect on ``TopKRouter`` without TE | router spec slot |
+|---|---|---|---|
+| 0.14.0 | never bound (``except ImportError: HAVE_TE = False``) | ``NameError`` in gating | no (MoELayer builds ``TopKRouter`` itself) |
+| 0.15.0 | never bound | ``NameError`` | no |
+| 0.16.1 | never bound | ``NameError`` | ``MoESubmodules.router`` |
+| 0.17.0 | bound to ``None`` (``if HAVE_TE: ... else: (...) = (None, ...)``) | works | ``MoESubmodules.router`` |
+
+So 0.16.x is where both hold: the bug is there and the slot exists for this fix. On 0.17+ the
+router is not needed but harmless (same numbers as Megatron's own fallback branch); on 0.14/0.15
+only patching would help, which this package does not do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from packaging.version import Version
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+NEEDS_ROUTER = {"0.14.0": True, "0.15.0": True, "0.16.1": True, "0.17.0": False}
+HAS_ROUTER_SLOT = {"0.14.0": False, "0.15.0": False, "0.16.1": True, "0.17.0": True}
+
+
+def _config(**overrides):
+    from tests.transformer.megatron_models import tiny_config
+
+    fields = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                  moe_router_dtype="fp32", moe_aux_loss_coeff=0.0,
+                  moe_router_load_balancing_type="none")  # fmt: skip
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def _routers(config):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mcore_npu.transformer.router import NPUTopKRouter
+
+    torch.manual_seed(0)
+    ours = NPUTopKRouter(config=config, pg_collection=get_default_pg_collection())
+    theirs = TopKRouter(config=config, pg_collection=get_default_pg_collection())
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _installed() -> str:
+    import megatron.core
+
+    return str(Version(megatron.core.__version__))
+
+
+def test_the_installed_release_has_the_te_general_gemm_bug_as_the_table_says():
+    from megatron.core.transformer.moe import moe_layer, moe_utils
+
+    version = _installed()
+    if version not in NEEDS_ROUTER:
+        pytest.fail(f"megatron-core {version} is not in this test's table; read its moe_utils.py "
+                    "and add a row")  # fmt: skip
+    unbound = not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm")
+    assert unbound == NEEDS_ROUTER[version]
+    assert hasattr(moe_layer.MoESubmodules(), "router") == HAS_ROUTER_SLOT[version]
+
+
+def test_megatrons_router_fails_without_te_and_ours_runs():
+    config = _config()
+    ours, theirs = _routers(config)
+    x = torch.randn(6, 2, config.hidden_size)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        theirs(x)
+    probs, routing_map = ours(x)
+    assert probs.shape == routing_map.shape == (12, 4)
+    assert routing_map.sum(-1).eq(2).all()  # top-2
+
+
+@pytest.mark.parametrize("router_dtype, want", [("fp32", torch.float32), ("fp64", torch.float64),
+                                                (None, torch.float32)])  # fmt: skip
+def test_gating_computes_in_moe_router_dtype_with_a_plain_matmul(router_dtype, want):
+    config = _config(moe_router_dtype=router_dtype)
+    ours, _ = _routers(config)
+    x = torch.randn(5, 2, config.hidden_size, requires_grad=True)
+    logits = ours.gating(x)
+    assert logits.dtype == want and logits.shape == (5, 2, 4)
+    expect = x.detach().to(want) @ ours.weight.detach().to(want).t()
+    torch.testing.assert_close(logits, expect, rtol=0, atol=0)
+    logits.sum().backward()
+    assert x.grad.dtype == x.dtype and ours.weight.grad.dtype == ours.weight.dtype
+    torch.testing.assert_close(x.grad, ours.weight.detach().sum(0).expand_as(x))
+
+
+def test_routing_is_megatrons_same_as_its_fallback_branch():
+    """Megatron's own non-TE branch (what 0.17 runs) gives the same probabilities and map."""
+    from megatron.core.transformer.moe import moe_utils
+
+    config = _config(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.0)
+    ours, theirs = _routers(config)
+    x = torch.randn(7, 2, config.hidden_size)
+    logits = torch.mm(x.view(-1, config.hidden_size), theirs.weight.t()).view(7, 2, 4)
+    want_probs, want_map = theirs.routing(logits)
+    probs, routing_map = ours(x)
+    assert not hasattr(moe_utils, "te_general_gemm")  # we did not patch Megatron
+    torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
+    assert torch.equal(routing_map, want_map)
