@@ -8,9 +8,19 @@ releases), then two kinds of submodule are swapped:
 - the torch norms (input, pre-MLP, q/k, and the block's final norm) -> ``SequenceParallelNorm``,
   the same ``torch.nn`` norms but usable under sequence parallelism.
 
-Parameter names stay those of the local spec, so checkpoints move between local-spec (GPU) and
-NPU-spec models without conversion. Nothing is patched; Megatron's objects are deep-copied before
-anything is changed.
+``param_layout`` picks the parameter names:
+
+- ``"te"`` (the default): the names and ``sharded_state_dict`` keys of Megatron's Transformer
+  Engine spec for the same arguments (``get_gpt_layer_with_transformer_engine_spec``, what
+  Megatron-LM, MindSpeed and the Hugging Face bridges of verl use): the input norm of attention
+  and of a dense MLP is fused into ``linear_qkv`` / ``linear_fc1`` (``NormColumnParallelLinear``,
+  ``layer_norm_weight``), ``input_layernorm`` / ``pre_mlp_layernorm`` become ``IdentityOp``
+  (an MoE layer keeps ``pre_mlp_layernorm``), and the slots where TE stores ``_extra_state``
+  carry an empty one. The lists are in ``specs/param_names_te.yaml``.
+- ``"local"``: the names of Megatron's local spec (``input_layernorm.weight``, ...).
+
+The numbers are the same in both layouts, parameter for parameter. Nothing is patched; Megatron's
+objects are deep-copied before anything is changed.
 
 Usage::
 
@@ -27,20 +37,32 @@ import copy
 import inspect
 
 from megatron.core.models.gpt import gpt_layer_specs as megatron_specs
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import KERNELS
-from mcore_npu.transformer.attention import NPUFusionAttention
-from mcore_npu.transformer.backends import resolve_backend
+from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
+from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.norms import SequenceParallelNorm
 
 
-def get_gpt_layer_npu_spec(*, kernel: str = "auto", **local_spec_kwargs) -> ModuleSpec:
+def _te_norm() -> ModuleSpec:
+    """The norm slot of TE's spec (``TENorm``): a torch norm with an empty ``_extra_state``."""
+    return ModuleSpec(module=SequenceParallelNorm, params={"extra_state": True})
+
+
+def get_gpt_layer_npu_spec(
+    *, kernel: str = "auto", param_layout: str = "te", **local_spec_kwargs
+) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
 
     Args:
         kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` (see ``mcore_npu.ops``).
+        param_layout: ``"te"`` (Transformer Engine spec names) | ``"local"`` (local spec names).
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
             (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ...).
 
@@ -50,12 +72,15 @@ def get_gpt_layer_npu_spec(*, kernel: str = "auto", **local_spec_kwargs) -> Modu
         that the block's final norm supports it too.
     """
     _check_kernel(kernel)
+    _check_layout(param_layout)
     _check_keywords(local_spec_kwargs, megatron_specs.get_gpt_layer_local_spec)
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
-    return _swap_npu_parts(spec, kernel, SeqLengthsMemo())
+    return _swap_npu_parts(spec, kernel, SeqLengthsMemo(), param_layout)
 
 
-def get_gpt_decoder_block_npu_spec(config, *, kernel: str = "auto", **block_spec_kwargs):
+def get_gpt_decoder_block_npu_spec(
+    config, *, kernel: str = "auto", param_layout: str = "te", **block_spec_kwargs
+):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
 
     Mirrors ``get_gpt_decoder_block_spec(config, use_transformer_engine=False, ...)``: the same
@@ -64,7 +89,8 @@ def get_gpt_decoder_block_npu_spec(config, *, kernel: str = "auto", **block_spec
 
     Args:
         config: Megatron ``TransformerConfig``.
-        kernel: as for ``get_gpt_layer_npu_spec``.
+        kernel, param_layout: as for ``get_gpt_layer_npu_spec``; with ``"te"`` the final norm
+            has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block spec's.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
             ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
             ``pp_rank``, ...).
@@ -73,16 +99,17 @@ def get_gpt_decoder_block_npu_spec(config, *, kernel: str = "auto", **block_spec
         ``TransformerBlockSubmodules`` to pass as ``transformer_layer_spec``.
     """
     _check_kernel(kernel)
+    _check_layout(param_layout)
     build = megatron_specs.get_gpt_decoder_block_spec
     _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
     block = copy.deepcopy(build(config, use_transformer_engine=False, **block_spec_kwargs))
     memo = SeqLengthsMemo()  # one per model: every layer shares the cu_seqlens conversion
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
-        swapped.setdefault(id(spec), _swap_npu_parts(spec, kernel, memo))
+        swapped.setdefault(id(spec), _swap_npu_parts(spec, kernel, memo, param_layout))
         for spec in block.layer_specs
     ]
-    block.layer_norm = SequenceParallelNorm
+    block.layer_norm = _te_norm() if param_layout == "te" else SequenceParallelNorm
     return block
 
 
@@ -93,13 +120,17 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
         backend: ``"npu_fusion"`` (this package), ``"local"`` (Megatron's local spec), ``"te"``
             (Transformer Engine), or ``"auto"``: npu_fusion when an NPU is present, else te when
             transformer-engine imports, else local.
-        **kwargs: spec keywords; ``kernel`` only with npu_fusion.
+        **kwargs: spec keywords; ``kernel`` and ``param_layout`` only with npu_fusion (the te
+            backend has the TE layout, the local backend the local one).
     """
     backend = resolve_backend(backend)
     if backend == "npu_fusion":
         return get_gpt_layer_npu_spec(**kwargs)
-    if "kernel" in kwargs:
-        raise TypeError(f"kernel: only the npu_fusion backend takes a kernel (backend={backend!r})")
+    for name in ("kernel", "param_layout"):
+        if name in kwargs:
+            raise TypeError(
+                f"{name}: only the npu_fusion backend takes {name} (backend={backend!r})"
+            )
     if backend == "te":
         build = megatron_specs.get_gpt_layer_with_transformer_engine_spec
     else:
@@ -108,7 +139,9 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     return build(**kwargs)
 
 
-def _swap_npu_parts(layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo) -> ModuleSpec:
+def _swap_npu_parts(
+    layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo, param_layout: str = "local"
+) -> ModuleSpec:
     """Swap core attention and torch norms inside one (already copied) layer spec."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
@@ -124,6 +157,32 @@ def _swap_npu_parts(layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo) -> Mod
     ):
         if _is_torch_norm(getattr(owner, name, None)):
             setattr(owner, name, SequenceParallelNorm)
+    return _to_te_layout(layer) if param_layout == "te" else layer
+
+
+def _to_te_layout(layer: ModuleSpec) -> ModuleSpec:
+    """Rename a swapped local layer spec to the TE spec's names, as in Megatron 0.16.1's
+    ``get_gpt_layer_with_transformer_engine_spec`` (see specs/param_names_te.yaml)."""
+    subs = layer.submodules
+    if subs.self_attention.module is not SelfAttention:
+        raise ValueError(
+            f"param_layout='te': {subs.self_attention.module.__name__} layers are not mapped to "
+            "the TE names (only SelfAttention is); pass param_layout='local'"
+        )
+    attention = subs.self_attention.submodules
+    attention.core_attention.module = TELayoutNPUFusionAttention
+    attention.linear_qkv = NormColumnParallelLinear  # holds the input norm
+    subs.input_layernorm = IdentityOp
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is SequenceParallelNorm:
+            setattr(attention, name, _te_norm())
+    if subs.mlp.module is MLP:  # dense: the norm goes into linear_fc1
+        subs.mlp.submodules.linear_fc1 = NormColumnParallelLinear
+        subs.pre_mlp_layernorm = IdentityOp
+    else:  # MoE: TE's spec keeps a TENorm before the router
+        _check_experts(subs.mlp)
+        subs.pre_mlp_layernorm = _te_norm()
+    subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
     return layer
 
 
@@ -131,6 +190,24 @@ def _is_torch_norm(module) -> bool:
     """Megatron's local norm: ``WrappedTorchNorm`` (possibly wrapped in a ModuleSpec)."""
     target = module.module if isinstance(module, ModuleSpec) else module
     return getattr(target, "__name__", "") == "WrappedTorchNorm"
+
+
+def _check_experts(moe: ModuleSpec) -> None:
+    """TE's grouped experts (``TEGroupedMLP``: ``linear_fc1.weight0``, ...) have no torch twin."""
+    experts = moe.submodules.experts.module
+    if experts.__name__ != "SequentialMLP":
+        raise ValueError(
+            f"param_layout='te': the {experts.__name__} experts of moe_grouped_gemm=True have "
+            "other names than TE's TEGroupedMLP; pass moe_grouped_gemm=False (SequentialMLP, the "
+            "same names in both layouts) or param_layout='local'"
+        )
+
+
+def _check_layout(param_layout: str) -> None:
+    if param_layout not in PARAM_LAYOUTS:
+        raise ValueError(
+            f"param_layout: unknown layout {param_layout!r}; pass one of {', '.join(PARAM_LAYOUTS)}"
+        )
 
 
 def _check_kernel(kernel: str) -> None:

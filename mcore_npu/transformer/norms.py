@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from mcore_npu.transformer.extra_state import TELayerNorm, TERMSNorm
+
+_TORCH_CLASSES = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+_TE_CLASSES = {"LayerNorm": TELayerNorm, "RMSNorm": TERMSNorm}
+
 
 def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
     for param in module.parameters():
@@ -23,18 +28,19 @@ class SequenceParallelNorm:
     """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` (``config.normalization``).
 
     Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...).
+    ``extra_state=True`` (the TE parameter layout) builds the variants with Transformer Engine's
+    empty ``_extra_state`` entry (``mcore_npu.transformer.extra_state``).
     """
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, *, extra_state=False, **_unused):
         if config.layernorm_zero_centered_gamma:
             raise NotImplementedError(
                 "layernorm_zero_centered_gamma: not supported by the torch norms of this spec; "
                 "set it to False"
             )
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        classes = _TE_CLASSES if extra_state else _TORCH_CLASSES
+        if config.normalization in classes:
+            norm = classes[config.normalization](hidden_size, eps=eps)
         else:
             raise ValueError(
                 f"normalization: {config.normalization!r} is not supported; use 'LayerNorm' or "

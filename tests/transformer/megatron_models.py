@@ -55,16 +55,21 @@ def local_spec(config):
     )
 
 
-def npu_spec(config, kernel="reference"):
+def npu_spec(config, kernel="reference", param_layout="local"):
+    """The NPU spec; in the local layout by default, so its names are the local spec's (the TE
+    layout against the local one: tests/transformer/test_param_layout.py)."""
     from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
 
     return get_gpt_layer_npu_spec(
-        normalization=config.normalization, qk_layernorm=config.qk_layernorm, kernel=kernel
+        normalization=config.normalization,
+        qk_layernorm=config.qk_layernorm,
+        kernel=kernel,
+        param_layout=param_layout,
     )
 
 
 def twin_models(config):
-    """A local-spec and an NPU-spec model with the same weights."""
+    """A local-spec and an NPU-spec model (local layout) with the same weights."""
     local = gpt(config, local_spec(config))
     npu = gpt(config, npu_spec(config))
     npu.load_state_dict(local.state_dict(), strict=True)
