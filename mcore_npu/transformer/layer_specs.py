@@ -42,17 +42,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import KERNELS
-from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
-from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
-from mcore_npu.transformer.norms import SequenceParallelNorm
-
-
-def _te_norm() -> ModuleSpec:
-    """The norm slot of TE's spec (``TENorm``): a torch norm with an empty ``_extra_state``."""
-    return ModuleSpec(module=SequenceParallelNorm, params={"extra_state": True})
+from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
 
 
 def get_gpt_layer_npu_spec(
@@ -75,7 +67,7 @@ def get_gpt_layer_npu_spec(
     _check_layout(param_layout)
     _check_keywords(local_spec_kwargs, megatron_specs.get_gpt_layer_local_spec)
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
-    return _swap_npu_parts(spec, kernel, SeqLengthsMemo(), param_layout)
+    return _swap_npu_parts(spec, NPUSpecProvider(kernel=kernel, param_layout=param_layout))
 
 
 def get_gpt_decoder_block_npu_spec(
@@ -103,13 +95,13 @@ def get_gpt_decoder_block_npu_spec(
     build = megatron_specs.get_gpt_decoder_block_spec
     _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
     block = copy.deepcopy(build(config, use_transformer_engine=False, **block_spec_kwargs))
-    memo = SeqLengthsMemo()  # one per model: every layer shares the cu_seqlens conversion
+    # one provider per model: every layer shares its cu_seqlens memo
+    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout)
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
-        swapped.setdefault(id(spec), _swap_npu_parts(spec, kernel, memo, param_layout))
-        for spec in block.layer_specs
+        swapped.setdefault(id(spec), _swap_npu_parts(spec, provider)) for spec in block.layer_specs
     ]
-    block.layer_norm = _te_norm() if param_layout == "te" else SequenceParallelNorm
+    block.layer_norm = provider.layer_norm()
     return block
 
 
@@ -139,15 +131,12 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     return build(**kwargs)
 
 
-def _swap_npu_parts(
-    layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo, param_layout: str = "local"
-) -> ModuleSpec:
-    """Swap core attention and torch norms inside one (already copied) layer spec."""
+def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider) -> ModuleSpec:
+    """Swap core attention and torch norms inside one (already copied) layer spec for the
+    provider's, then fuse the norms into the linears if its layout does."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
-    attention.core_attention = ModuleSpec(
-        module=NPUFusionAttention, params={"kernel": kernel, "seq_lengths_memo": memo}
-    )
+    attention.core_attention = provider.core_attention()
     for owner, name in (
         (subs, "input_layernorm"),
         (subs, "pre_mlp_layernorm"),
@@ -156,34 +145,38 @@ def _swap_npu_parts(
         (attention, "kv_layernorm"),
     ):
         if _is_torch_norm(getattr(owner, name, None)):
-            setattr(owner, name, SequenceParallelNorm)
-    return _to_te_layout(layer) if param_layout == "te" else layer
+            setattr(owner, name, provider.layer_norm())
+    return _fuse_norms(layer, provider) if provider.fuse_layernorm_and_linear() else layer
 
 
-def _to_te_layout(layer: ModuleSpec) -> ModuleSpec:
-    """Rename a swapped local layer spec to the TE spec's names, as in Megatron 0.16.1's
-    ``get_gpt_layer_with_transformer_engine_spec`` (see specs/param_names_te.yaml)."""
+def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> ModuleSpec:
+    """The TE spec's structure, as in Megatron 0.16.1's ``get_gpt_layer_with_transformer_engine_spec``
+    (see specs/param_names_te.yaml): the input norm inside ``linear_qkv``, a dense MLP built by
+    ``get_mlp_module_spec_for_backend`` (its norm inside ``linear_fc1``), an MoE layer's
+    ``pre_mlp_layernorm`` kept."""
     subs = layer.submodules
     if subs.self_attention.module is not SelfAttention:
         raise ValueError(
             f"param_layout='te': {subs.self_attention.module.__name__} layers are not mapped to "
             "the TE names (only SelfAttention is); pass param_layout='local'"
         )
-    attention = subs.self_attention.submodules
-    attention.core_attention.module = TELayoutNPUFusionAttention
-    attention.linear_qkv = NormColumnParallelLinear  # holds the input norm
+    subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
     subs.input_layernorm = IdentityOp
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attention, name) is SequenceParallelNorm:
-            setattr(attention, name, _te_norm())
-    if subs.mlp.module is MLP:  # dense: the norm goes into linear_fc1
-        subs.mlp.submodules.linear_fc1 = NormColumnParallelLinear
+    if subs.mlp.module is MLP:
+        subs.mlp = _dense_mlp(provider, subs.mlp)
         subs.pre_mlp_layernorm = IdentityOp
-    else:  # MoE: TE's spec keeps a TENorm before the router
+    else:
         _check_experts(subs.mlp)
-        subs.pre_mlp_layernorm = _te_norm()
     subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
     return layer
+
+
+def _dense_mlp(provider: NPUSpecProvider, local_mlp: ModuleSpec) -> ModuleSpec:
+    build = backend_builders().get("get_mlp_module_spec_for_backend")
+    if build is not None:
+        return build(backend=provider, num_experts=None)
+    local_mlp.submodules.linear_fc1 = provider.column_parallel_layer_norm_linear()
+    return local_mlp
 
 
 def _is_torch_norm(module) -> bool:
