@@ -68,7 +68,7 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    from mcore_npu.transformer.param_layout import match_names
+    from mcore_npu.transformer.param_layout import match_names, mismatch_error, unused_names
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"checkpoint {path} not found")
@@ -77,7 +77,10 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
     source = [name for name in names if not name.startswith(OPTIMIZER_PREFIX)]
     target = {value.key for value in nested_values(model_state)}
     try:
-        matched = match_names(source, sorted(target))
+        matched = match_names(source, sorted(target), every_source=False)
+        unused = unused_names(source, _taken_by_any_rank(set(matched.values())))
+        if unused:
+            raise mismatch_error([], unused)
     except ValueError as err:
         raise ValueError(f"checkpoint {path}: {err}") from None
     kept = {}
@@ -86,6 +89,15 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
             value.key = matched[value.key]
             kept[name] = value
     return kept
+
+
+def _taken_by_any_rank(taken: set[str]) -> set[str]:
+    """The union over all ranks: each pipeline stage / expert rank takes its part."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return taken
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, taken)
+    return set().union(*gathered)
 
 
 def load(template: dict, path: str | Path) -> dict:

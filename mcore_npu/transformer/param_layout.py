@@ -37,12 +37,15 @@ def other_names(name: str) -> list[str]:
     return found
 
 
-def match_names(source: Iterable[str], target: Iterable[str]) -> dict[str, str]:
+def match_names(
+    source: Iterable[str], target: Iterable[str], *, every_source: bool = True
+) -> dict[str, str]:
     """``{target name: source name}`` for every target name, across layouts.
 
     A target name matches the same source name, else one of ``other_names``. ``_extra_state``
     entries may be missing on either side (they hold no model tensor); any other name left
-    unmatched on either side is an error.
+    unmatched is an error. ``every_source=False`` leaves the source side to the caller (a
+    pipeline stage takes only its part of a checkpoint: check ``unused_names`` over all stages).
 
     Raises:
         ValueError: naming every unmatched tensor, target side and source side.
@@ -55,15 +58,26 @@ def match_names(source: Iterable[str], target: Iterable[str]) -> dict[str, str]:
         if hit is not None:
             matched[name] = hit
     missing = [n for n in target if n not in matched and not n.endswith(EXTRA_STATE)]
-    unused = sorted(n for n in source - set(matched.values()) if not n.endswith(EXTRA_STATE))
+    unused = unused_names(source, matched.values()) if every_source else []
     if missing or unused:
-        raise ValueError(
-            "checkpoint names do not match the model across parameter layouts:\n"
-            f"  model tensors with no checkpoint tensor: {missing or 'none'}\n"
-            f"  checkpoint tensors no model tensor takes: {unused or 'none'}\n"
-            "  check model.param_layout and the model's shape (layers, experts, norms, qk-norm)"
-        )
+        raise mismatch_error(missing, unused)
     return matched
+
+
+def unused_names(source: Iterable[str], taken: Iterable[str]) -> list[str]:
+    """Source tensors (not ``_extra_state``) that no target took, sorted."""
+    taken = set(taken)
+    return sorted(n for n in source if n not in taken and not n.endswith(EXTRA_STATE))
+
+
+def mismatch_error(missing: list[str], unused: list[str]) -> ValueError:
+    """The error naming unmatched tensors on both sides."""
+    return ValueError(
+        "checkpoint names do not match the model across parameter layouts:\n"
+        f"  model tensors with no checkpoint tensor: {missing or 'none'}\n"
+        f"  checkpoint tensors no model tensor takes: {unused or 'none'}\n"
+        "  check model.param_layout and the model's shape (layers, experts, norms, qk-norm)"
+    )
 
 
 def rename_state_dict(state_dict: dict, target_names: Iterable[str]) -> dict:
