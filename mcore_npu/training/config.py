@@ -28,7 +28,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mcore_npu.transformer.backends import BACKENDS, resolve_backend
+from mcore_npu.transformer.backends import BACKENDS, PARAM_LAYOUTS, resolve_backend
 
 KERNELS = ("auto", "torch_npu", "reference")  # = mcore_npu.ops.KERNELS (a test keeps them equal)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -70,6 +70,7 @@ class ModelSection:
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
     share_embeddings_and_output_weights: bool = False
+    param_layout: str = "te"  # npu_fusion parameter names: te (TE spec's) | local (local spec's)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -399,6 +400,7 @@ def _validate_choices(cfg) -> None:
         ("model.activation", cfg.model.activation, ACTIVATIONS),
         ("model.normalization", cfg.model.normalization, NORMALIZATIONS),
         ("model.position_embedding_type", cfg.model.position_embedding_type, POSITION_EMBEDDINGS),
+        ("model.param_layout", cfg.model.param_layout, PARAM_LAYOUTS),
     ]
     for key, value, allowed in choices:
         if value not in allowed:

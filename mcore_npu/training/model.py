@@ -97,12 +97,17 @@ def attention_choice(cfg, device) -> tuple[str, str | None]:
 
 
 def layer_spec(cfg, config):
-    """The decoder-block spec for ``attention.backend`` (auto resolved on this machine)."""
+    """The decoder-block spec for ``attention.backend`` (auto resolved on this machine).
+
+    ``model.param_layout`` names npu_fusion's parameters; the te and local backends have their
+    own spec's names.
+    """
     backend = resolve_backend(cfg.attention.backend)
     if backend == "npu_fusion":
         return get_gpt_decoder_block_npu_spec(
             config,
             kernel=cfg.attention.kernel,
+            param_layout=cfg.model.param_layout,
             normalization=cfg.model.normalization,
             rms_norm_kernel=cfg.fused.rms_norm,
             swiglu_kernel=cfg.fused.swiglu,

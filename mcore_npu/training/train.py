@@ -178,7 +178,7 @@ class Trainer(ExpandableSegmentsMixin):
             self._load(source, with_optimizer=False)
 
     def _load(self, path, *, with_optimizer: bool) -> None:
-        model_state = self._model_state()
+        model_state = checkpointing.match_layout(self._model_state(), path)  # either layout
         template = {"model": model_state}
         if with_optimizer:
             template["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)

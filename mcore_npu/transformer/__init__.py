@@ -6,6 +6,11 @@
 - :mod:`~mcore_npu.transformer.mlp`: ``NPUMLP`` / ``NPUSharedExpertMLP`` (SwiGLU via ``npu_swiglu``).
 - :mod:`~mcore_npu.transformer.router`: ``NPUTopKRouter`` (MoE gating without Transformer Engine).
 - :mod:`~mcore_npu.transformer.experts`: ``NPUGroupedMLP`` (experts via ``npu_grouped_matmul``).
+- :mod:`~mcore_npu.transformer.norm_linear`: ``NormColumnParallelLinear``, the norm fused into
+  ``linear_qkv`` / ``linear_fc1`` with TE's names (``layer_norm_weight``).
+- :mod:`~mcore_npu.transformer.extra_state`: empty ``_extra_state`` entries where TE has them.
+- :mod:`~mcore_npu.transformer.param_layout`: one tensor's names in the te and local layouts.
+- :mod:`~mcore_npu.transformer.spec_provider`: ``NPUSpecProvider`` for Megatron's ``*_for_backend`` builders.
 - :mod:`~mcore_npu.transformer.layer_specs`: ``get_gpt_layer_npu_spec``,
   ``get_gpt_decoder_block_npu_spec``, ``get_gpt_layer_spec``.
 - :mod:`~mcore_npu.transformer.backends`: which backend ``"auto"`` means on this machine.

@@ -32,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from mcore_npu.masks import SeqLengthsMemo, describe_mask
 from mcore_npu.ops import KERNELS, fusion_attention
+from mcore_npu.transformer.extra_state import EmptyExtraState
 
 try:  # Megatron >= 0.15
     from megatron.core.transformer.utils import is_layer_window_attention
@@ -219,3 +220,15 @@ def _layer_window(config, layer_number) -> tuple[int, int] | None:
     ):
         return None
     return tuple(window)
+
+
+class TELayoutNPUFusionAttention(EmptyExtraState, NPUFusionAttention):
+    """``NPUFusionAttention`` whose ``state_dict`` has ``TEDotProductAttention``'s entry.
+
+    Only in ``state_dict``: ``TEDotProductAttention.sharded_state_dict`` returns nothing unless
+    ``softmax_type="learnable"``, which this attention refuses.
+    """
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Empty, as ``TEDotProductAttention``'s without a learnable softmax offset."""
+        return {}

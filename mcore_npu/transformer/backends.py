@@ -13,6 +13,7 @@ import importlib.util
 from mcore_npu.allocator import device
 
 BACKENDS = ("auto", "npu_fusion", "local", "te")
+PARAM_LAYOUTS = ("te", "local")  # npu_fusion parameter names: Transformer Engine spec | local spec
 
 
 def resolve_backend(backend: str) -> str:

@@ -34,9 +34,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from mcore_npu.ops import KERNELS, grouped_linear, swiglu
+from mcore_npu.transformer.backends import PARAM_LAYOUTS
 from mcore_npu.transformer.mlp import is_plain_swiglu
-
-PARAM_LAYOUTS = ("local", "te")
 
 
 class _Weight(torch.nn.Module):
@@ -206,38 +205,50 @@ class NPUGroupedMLP(MegatronModule):
     # ------------------------------------------------------------------ checkpoints
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """One sharded tensor per expert weight, keyed by the global expert index.
+        """The checkpoint keys and shards of ``SequentialMLP`` for the same experts, in both
+        layouts, so checkpoints move between the two modules and the two layouts.
 
-        Keys ``{prefix}experts.{g}.linear_fc1.weight`` (SequentialMLP's singleton-shard form) for
-        both layouts; expert-TP shards add the TP axis (refused with a gated linear unit).
+        ``{prefix}experts.linear_fc1.weight`` with the global expert index as a sharded axis
+        (Megatron's default), or ``{prefix}experts.{g}.linear_fc1.weight`` when ``metadata``
+        asks for ``singleton_local_shards``; expert-TP shards add the TP axis (refused with a
+        gated linear unit).
         """
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
         if tp > 1 and self.config.gated_linear_unit:
             raise NotImplementedError("NPUGroupedMLP.sharded_state_dict: expert tensor "
                                       "parallelism with a gated linear unit; use "
                                       "expert_tensor_parallel_size=1")  # fmt: skip
+        singleton = bool((metadata or {}).get("singleton_local_shards", False))
         first = self.ep_group.rank() * self.num_local_experts
+        total = self.ep_group.size() * self.num_local_experts
         dp_rank = self.dp_group.rank()
+
+        def where(e: int, which: str):
+            """(sharded key prefix, sharded offsets) of local expert ``e``'s linear."""
+            if singleton:
+                return f"{prefix}experts.{first + e}.{which}", tuple(sharded_offsets)
+            expert_axis = (len(sharded_offsets), first + e, total)
+            return f"{prefix}experts.{which}", (*sharded_offsets, expert_axis)
+
         result = {}
         for name, param in self.named_parameters():
             e, which = _expert_of(name, self.param_layout)
-            key = f"{prefix}experts.{first + e}.{which}.weight"
+            key, offsets = where(e, which)
             axes = [] if tp == 1 else [(0 if which == "linear_fc1" else 1, tp_rank, tp)]
             result[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
-                key, param, *sharded_offsets, *[(len(sharded_offsets) + a, r, n) for a, r, n
-                                                in axes],
-                replica_id=(0, 0, dp_rank),
-                prepend_axis_num=len(sharded_offsets),
+                f"{key}.weight", param, *offsets,
+                *[(len(offsets) + a, r, n) for a, r, n in axes],
+                replica_id=(0, 0, dp_rank), prepend_axis_num=len(offsets),
             )  # fmt: skip
         if self.param_layout == "local":  # the linears' (empty) extra state, as SequentialMLP's
             for e in range(self.num_local_experts):
                 for which in ("linear_fc1", "linear_fc2"):
+                    key, offsets = where(e, which)
                     result[f"{prefix}local_experts.{e}.{which}._extra_state"] = (
                         make_sharded_object_for_checkpoint(
-                            None, f"{prefix}experts.{first + e}.{which}._extra_state",
-                            sharded_offsets, replica_id=(0, tp_rank, dp_rank),
+                            None, f"{key}._extra_state", offsets, replica_id=(0, tp_rank, dp_rank)
                         )
-                    )  # fmt: skip
+                    )
         return result
 
 

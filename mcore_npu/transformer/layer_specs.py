@@ -1,23 +1,34 @@
 """Transformer-layer specs for Megatron-Core whose core attention is ``NPUFusionAttention``.
 
 Built from Megatron's own local spec, called with keywords only (its parameters drift between
-releases), then two kinds of submodule are swapped:
+releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
 
 - ``self_attention.submodules.core_attention`` -> ``NPUFusionAttention`` (with ``kernel`` and a
   cu_seqlens memo shared by every layer of the spec);
 - the torch norms (input, pre-MLP, q/k, and the block's final norm) -> ``SequenceParallelNorm``,
   usable under sequence parallelism, whose RMSNorm is ``npu_rms_norm`` (``NPURMSNorm``);
 - the dense ``MLP`` -> ``NPUMLP`` (SwiGLU through ``npu_swiglu``);
-- in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed) and the experts
-  -> ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection).
+- in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed), the experts ->
+  ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection), the shared experts ->
+  ``NPUSharedExpertMLP``.
 
 The fused operators follow ``kernel`` unless ``rms_norm_kernel`` / ``swiglu_kernel`` /
 ``grouped_matmul_kernel`` say otherwise; ``"off"`` keeps Megatron's module for that part
 (``torch.nn.RMSNorm``, ``MLP``, ``SequentialMLP``). The router is always swapped.
 
-Parameter names stay those of the local spec, so checkpoints move between local-spec (GPU) and
-NPU-spec models without conversion. Nothing is patched; Megatron's objects are deep-copied before
-anything is changed.
+``param_layout`` picks the parameter names:
+
+- ``"te"`` (the default): the names and ``sharded_state_dict`` keys of Megatron's Transformer
+  Engine spec for the same arguments (``get_gpt_layer_with_transformer_engine_spec``, what
+  Megatron-LM, MindSpeed and the Hugging Face bridges of verl use): the input norm of attention
+  and of a dense MLP is fused into ``linear_qkv`` / ``linear_fc1`` (``NormColumnParallelLinear``,
+  ``layer_norm_weight``), ``input_layernorm`` / ``pre_mlp_layernorm`` become ``IdentityOp``
+  (an MoE layer keeps ``pre_mlp_layernorm``), and the slots where TE stores ``_extra_state``
+  carry an empty one. The lists are in ``specs/param_names_te.yaml``.
+- ``"local"``: the names of Megatron's local spec (``input_layernorm.weight``, ...).
+
+The numbers are the same in both layouts, parameter for parameter. Nothing is patched; Megatron's
+objects are deep-copied before anything is changed.
 
 Usage::
 
@@ -34,38 +45,36 @@ import copy
 import inspect
 
 from megatron.core.models.gpt import gpt_layer_specs as megatron_specs
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import KERNELS
-from mcore_npu.transformer.attention import NPUFusionAttention
-from mcore_npu.transformer.backends import resolve_backend
-from mcore_npu.transformer.experts import PARAM_LAYOUTS, NPUGroupedMLP
-from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
-from mcore_npu.transformer.norms import SequenceParallelNorm
+from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
 from mcore_npu.transformer.router import NPUTopKRouter
+from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
 
-FUSED_KERNELS = (*KERNELS, "off")
-"""Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel``; None = ``kernel``."""
+_SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
+                  "grouped_matmul_kernel")  # fmt: skip
 
 
 def get_gpt_layer_npu_spec(
     *,
     kernel: str = "auto",
+    param_layout: str = "te",
     rms_norm_kernel: str | None = None,
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
-    param_layout: str = "local",
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
 
     Args:
         kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` (see ``mcore_npu.ops``).
+        param_layout: ``"te"`` (Transformer Engine spec names) | ``"local"`` (local spec names).
         rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
             operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
-        param_layout: the experts' parameter names, ``"local"`` (SequentialMLP's) or ``"te"``
-            (TEGroupedMLP's ``linear_fc1.weight{e}``).
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
             (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ...).
 
@@ -74,21 +83,25 @@ def get_gpt_layer_npu_spec(
         ``sequence_parallel=True`` pass ``get_gpt_decoder_block_npu_spec(config)`` instead, so
         that the block's final norm supports it too.
     """
-    fused = _fused_kernels(kernel, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
-                           param_layout)  # fmt: skip
+    _check_kernel(kernel)
+    _check_layout(param_layout)
     _check_keywords(local_spec_kwargs, megatron_specs.get_gpt_layer_local_spec)
+    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
+                               rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
+                               grouped_matmul_kernel=grouped_matmul_kernel)  # fmt: skip
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
-    return _swap_npu_parts(spec, kernel, SeqLengthsMemo(), fused)
+    grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
+    return _swap_npu_parts(spec, provider, grouped)
 
 
 def get_gpt_decoder_block_npu_spec(
     config,
     *,
     kernel: str = "auto",
+    param_layout: str = "te",
     rms_norm_kernel: str | None = None,
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
-    param_layout: str = "local",
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -99,8 +112,9 @@ def get_gpt_decoder_block_npu_spec(
 
     Args:
         config: Megatron ``TransformerConfig``.
-        kernel, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel, param_layout: as for
-            ``get_gpt_layer_npu_spec``.
+        kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: as for
+            ``get_gpt_layer_npu_spec``; with ``"te"`` the final norm has ``TENorm``'s
+            ``_extra_state`` too, so the key set is the TE block spec's.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
             ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
             ``pp_rank``, ...).
@@ -108,18 +122,22 @@ def get_gpt_decoder_block_npu_spec(
     Returns:
         ``TransformerBlockSubmodules`` to pass as ``transformer_layer_spec``.
     """
-    fused = _fused_kernels(kernel, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
-                           param_layout)  # fmt: skip
+    _check_kernel(kernel)
+    _check_layout(param_layout)
     build = megatron_specs.get_gpt_decoder_block_spec
     _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
     block = copy.deepcopy(build(config, use_transformer_engine=False, **block_spec_kwargs))
-    memo = SeqLengthsMemo()  # one per model: every layer shares the cu_seqlens conversion
+    # one provider per model: every layer shares its cu_seqlens memo
+    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
+                               rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
+                               grouped_matmul_kernel=grouped_matmul_kernel)  # fmt: skip
+    grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
-        swapped.setdefault(id(spec), _swap_npu_parts(spec, kernel, memo, fused))
+        swapped.setdefault(id(spec), _swap_npu_parts(spec, provider, grouped))
         for spec in block.layer_specs
     ]
-    block.layer_norm = _norm_spec(fused["rms_norm"])
+    block.layer_norm = provider.layer_norm()
     return block
 
 
@@ -130,13 +148,17 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
         backend: ``"npu_fusion"`` (this package), ``"local"`` (Megatron's local spec), ``"te"``
             (Transformer Engine), or ``"auto"``: npu_fusion when an NPU is present, else te when
             transformer-engine imports, else local.
-        **kwargs: spec keywords; ``kernel`` only with npu_fusion.
+        **kwargs: spec keywords; ``kernel``, ``param_layout`` and the fused-operator kernels only
+            with npu_fusion (the te backend has the TE layout, the local backend the local one).
     """
     backend = resolve_backend(backend)
     if backend == "npu_fusion":
         return get_gpt_layer_npu_spec(**kwargs)
-    if "kernel" in kwargs:
-        raise TypeError(f"kernel: only the npu_fusion backend takes a kernel (backend={backend!r})")
+    for name in _SPEC_KEYWORDS:
+        if name in kwargs:
+            raise TypeError(
+                f"{name}: only the npu_fusion backend takes {name} (backend={backend!r})"
+            )
     if backend == "te":
         build = megatron_specs.get_gpt_layer_with_transformer_engine_spec
     else:
@@ -145,72 +167,12 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     return build(**kwargs)
 
 
-def _fused_kernels(kernel, rms_norm, swiglu, grouped_matmul, param_layout) -> dict:
-    """Each fused operator's kernel (None = ``kernel``; ``"off"`` = Megatron's module)."""
-    _check_kernel(kernel)
-    chosen = {}
-    for name, value in (("rms_norm", rms_norm), ("swiglu", swiglu),
-                        ("grouped_matmul", grouped_matmul)):  # fmt: skip
-        value = kernel if value is None else value
-        if value not in FUSED_KERNELS:
-            raise ValueError(f"{name}_kernel: unknown value {value!r}; pass one of "
-                             f"{', '.join(FUSED_KERNELS)} or None (= kernel)")  # fmt: skip
-        chosen[name] = value
-    if param_layout not in PARAM_LAYOUTS:
-        raise ValueError(f"param_layout: unknown layout {param_layout!r}; pass one of "
-                         f"{', '.join(PARAM_LAYOUTS)}")  # fmt: skip
-    chosen["param_layout"] = param_layout
-    return chosen
-
-
-def _norm_spec(rms_norm_kernel: str) -> ModuleSpec:
-    kernel = None if rms_norm_kernel == "off" else rms_norm_kernel
-    return ModuleSpec(module=SequenceParallelNorm, params={"kernel": kernel})
-
-
-def _swap_mlp(subs, fused: dict) -> None:
-    """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, SequentialMLP -> NPUGroupedMLP,
-    SharedExpertMLP -> NPUSharedExpertMLP."""
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    mlp = subs.mlp
-    if not isinstance(mlp, ModuleSpec):
-        return
-    if mlp.module is MLP and fused["swiglu"] != "off":
-        subs.mlp = ModuleSpec(module=NPUMLP, params={**mlp.params, "kernel": fused["swiglu"]},
-                              submodules=mlp.submodules)  # fmt: skip
-        return
-    moe = mlp.submodules
-    if not hasattr(moe, "experts"):
-        return
-    if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
-        moe.router = NPUTopKRouter
-    shared = moe.shared_experts
-    plain_shared = isinstance(shared, ModuleSpec) and shared.module is SharedExpertMLP
-    if plain_shared and fused["swiglu"] != "off":
-        params = {**shared.params, "kernel": fused["swiglu"]}
-        moe.shared_experts = ModuleSpec(module=NPUSharedExpertMLP, params=params,
-                                        submodules=shared.submodules)  # fmt: skip
-    experts = moe.experts
-    grouped = isinstance(experts, ModuleSpec) and experts.module is SequentialMLP
-    if grouped and fused["grouped_matmul"] != "off":
-        params = {"kernel": fused["grouped_matmul"], "param_layout": fused["param_layout"]}
-        moe.experts = ModuleSpec(module=NPUGroupedMLP, params=params,
-                                 submodules=experts.submodules)  # fmt: skip
-
-
-def _swap_npu_parts(
-    layer: ModuleSpec, kernel: str, memo: SeqLengthsMemo, fused: dict | None = None
-) -> ModuleSpec:
-    """Swap core attention, norms, MLP / MoE parts inside one (already copied) layer spec."""
-    fused = fused or _fused_kernels(kernel, None, None, None, "local")
+def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool) -> ModuleSpec:
+    """Swap core attention, torch norms and the MLP / MoE parts inside one (already copied) layer
+    spec for the provider's, then fuse the norms into the linears if its layout does."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
-    attention.core_attention = ModuleSpec(
-        module=NPUFusionAttention, params={"kernel": kernel, "seq_lengths_memo": memo}
-    )
+    attention.core_attention = provider.core_attention()
     for owner, name in (
         (subs, "input_layernorm"),
         (subs, "pre_mlp_layernorm"),
@@ -219,15 +181,74 @@ def _swap_npu_parts(
         (attention, "kv_layernorm"),
     ):
         if _is_torch_norm(getattr(owner, name, None)):
-            setattr(owner, name, _norm_spec(fused["rms_norm"]))
-    _swap_mlp(subs, fused)
+            setattr(owner, name, provider.layer_norm())
+    if provider.fuse_layernorm_and_linear():
+        _fuse_norms(layer, provider)
+    _swap_mlp(subs, provider, grouped)
     return layer
+
+
+def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
+    """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, experts -> NPUGroupedMLP, shared
+    experts -> NPUSharedExpertMLP (each unless its operator is "off")."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    mlp = subs.mlp
+    if not isinstance(mlp, ModuleSpec):
+        return
+    if mlp.module is MLP:
+        subs.mlp = provider.dense_mlp(mlp)
+        return
+    moe = mlp.submodules
+    if not hasattr(moe, "experts"):
+        return
+    if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
+        moe.router = NPUTopKRouter
+    shared = moe.shared_experts
+    if isinstance(shared, ModuleSpec) and shared.module is SharedExpertMLP:
+        moe.shared_experts = provider.shared_experts(shared)
+    if isinstance(moe.experts, ModuleSpec):
+        moe.experts = provider.experts(moe.experts, grouped)
+
+
+def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
+    """The TE spec's structure, as in Megatron 0.16.1's ``get_gpt_layer_with_transformer_engine_spec``
+    (see specs/param_names_te.yaml): the input norm inside ``linear_qkv``, a dense MLP built by
+    ``get_mlp_module_spec_for_backend`` (its norm inside ``linear_fc1``), an MoE layer's
+    ``pre_mlp_layernorm`` kept."""
+    subs = layer.submodules
+    if subs.self_attention.module is not SelfAttention:
+        raise ValueError(
+            f"param_layout='te': {subs.self_attention.module.__name__} layers are not mapped to "
+            "the TE names (only SelfAttention is); pass param_layout='local'"
+        )
+    subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
+    subs.input_layernorm = IdentityOp
+    if subs.mlp.module is MLP:
+        subs.mlp = _dense_mlp(provider, subs.mlp)
+        subs.pre_mlp_layernorm = IdentityOp
+    subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
+
+
+def _dense_mlp(provider: NPUSpecProvider, local_mlp: ModuleSpec) -> ModuleSpec:
+    build = backend_builders().get("get_mlp_module_spec_for_backend")
+    if build is not None:
+        return build(backend=provider, num_experts=None)
+    local_mlp.submodules.linear_fc1 = provider.column_parallel_layer_norm_linear()
+    return local_mlp
 
 
 def _is_torch_norm(module) -> bool:
     """Megatron's local norm: ``WrappedTorchNorm`` (possibly wrapped in a ModuleSpec)."""
     target = module.module if isinstance(module, ModuleSpec) else module
     return getattr(target, "__name__", "") == "WrappedTorchNorm"
+
+
+def _check_layout(param_layout: str) -> None:
+    if param_layout not in PARAM_LAYOUTS:
+        raise ValueError(
+            f"param_layout: unknown layout {param_layout!r}; pass one of {', '.join(PARAM_LAYOUTS)}"
+        )
 
 
 def _check_kernel(kernel: str) -> None:

@@ -9,7 +9,9 @@ tag theirs. Parameter names (``weight``, ``bias``) are those of ``torch.nn.Layer
 
 RMSNorm runs through ``npu_rms_norm`` (:class:`NPURMSNorm`, ``kernel`` as in ``mcore_npu.ops``);
 pass ``kernel=None`` for ``torch.nn.RMSNorm``. Each token is normalised on its own, so sequence
-parallelism changes nothing in the forward.
+parallelism changes nothing in the forward. ``extra_state=True`` (the TE parameter layout) builds
+the variants with Transformer Engine's empty ``_extra_state`` entry
+(``mcore_npu.transformer.extra_state``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from mcore_npu.ops import KERNELS, rms_norm
+from mcore_npu.transformer.extra_state import EmptyExtraState, TELayerNorm, TERMSNorm
 
 
 def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
@@ -45,16 +48,32 @@ class NPURMSNorm(torch.nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, kernel={self.kernel!r}"
 
 
+class TENPURMSNorm(EmptyExtraState, NPURMSNorm):
+    """:class:`NPURMSNorm` with TE's ``_extra_state`` entry."""
+
+
+# (normalization, fused rms_norm kernel given, TE extra state) -> class
+_CLASSES = {
+    ("LayerNorm", False, False): torch.nn.LayerNorm,
+    ("LayerNorm", False, True): TELayerNorm,
+    ("RMSNorm", False, False): torch.nn.RMSNorm,
+    ("RMSNorm", False, True): TERMSNorm,
+    ("RMSNorm", True, False): NPURMSNorm,
+    ("RMSNorm", True, True): TENPURMSNorm,
+}
+
+
 class SequenceParallelNorm:
     """Builds ``torch.nn.LayerNorm``, or RMSNorm (``config.normalization``).
 
     Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...) plus
-    ``kernel`` (from the spec's params): RMSNorm is :class:`NPURMSNorm` with that kernel, or
-    ``torch.nn.RMSNorm`` when ``kernel`` is None.
+    ``kernel`` and ``extra_state`` (from the spec's params): RMSNorm is :class:`NPURMSNorm` with
+    that kernel, or ``torch.nn.RMSNorm`` when ``kernel`` is None; ``extra_state=True`` adds TE's
+    empty ``_extra_state`` entry.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, kernel: str | None = None,
-                **_unused):  # fmt: skip
+                *, extra_state: bool = False, **_unused):  # fmt: skip
         if config.layernorm_zero_centered_gamma:
             raise NotImplementedError(
                 "layernorm_zero_centered_gamma: not supported by the torch norms of this spec; "
@@ -62,15 +81,13 @@ class SequenceParallelNorm:
             )
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm" and kernel is not None:
-            norm = NPURMSNorm(hidden_size, eps=eps, kernel=kernel)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        else:
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"normalization: {config.normalization!r} is not supported; use 'LayerNorm' or "
                 "'RMSNorm'"
             )
+        fused = config.normalization == "RMSNorm" and kernel is not None
+        norm_class = _CLASSES[(config.normalization, fused, bool(extra_state))]
+        extra = {"kernel": kernel} if fused else {}
+        norm = norm_class(hidden_size, eps=eps, **extra)
         return _tag(norm, config)

@@ -64,6 +64,23 @@ def test_parallel_layout_matches_one_process(layout, single, parallel_runs):
     assert run.stdout.count("mcore-npu train: done") == 1  # only rank 0 reports
 
 
+def test_tensor_and_sequence_parallel_run_has_the_te_spec_names(workdir, parallel_runs):
+    """gpt_tiny.yaml runs in the default TE layout: the TP=2 + SP checkpoint holds exactly the
+    names of Megatron's TE spec (specs/param_names_te.yaml), _extra_state entries included."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.transformer.te_names import disk_key, expected_names
+
+    config = SimpleNamespace(num_layers=2, normalization="RMSNorm", qk_layernorm=True,
+                             num_moe_experts=None, moe_layer_freq=1)  # fmt: skip
+    metadata = FileSystemReader(str(workdir / "tp2_sp" / "step_0000003")).read_metadata()
+    saved = {key.split("/")[0] for key in metadata.state_dict_metadata}  # objects: key/shard_i_n
+    model = {key for key in saved if not key.startswith("optimizer.")}
+    assert model == {disk_key(name, config) for name in expected_names(config, "sharded")}
+
+
 def test_tensor_parallel_checkpoint_resumes_in_one_process(workdir, single, parallel_runs):
     checkpoints = workdir / "tp2"
     (checkpoints / "latest").write_text("step_0000003\n")  # resume from the middle of the run

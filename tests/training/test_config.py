@@ -28,6 +28,7 @@ BAD = [
     (["parallel.pipeline=3"], "parallel.tensor"),  # world size 2 is not divisible by 3
     (["attention.backend=npu"], "attention.backend"),
     (["attention.kernel=cuda"], "attention.kernel"),
+    (["model.param_layout=megatron"], "model.param_layout"),
     (["attention.backend=local", "attention.kernel=reference"], "attention.kernel"),
     (["parallel.context=2"], "parallel.context"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),

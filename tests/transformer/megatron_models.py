@@ -55,19 +55,22 @@ def local_spec(config):
     )
 
 
-def npu_spec(config, kernel="reference"):
-    """The NPU layer spec; ``kernel`` is the attention's, the other fused operators run their
-    reference (tests/transformer/test_fused_contract.py checks their torch_npu calls)."""
+def npu_spec(config, kernel="reference", param_layout="local"):
+    """The NPU spec; in the local layout by default, so its names are the local spec's (the TE
+    layout against the local one: tests/transformer/test_param_layout.py). ``kernel`` is the
+    attention's; the other fused operators run their reference
+    (tests/transformer/test_fused_contract.py checks their torch_npu calls)."""
     from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
 
     return get_gpt_layer_npu_spec(
         normalization=config.normalization, qk_layernorm=config.qk_layernorm, kernel=kernel,
-        rms_norm_kernel="reference", swiglu_kernel="reference", grouped_matmul_kernel="reference",
+        param_layout=param_layout, rms_norm_kernel="reference", swiglu_kernel="reference",
+        grouped_matmul_kernel="reference",
     )  # fmt: skip
 
 
 def twin_models(config):
-    """A local-spec and an NPU-spec model with the same weights."""
+    """A local-spec and an NPU-spec model (local layout) with the same weights."""
     local = gpt(config, local_spec(config))
     npu = gpt(config, npu_spec(config))
     npu.load_state_dict(local.state_dict(), strict=True)

@@ -5,6 +5,7 @@ on megatron-core 0.16.1, see tests/transformer/test_router.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from tests.transformer.megatron_models import gpt, tiny_config
 
@@ -43,29 +44,43 @@ def npu_moe_spec(config, **kwargs):
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
     kwargs.setdefault("kernel", "reference")
+    kwargs.setdefault("param_layout", "local")
     return get_gpt_decoder_block_npu_spec(config, normalization=config.normalization, **kwargs)
 
 
 def twin_moe_models(config, **npu_kwargs):
-    """(Megatron local MoE model, NPU-spec model) with the same weights."""
-    local = gpt(config, local_moe_spec(config))
+    """(Megatron local MoE model, NPU-spec model, {local name: NPU name}) with the same weights.
+
+    With ``config.moe_grouped_gemm`` the NPU experts carry TEGroupedMLP's names in the te layout;
+    Megatron's local twin is then built without grouped GEMM (SequentialMLP, the same numbers).
+    """
+    from mcore_npu.transformer.param_layout import match_names
+
+    local_config = dataclasses.replace(config, moe_grouped_gemm=False)
+    local = gpt(local_config, local_moe_spec(local_config))
     npu = gpt(config, npu_moe_spec(config, **npu_kwargs), seed=7)
-    state = local.state_dict()
+    names = {name: name for name in local.state_dict()}
+    if config.moe_grouped_gemm:
+        names = local_to_te_names(names)
     if npu_kwargs.get("param_layout") == "te":
-        state = local_to_te_names(state)
+        by_target = match_names(names.values(), npu.state_dict().keys())
+        renamed = {source: target for target, source in by_target.items()}
+        names = {local_name: renamed[name] for local_name, name in names.items() if name in renamed}
+    state = {names[name]: value for name, value in local.state_dict().items() if name in names}
     npu.load_state_dict(state, strict=True)
-    return local, npu
+    return local, npu, names
 
 
-def local_to_te_names(state: dict) -> dict:
-    """``experts.local_experts.{e}.linear_fc1.weight`` -> ``experts.linear_fc1.weight{e}``."""
+def local_to_te_names(names: dict) -> dict:
+    """Values ``experts.local_experts.{e}.linear_fc1.weight`` -> ``experts.linear_fc1.weight{e}``
+    (their ``_extra_state`` entries dropped: TEGroupedMLP's twin keeps none)."""
     renamed = {}
-    for key, value in state.items():
-        if ".experts.local_experts." in key:
-            head, tail = key.split(".experts.local_experts.")
+    for key, name in names.items():
+        if ".experts.local_experts." in name:
+            head, tail = name.split(".experts.local_experts.")
             e, which, leaf = tail.split(".")
             if leaf == "_extra_state":
                 continue
-            key = f"{head}.experts.{which}.{leaf}{e}"
-        renamed[key] = value
+            name = f"{head}.experts.{which}.{leaf}{e}"
+        renamed[key] = name
     return renamed

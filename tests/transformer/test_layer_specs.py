@@ -154,6 +154,7 @@ def test_decoder_block_spec_with_moe_layers_matches_local_block():
     local = gpt(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                    normalization="RMSNorm"))  # fmt: skip
     npu = gpt(config, get_gpt_decoder_block_npu_spec(config, kernel="reference",
+                                                     param_layout="local",
                                                      normalization="RMSNorm"), seed=5)  # fmt: skip
     assert list(local.state_dict().keys()) == list(npu.state_dict().keys())
     npu.load_state_dict(local.state_dict(), strict=True)

@@ -25,20 +25,17 @@ def _logits_and_grads(model, ids, pos):
     return logits.detach(), grads
 
 
-def _te_name(name: str) -> str:
-    if ".experts.local_experts." not in name:
-        return name
-    head, tail = name.split(".experts.local_experts.")
-    e, which, leaf = tail.split(".")
-    return f"{head}.experts.{which}.{leaf}{e}"
-
-
 @pytest.mark.parametrize("shared_expert", [False, True])
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-@pytest.mark.parametrize("param_layout", ["local", "te"])
-def test_npu_spec_moe_matches_megatrons_sequential_mlp(shared_expert, dispatcher, param_layout):
-    config = moe_config(shared_expert=shared_expert, dispatcher=dispatcher)
-    local, npu = twin_moe_models(config, param_layout=param_layout)
+@pytest.mark.parametrize(
+    "param_layout,grouped_gemm", [("local", False), ("te", False), ("te", True)]
+)
+def test_npu_spec_moe_matches_megatrons_sequential_mlp(
+    shared_expert, dispatcher, param_layout, grouped_gemm
+):
+    config = moe_config(shared_expert=shared_expert, dispatcher=dispatcher,
+                        moe_grouped_gemm=grouped_gemm)  # fmt: skip
+    local, npu, names = twin_moe_models(config, param_layout=param_layout)
     experts = npu.decoder.layers[0].mlp.experts
     assert type(experts).__name__ == "NPUGroupedMLP"
     assert type(local.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP"
@@ -46,25 +43,31 @@ def test_npu_spec_moe_matches_megatrons_sequential_mlp(shared_expert, dispatcher
     want, want_grads = _logits_and_grads(local, ids, pos)
     got, got_grads = _logits_and_grads(npu, ids, pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    rename = _te_name if param_layout == "te" else (lambda n: n)
-    assert {rename(n) for n in want_grads} == set(got_grads)
+    assert {names[n] for n in want_grads} == set(got_grads)
     for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[rename(name)], grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got_grads[names[name]], grad, rtol=1e-5, atol=1e-5, msg=name)
     assert any(".experts." in n and g.abs().sum() > 0 for n, g in got_grads.items())
 
 
-def test_te_layout_has_transformer_engines_grouped_names():
-    config = moe_config()
-    _, npu = twin_moe_models(config, param_layout="te")
+def test_te_layout_with_grouped_gemm_has_transformer_engines_grouped_names():
+    config = moe_config(moe_grouped_gemm=True)
+    _, npu, _ = twin_moe_models(config, param_layout="te")
     names = [n for n, _ in npu.decoder.layers[0].mlp.experts.named_parameters()]
     assert names == [f"linear_fc1.weight{e}" for e in range(4)] + [
         f"linear_fc2.weight{e}" for e in range(4)
     ]
 
 
+def test_te_layout_without_grouped_gemm_keeps_sequential_names():
+    _, npu, _ = twin_moe_models(moe_config(), param_layout="te")
+    names = [n for n, _ in npu.decoder.layers[0].mlp.experts.named_parameters()]
+    assert names[0] == "local_experts.0.linear_fc1.weight"
+    assert type(npu.decoder.layers[0].mlp.experts).__name__ == "NPUGroupedMLP"
+
+
 def test_moe_gpt_from_the_npu_spec_trains_on_cpu():
     config = moe_config(shared_expert=True)
-    _, npu = twin_moe_models(config)
+    _, npu, _ = twin_moe_models(config)
     opt = torch.optim.Adam(npu.parameters(), lr=1e-2)
     ids, pos = batch(b=4, s=16, seed=3)
     labels = torch.roll(ids, -1, dims=1)

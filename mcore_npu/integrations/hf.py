@@ -1,0 +1,122 @@
+"""Hugging Face checkpoints through mbridge, the bridge verl uses, into the NPU spec (TE layout).
+
+mbridge maps Hugging Face names onto the names of Megatron's Transformer Engine spec
+(``model.layers.{i}.input_layernorm.weight`` <-> ``decoder.layers.{i}.self_attention.linear_qkv.
+layer_norm_weight``); the NPU spec in ``param_layout="te"`` has exactly those names, so the bridge's
+own loaders and exporters work unchanged. The one thing swapped is the layer spec the bridge
+builds, on the bridge instance (never on the mbridge module)::
+
+    from mcore_npu.integrations.hf import npu_bridge, build_model
+
+    bridge = npu_bridge("/path/to/Qwen2.5-0.5B", dtype=torch.bfloat16)   # AutoBridge + NPU spec
+    model = build_model(bridge)                  # this pipeline stage's GPTModel
+    bridge.load_weights([model], "/path/to/Qwen2.5-0.5B")
+    for hf_name, tensor in bridge.export_weights([model]): ...           # back to HF names
+
+or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
+``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
+safetensors); importing ``mcore_npu`` never imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+
+def _auto_bridge():
+    try:
+        from mbridge import AutoBridge
+    except ImportError as err:
+        raise ImportError(
+            f"mbridge: not importable ({err}); install the extra: pip install 'mcore-npu[hf]'"
+        ) from err
+    return AutoBridge
+
+
+def use_npu_spec(bridge, *, kernel: str = "auto"):
+    """Make ``bridge`` (an mbridge ``LLMBridge``) build the NPU decoder-block spec in TE layout.
+
+    Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
+    ``bridge.config`` at build time, so ``bridge.set_extra_args(...)`` afterwards still applies.
+
+    Returns:
+        ``bridge`` itself.
+    """
+    if not hasattr(bridge, "_get_transformer_layer_spec"):
+        raise TypeError(
+            f"bridge: {type(bridge).__name__} has no _get_transformer_layer_spec; pass an mbridge "
+            "LLMBridge (AutoBridge.from_pretrained / from_config)"
+        )
+
+    def layer_spec(vp_stage=None):
+        return get_gpt_decoder_block_npu_spec(
+            bridge.config,
+            kernel=kernel,
+            param_layout="te",
+            normalization=bridge.config.normalization,
+            vp_stage=vp_stage,
+        )
+
+    bridge._get_transformer_layer_spec = layer_spec
+    _expose_rope_theta(bridge.hf_config)
+    return bridge
+
+
+def _expose_rope_theta(hf_config) -> None:
+    """transformers >= 5 keeps ``rope_theta`` in ``rope_parameters``; mbridge 0.15.1 reads
+    ``hf_config.rope_theta``. Copy it onto this bridge's config object (nothing else changes)."""
+    if getattr(hf_config, "rope_theta", None) is not None:
+        return
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" in parameters:
+        hf_config.rope_theta = parameters["rope_theta"]
+
+
+def npu_bridge(hf_path: str, *, kernel: str = "auto", dtype=torch.bfloat16, **bridge_kwargs):
+    """``mbridge.AutoBridge.from_pretrained(hf_path, dtype=dtype, ...)`` with the NPU spec."""
+    bridge = _auto_bridge().from_pretrained(hf_path, dtype=dtype, **bridge_kwargs)
+    return use_npu_spec(bridge, kernel=kernel)
+
+
+def build_model(bridge, *, pre_process: bool | None = None, post_process: bool | None = None):
+    """This pipeline stage's ``GPTModel`` from the bridge's own model provider, left where it was
+    built (no ``.cuda()``, no DDP or mixed-precision wrapper: the caller's training code adds
+    those), so it also works on a CPU. Megatron's parallel state must exist."""
+    from megatron.core import parallel_state
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    provider = bridge._model_provider([])
+    return provider(pre_process=pre_process, post_process=post_process)
+
+
+def load_hf_weights(model, hf_path: str, *, bridge=None, kernel: str = "auto"):
+    """Load the Hugging Face safetensors in ``hf_path`` into ``model`` (NPU spec, TE layout).
+
+    Args:
+        model: a ``GPTModel`` (or a list of virtual-pipeline chunks) whose names are the TE
+            spec's, e.g. built by ``build_model`` or from ``get_gpt_decoder_block_npu_spec``.
+        hf_path: a directory with ``config.json`` and ``*.safetensors``.
+        bridge: an mbridge bridge to use; ``npu_bridge(hf_path)`` in the model's dtype if None.
+
+    Returns:
+        The bridge (reuse it for ``bridge.export_weights([model])``).
+    """
+    models = model if isinstance(model, list) else [model]
+    if bridge is None:
+        dtype = next(models[0].parameters()).dtype
+        bridge = npu_bridge(hf_path, kernel=kernel, dtype=dtype)
+    bridge.load_weights(models, hf_path)
+    return bridge
+
+
+def export_hf_weights(model, bridge) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hugging_face_name, tensor)`` for every weight of ``model``, through ``bridge``."""
+    models = model if isinstance(model, list) else [model]
+    yield from bridge.export_weights(models)

@@ -1,0 +1,215 @@
+"""``NPUSpecProvider``: this package's modules for Megatron's ``*_for_backend`` spec builders.
+
+Megatron-Core builds MLP, MoE and multi-token-prediction specs from a ``BackendSpecProvider``
+(``megatron/core/models/backends.py``): ``get_mlp_module_spec_for_backend``,
+``get_moe_module_spec_for_backend``, ``get_mtp_layer_spec_for_backend``. This provider answers
+with the NPU spec's modules in either parameter layout:
+
+| slot | ``param_layout="te"`` | ``"local"`` |
+|---|---|---|
+| ``core_attention()`` | ``TELayoutNPUFusionAttention`` | ``NPUFusionAttention`` |
+| ``layer_norm()`` | ``SequenceParallelNorm`` (with ``_extra_state``) | ``SequenceParallelNorm`` |
+| ``fuse_layernorm_and_linear()`` | True | False |
+| ``column_parallel_layer_norm_linear()`` | ``NormColumnParallelLinear`` | None |
+| ``dense_mlp(mlp)`` / ``experts(...)`` / ``shared_experts(...)`` | ``NPUMLP`` / ``NPUGroupedMLP`` / ``NPUSharedExpertMLP`` | the same |
+| linears | Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` | the same |
+| ``grouped_mlp_modules(False, _)`` | ``SequentialMLP`` of those linears | the same |
+| ``activation_func()`` | None (the MLP applies ``config.activation_func``) | the same |
+
+Core attention, norms and the fused norm-linear are returned as ``ModuleSpec`` s (they carry
+``kernel``, the shared cu_seqlens memo, ``extra_state``); Megatron's ``build_module`` takes a
+spec wherever a class goes. The fused operators (``npu_rms_norm`` in every RMSNorm,
+``npu_swiglu`` in the MLPs, ``npu_grouped_matmul`` in the experts) follow ``kernel`` unless
+``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` say otherwise; ``"off"``
+keeps Megatron's own module for that part. Whether the installed megatron-core has the protocol and the builders is probed
+(``HAVE_BACKEND_PROVIDER``, ``backend_builders()``), never read from its version.
+"""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mcore_npu.masks import SeqLengthsMemo
+from mcore_npu.ops import KERNELS
+from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
+from mcore_npu.transformer.backends import PARAM_LAYOUTS
+from mcore_npu.transformer.experts import NPUGroupedMLP
+from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
+from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
+from mcore_npu.transformer.norms import SequenceParallelNorm
+
+FUSED_KERNELS = (*KERNELS, "off")
+"""Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel``; None = ``kernel``."""
+
+try:  # megatron-core >= 0.13 has the protocol; before, the provider is a plain class
+    from megatron.core.models.backends import BackendSpecProvider
+
+    HAVE_BACKEND_PROVIDER = True
+except ImportError:  # pragma: no cover - older megatron-core
+    BackendSpecProvider = object
+    HAVE_BACKEND_PROVIDER = False
+
+
+class NPUSpecProvider(BackendSpecProvider):
+    """The NPU spec's modules for Megatron's ``BackendSpecProvider`` slots.
+
+    Args:
+        kernel: the attention kernel (``"auto"`` | ``"torch_npu"`` | ``"reference"``), and the
+            fused operators' unless given below.
+        param_layout: ``"te"`` (Transformer Engine names) | ``"local"``.
+        seq_lengths_memo: shared by every attention built from this provider; a new one if None.
+        rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
+            operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
+    """
+
+    def __init__(
+        self,
+        *,
+        kernel: str = "auto",
+        param_layout: str = "te",
+        seq_lengths_memo: SeqLengthsMemo | None = None,
+        rms_norm_kernel: str | None = None,
+        swiglu_kernel: str | None = None,
+        grouped_matmul_kernel: str | None = None,
+    ):
+        if param_layout not in PARAM_LAYOUTS:
+            raise ValueError(
+                f"param_layout: unknown layout {param_layout!r}; pass one of "
+                f"{', '.join(PARAM_LAYOUTS)}"
+            )
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        fused = {"rms_norm": rms_norm_kernel, "swiglu": swiglu_kernel,
+                 "grouped_matmul": grouped_matmul_kernel}  # fmt: skip
+        self.fused = {name: _fused_kernel(name, value, kernel) for name, value in fused.items()}
+        self.kernel = kernel
+        self.param_layout = param_layout
+        self.seq_lengths_memo = (
+            seq_lengths_memo if seq_lengths_memo is not None else SeqLengthsMemo()
+        )
+
+    @property
+    def te_layout(self) -> bool:
+        return self.param_layout == "te"
+
+    def linear(self) -> type:
+        """A plain (not fused) linear, as the local spec uses for MLA's down projections."""
+        return ColumnParallelLinear
+
+    def column_parallel_linear(self) -> type:
+        return ColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return RowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return self.te_layout
+
+    def column_parallel_layer_norm_linear(self) -> ModuleSpec | None:
+        if not self.te_layout:
+            return None
+        return ModuleSpec(
+            module=NormColumnParallelLinear, params={"norm_kernel": self._on("rms_norm")}
+        )
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
+        """``config.normalization`` decides LayerNorm / RMSNorm (``rms_norm`` is not needed)."""
+        params = {"extra_state": self.te_layout, "kernel": self._on("rms_norm")}
+        return ModuleSpec(module=SequenceParallelNorm, params=params)
+
+    def dense_mlp(self, mlp: ModuleSpec) -> ModuleSpec:
+        """Megatron's ``MLP`` spec with its SwiGLU through ``npu_swiglu`` (unless ``"off"``)."""
+        if self._on("swiglu") is None:
+            return mlp
+        params = {**mlp.params, "kernel": self._on("swiglu")}
+        return ModuleSpec(module=NPUMLP, params=params, submodules=mlp.submodules)
+
+    def shared_experts(self, shared: ModuleSpec) -> ModuleSpec:
+        """``SharedExpertMLP`` spec -> ``NPUSharedExpertMLP`` (same names; ``npu_swiglu``)."""
+        if self._on("swiglu") is None:
+            return shared
+        params = {**shared.params, "kernel": self._on("swiglu")}
+        return ModuleSpec(module=NPUSharedExpertMLP, params=params, submodules=shared.submodules)
+
+    def experts(self, experts: ModuleSpec, grouped_gemm: bool) -> ModuleSpec:
+        """The routed experts as ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection).
+
+        Names follow the spec Megatron would build for the same arguments: ``SequentialMLP``'s
+        (``local_experts.{e}.linear_fc1.weight``) without grouped GEMM, in both layouts; with
+        ``moe_grouped_gemm=True`` in the te layout ``TEGroupedMLP``'s (``linear_fc1.weight{e}``).
+        In the local layout a grouped-GEMM slot keeps Megatron's own ``GroupedMLP``.
+        """
+        kernel = self._on("grouped_matmul")
+        if kernel is None or (grouped_gemm and not self.te_layout):
+            if grouped_gemm and self.te_layout:
+                raise ValueError(
+                    "grouped_matmul_kernel: 'off' with moe_grouped_gemm=True in the te layout "
+                    "would need TE's TEGroupedMLP; turn the grouped matmul on, or pass "
+                    "moe_grouped_gemm=False (SequentialMLP names)"
+                )
+            return experts
+        names = "te" if grouped_gemm else "local"
+        params = {"kernel": kernel, "param_layout": names}
+        return ModuleSpec(module=NPUGroupedMLP, params=params, submodules=experts.submodules)
+
+    def _on(self, operator: str) -> str | None:
+        """The kernel of a fused operator, or None when it is ``"off"``."""
+        kernel = self.fused[operator]
+        return None if kernel == "off" else kernel
+
+    def core_attention(self) -> ModuleSpec:
+        module = TELayoutNPUFusionAttention if self.te_layout else NPUFusionAttention
+        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo}
+        return ModuleSpec(module=module, params=params)
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        """``SequentialMLP`` of the column/row-parallel linears (the same names in both layouts).
+
+        Raises:
+            ValueError: ``moe_use_grouped_gemm=True`` (no torch twin of TE's grouped linears).
+        """
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        if moe_use_grouped_gemm:
+            raise ValueError(
+                "moe_grouped_gemm: NPUSpecProvider has no grouped experts; pass "
+                "moe_grouped_gemm=False (SequentialMLP)"
+            )
+        return SequentialMLP, MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+        )
+
+    def activation_func(self) -> None:
+        return None
+
+
+def _fused_kernel(name: str, value: str | None, kernel: str) -> str:
+    value = kernel if value is None else value
+    if value not in FUSED_KERNELS:
+        raise ValueError(
+            f"{name}_kernel: unknown value {value!r}; pass one of {', '.join(FUSED_KERNELS)} "
+            "or None (= kernel)"
+        )
+    return value
+
+
+def backend_builders() -> dict:
+    """The installed megatron-core's ``*_for_backend`` builders, by name (those it has)."""
+    import importlib
+
+    places = {
+        "get_mlp_module_spec_for_backend": "megatron.core.models.gpt.gpt_layer_specs",
+        "get_moe_module_spec_for_backend": "megatron.core.models.gpt.moe_module_specs",
+        "get_mtp_layer_spec_for_backend": "megatron.core.transformer.multi_token_prediction",
+    }
+    found = {}
+    for name, module in places.items():
+        try:
+            function = getattr(importlib.import_module(module), name, None)
+        except ImportError:  # pragma: no cover - older megatron-core
+            function = None
+        if function is not None:
+            found[name] = function
+    return found

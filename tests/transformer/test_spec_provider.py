@@ -1,0 +1,57 @@
+"""NPUSpecProvider through Megatron's own ``*_for_backend`` builders (real megatron-core)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
+from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
+from mcore_npu.transformer.spec_provider import (
+    HAVE_BACKEND_PROVIDER,
+    NPUSpecProvider,
+    backend_builders,
+)
+
+
+def test_provider_is_a_megatron_backend_spec_provider_where_megatron_has_one():
+    if HAVE_BACKEND_PROVIDER:
+        from megatron.core.models.backends import BackendSpecProvider
+
+        assert BackendSpecProvider in NPUSpecProvider.__mro__  # an explicit subclass
+    assert set(backend_builders()) >= {"get_mlp_module_spec_for_backend"}
+
+
+@pytest.mark.parametrize("layout, fc1", [("te", NormColumnParallelLinear), ("local", None)])
+def test_mlp_builder_takes_the_fused_linear_in_te_layout(layout, fc1):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    build = backend_builders()["get_mlp_module_spec_for_backend"]
+    spec = build(backend=NPUSpecProvider(param_layout=layout, kernel="reference"), num_experts=None)
+    linear_fc1 = spec.submodules.linear_fc1
+    if fc1 is None:
+        assert linear_fc1 is ColumnParallelLinear
+    else:  # a spec: the fused norm carries the rms_norm kernel
+        assert linear_fc1.module is fc1 and linear_fc1.params == {"norm_kernel": "reference"}
+
+
+def test_moe_builder_gets_sequential_experts_and_refuses_grouped_ones():
+    build = backend_builders()["get_moe_module_spec_for_backend"]
+    provider = NPUSpecProvider(param_layout="te")
+    spec = build(backend=provider, num_experts=2, moe_grouped_gemm=False)
+    assert spec.submodules.experts.module.__name__ == "SequentialMLP"
+    with pytest.raises(ValueError, match="moe_grouped_gemm"):
+        build(backend=provider, num_experts=2, moe_grouped_gemm=True)
+
+
+def test_core_attention_and_norms_follow_the_layout():
+    te, local = NPUSpecProvider(kernel="reference"), NPUSpecProvider(param_layout="local")
+    assert te.core_attention().module is TELayoutNPUFusionAttention
+    assert local.core_attention().module is NPUFusionAttention
+    assert te.core_attention().params["kernel"] == "reference"
+    assert te.layer_norm().params == {"extra_state": True, "kernel": "reference"}
+    assert local.layer_norm().params == {"extra_state": False, "kernel": "auto"}
+    off = NPUSpecProvider(rms_norm_kernel="off")
+    assert off.layer_norm().params == {"extra_state": True, "kernel": None}
+    assert (te.fuse_layernorm_and_linear(), local.fuse_layernorm_and_linear()) == (True, False)
+    with pytest.raises(ValueError, match="param_layout: unknown layout"):
+        NPUSpecProvider(param_layout="megatron")
