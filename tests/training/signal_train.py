@@ -1,0 +1,56 @@
+"""Test-only entry point: the real trainer, with real signals sent at chosen moments.
+
+    python -m tests.training.signal_train --config ... [overrides]
+
+- ``SIGNAL_AT_SAVE="4:SIGKILL"`` (or ``"4:SIGINT,SIGINT"``): while the checkpoint of step 4 is
+  being saved (its folder exists, ``common.pt`` is being written, no tensor file yet), the process
+  sends itself these signals, one after the other, with ``os.kill``.
+- ``PAUSE_AT_STEP=2 PAUSE_UNTIL=<file>``: after step 2 the process waits until ``<file>``
+  exists, so a test can act on a run that is known to be mid-way (start a second run, signal it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from mcore_npu.training import train
+
+
+class _SignalsWhenPickled:
+    """Pickled into ``common.pt`` as the int 0; pickling it sends the signals to this process."""
+
+    def __init__(self, signals: list[int]) -> None:
+        self.signals = signals
+
+    def __reduce__(self):
+        for sig in self.signals:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.01)  # the Python handler runs here, before the next signal is sent
+        return (int, (0,))
+
+
+class SignalTrainer(train.Trainer):
+    def _checkpoint_state(self) -> dict:
+        state = super()._checkpoint_state()
+        step, _, names = os.environ.get("SIGNAL_AT_SAVE", "").partition(":")
+        if step and int(step) == self.step:
+            state["signal_probe"] = _SignalsWhenPickled(
+                [signal.Signals[n] for n in names.split(",")]
+            )
+        return state
+
+    def train_step(self):
+        if os.environ.get("PAUSE_AT_STEP") and int(os.environ["PAUSE_AT_STEP"]) == self.step:
+            while not os.path.exists(os.environ["PAUSE_UNTIL"]):
+                time.sleep(0.05)
+        return super().train_step()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    sys.exit(train.run(parser.parse_args(), trainer_class=SignalTrainer))
