@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def load(template: dict, path: str | Path) -> dict:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # no terminal colour codes
     return text.splitlines()[0][:300] if text else ""
 
 

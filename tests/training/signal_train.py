@@ -3,8 +3,8 @@
     python -m tests.training.signal_train --config ... [overrides]
 
 - ``SIGNAL_AT_SAVE="4:SIGKILL"`` (or ``"4:SIGINT,SIGINT"``): while the checkpoint of step 4 is
-  being saved (its folder exists, ``common.pt`` is being written, no tensor file yet), the process
-  sends itself these signals, one after the other, with ``os.kill``.
+  being saved (its folder exists, Megatron is pickling the common state, no tensor file yet), the
+  process sends itself these signals, one after the other, with ``os.kill``.
 - ``PAUSE_AT_STEP=2 PAUSE_UNTIL=<file>``: after step 2 the process waits until ``<file>``
   exists, so a test can act on a run that is known to be mid-way (start a second run, signal it).
 """
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import sys
@@ -21,16 +22,18 @@ from mcore_npu.training import train
 
 
 class _SignalsWhenPickled:
-    """Pickled into ``common.pt`` as the int 0; pickling it sends the signals to this process."""
+    """Pickled into ``common.pt`` as an empty OrderedDict (loadable with ``weights_only``);
+    pickling it sends the signals to this process."""
 
     def __init__(self, signals: list[int]) -> None:
         self.signals = signals
 
-    def __reduce__(self):
-        for sig in self.signals:
+    def __reduce__(self):  # Megatron pickles the common state twice: signal the first time only
+        signals, self.signals = self.signals, []
+        for sig in signals:
             os.kill(os.getpid(), sig)
             time.sleep(0.01)  # the Python handler runs here, before the next signal is sent
-        return (int, (0,))
+        return (collections.OrderedDict, ())
 
 
 class SignalTrainer(train.Trainer):

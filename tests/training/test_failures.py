@@ -3,8 +3,8 @@ folders, a full disk, bad data. Each test runs the real trainer as a subprocess,
 signals (``os.kill``) and real files; resumed runs are compared with one uninterrupted run.
 
 The signals sent *during a save* come from ``tests/training/signal_train.py``: the trainer sends
-them to itself while ``common.pt`` of the chosen step is being written (the step folder exists,
-no tensor file yet), which no timing from outside could hit reliably.
+them to itself while the common state of the chosen step is being pickled (the step folder
+exists, no tensor file yet), which no timing from outside could hit reliably.
 """
 
 from __future__ import annotations
