@@ -159,7 +159,7 @@ def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
     if failure is None:
         try:
             dist_checkpointing.save(state, str(target), sharded_strategy=sync_save_strategy())
-        except Exception as err:  # every rank sees the failure (dist checkpointing gathers it)
+        except _save_errors() as err:  # every rank sees the failure (torch gathers it)
             failure = _cause(err, target)
         failure = _agree_on_failure(failure)
     if failure is not None:
@@ -176,6 +176,13 @@ def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
         write_latest(checkpoint_dir, target)
     dist.barrier()
     return target
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    """What a failed save or load raises: torch's ``CheckpointException`` is a BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _fresh_folder(target: Path) -> str | None:
@@ -250,7 +257,7 @@ def load(template: dict, path: str | Path) -> dict:
     if problem is None:
         try:
             return dist_checkpointing.load(template, str(path))
-        except Exception as err:
+        except _save_errors() as err:
             problem = f"loading failed ({type(err).__name__}: {_first_line(err)})"
     raise CheckpointError(f"checkpoint {path}: {problem}")
 
