@@ -125,15 +125,18 @@ def resume_point(
 ) -> Path | None:
     """Load the newest readable ``step_<N>`` folder with ``load``; None when there is none.
 
-    ``latest`` is only reported: a missing, empty, garbled or dangling ``latest`` does not hide
-    the complete folders next to it. When the newest folder is damaged, the previous one is
-    loaded with a warning naming the damaged file (the steps after it are trained again).
+    The folder ``latest`` names comes first (a user may point it at an earlier step), then every
+    other folder, newest first: a missing, empty, garbled or dangling ``latest`` does not hide the
+    complete folders next to it. When a folder is damaged, the next one is loaded with a warning
+    naming the damaged file (the steps after it are trained again).
 
     Raises:
         CheckpointError: folders exist but none loads (each one's problem is listed).
     """
-    folders = checkpointing.step_dirs(checkpoint_dir)
     named, latest_state = checkpointing.read_latest(checkpoint_dir)
+    folders = checkpointing.step_dirs(checkpoint_dir)
+    if named is not None:
+        folders = [named, *(f for f in folders if f.name != named.name)]
     if not folders:
         say(f"no checkpoint in {checkpoint_dir} ({latest_state}): starting from step 0")
         return None
@@ -147,7 +150,7 @@ def resume_point(
         for problem in skipped:
             say(f"WARNING: skipping an unreadable checkpoint: {problem}; resuming from "
                 f"{folder.name} instead (delete the damaged folder to silence this)")  # fmt: skip
-        why = "the newest readable checkpoint" + ("" if named == folder else f"; {latest_state}")
+        why = "named by latest" if named == folder else f"the newest readable one; {latest_state}"
         say(f"resuming from {folder} ({why})")
         return folder
     raise CheckpointError(

@@ -5,8 +5,9 @@
 - ``SIGNAL_AT_SAVE="4:SIGKILL"`` (or ``"4:SIGINT,SIGINT"``): while the checkpoint of step 4 is
   being saved (its folder exists, Megatron is pickling the common state, no tensor file yet), the
   process sends itself these signals, one after the other, with ``os.kill``.
-- ``PAUSE_AT_STEP=2 PAUSE_UNTIL=<file>``: after step 2 the process waits until ``<file>``
-  exists, so a test can act on a run that is known to be mid-way (start a second run, signal it).
+- ``PAUSE_AT_STEP=2 PAUSE_UNTIL=<file>``: step 3 starts (the stop check after step 2 and its
+  save are done), creates ``<file>.paused`` and waits until ``<file>`` exists, so a test can act
+  on a run known to be mid-way (start a second run, signal it): it stops after step 3.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class SignalTrainer(train.Trainer):
 
     def train_step(self):
         if os.environ.get("PAUSE_AT_STEP") and int(os.environ["PAUSE_AT_STEP"]) == self.step:
+            with open(os.environ["PAUSE_UNTIL"] + ".paused", "w"):
+                pass
             while not os.path.exists(os.environ["PAUSE_UNTIL"]):
                 time.sleep(0.05)
         return super().train_step()

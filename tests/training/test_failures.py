@@ -128,7 +128,7 @@ def test_a_second_run_on_the_folder_is_refused_and_sigterm_stops_the_first(refer
         extra_env={"PAUSE_AT_STEP": "2", "PAUSE_UNTIL": str(tmp_path / "go")},
     )  # fmt: skip
     with Background(cmd, cwd=ROOT, env=env) as first:
-        first.wait_for(lambda: len(read_metrics(tmp_path / "m.jsonl")) == 2, "step 2")
+        first.wait_for(lambda: (tmp_path / "go.paused").exists(), "the pause after step 2")
         second = _run(tmp_path / "second", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
         first.signal(signal.SIGTERM)
         (tmp_path / "go").touch()
