@@ -284,3 +284,64 @@ def test_bad_data_is_refused_before_process_groups(tmp_path, kind):
     assert line.startswith(f"mcore-npu train: error: config data.path='{path}': {problem}")
     assert "UTF-8" in line or "train.seq_length" in line  # the fix
     assert not (tmp_path / "ckpt").exists()  # refused before anything was created
+
+
+# -- the pieces, in process (real files, no trainer) ------------------------------------------
+
+
+@pytest.mark.parametrize("content, state", [
+    (None, "latest is missing"),
+    (b"", "latest is empty"),
+    (b"\xff\xfe\x00garbage", "latest is unreadable (UnicodeDecodeError)"),
+    (b"../etc\n", "latest holds '../etc', not a step folder name"),
+    (b"step_0000009\n", "latest names step_0000009, which does not exist"),
+    (b"step_0000002\n", "latest names step_0000002"),
+])  # fmt: skip
+def test_every_state_of_latest_is_named(tmp_path, content, state):
+    from mcore_npu.training import checkpointing
+
+    (tmp_path / "step_0000002").mkdir()
+    if content is not None:
+        (tmp_path / "latest").write_bytes(content)
+    named, described = checkpointing.read_latest(tmp_path)
+    assert described == state
+    assert named == (tmp_path / "step_0000002" if state == "latest names step_0000002" else None)
+
+
+def test_latest_is_replaced_by_a_rename(tmp_path):
+    from mcore_npu.training import checkpointing
+
+    (tmp_path / "latest").write_text("step_0000001\n")
+    before = (tmp_path / "latest").stat().st_ino
+    checkpointing.write_latest(tmp_path, tmp_path / "step_0000002")
+    assert (tmp_path / "latest").read_text() == "step_0000002\n"
+    assert (tmp_path / "latest").stat().st_ino != before  # a new file renamed over the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary file left
+
+
+def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
+    from mcore_npu.training.metrics import truncate_metrics
+
+    path = tmp_path / "m.jsonl"
+    lines = [json.dumps({"step": s, "loss": float(s)}) for s in (1, 2, 3, 2, 3, 4)]
+    path.write_text("\n".join(lines) + '\n{"step": 5, "lo')  # a repeat and a line cut by a kill
+    truncate_metrics(path, 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_folder_lock_names_its_holder_and_dies_with_it(tmp_path):
+    from mcore_npu.training.config import ConfigError
+    from mcore_npu.training.run_folder import FolderLock
+
+    lock = FolderLock(tmp_path)
+    with pytest.raises(ConfigError, match=f"pid {os.getpid()} on host {socket.gethostname()}"):
+        FolderLock(tmp_path)  # flock locks open files: a second open in one process conflicts
+    lock.release()
+    FolderLock(tmp_path).release()
+
+
+def test_overwrite_and_resume_together_are_refused():
+    from mcore_npu.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.overwrite=True: and train.resume=true"):
+        load_config(None, ["train.overwrite=true", "train.resume=true", "train.checkpoint_dir=x"])
