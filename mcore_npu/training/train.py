@@ -83,21 +83,22 @@ class Summary:
 class Trainer(ExpandableSegmentsMixin):
     """A Megatron-Core GPT training run, set up from a validated config.
 
-    The mixin sets expandable segments (``memory.expandable_segments``) before anything but the
-    device choice runs, so every allocation of the run lands in them;
+    The mixin sets expandable segments (``memory.expandable_segments``) right after the device
+    choice, before any device allocation, so every allocation of the run lands in them;
     ``self.expandable_segments_enabled`` says whether that took effect (False on CPU).
     """
 
     def __init__(self, cfg) -> None:
-        runtime.select_device()  # first: the NPU allocator setter acts on the current device
+        # bad data and unusable output paths: refused before any device or process-group work
+        tokens = load_corpus(cfg.data.path, cfg.train.seq_length)  # host memory only
+        self.lock = _prepare_run_folder(cfg)
+        runtime.select_device()  # the NPU allocator setter acts on the current device
         super().__init__(
             expandable_segments=cfg.memory.expandable_segments,
             expandable_segments_strict=cfg.memory.strict,
         )
         self.cfg = cfg
         _check_dtype_supported(cfg)
-        tokens = load_corpus(cfg.data.path, cfg.train.seq_length)  # bad data: before any group
-        self.lock = _prepare_run_folder(cfg)
         par = cfg.parallel
         layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context)
         self.runtime = runtime.initialize(
