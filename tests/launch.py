@@ -59,7 +59,7 @@ class Run:
         return [m["loss"] for m in self.metrics]
 
 
-def train(
+def train_command(
     overrides,
     *,
     config="gpt_tiny.yaml",
@@ -67,24 +67,99 @@ def train(
     metrics=None,
     extra_env=None,
     module="mcore_npu.training.train",
-) -> Run:
-    """``[torchrun --standalone --nproc-per-node N] -m module --config ... overrides``."""
-    metrics = Path(metrics) if metrics else None
+    prefix=(),
+) -> tuple[list[str], dict]:
+    """The command line and environment of ``train`` (``prefix`` goes before python)."""
     args = ["--config", str(CONFIGS / config), "train.progress=false", *overrides]
     if metrics is not None:
         args.append(f"train.metrics_file={metrics}")
     if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
+        cmd = [*prefix, sys.executable, "-m", module, *args]
     else:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+        cmd = [*prefix, str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", module,
+               *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    return cmd, env
+
+
+def train(overrides, *, metrics=None, **kwargs) -> Run:
+    """``[torchrun --standalone --nproc-per-node N] -m module --config ... overrides``."""
+    metrics = Path(metrics) if metrics else None
+    cmd, env = train_command(overrides, metrics=metrics, **kwargs)
     started = time.perf_counter()
     proc = run_command(cmd, cwd=ROOT, env=env)
     seconds = time.perf_counter() - started
-    records = []
-    if metrics is not None and metrics.is_file():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    return Run(proc.returncode, proc.stdout, proc.stderr, seconds, records)
+    return Run(proc.returncode, proc.stdout, proc.stderr, seconds, read_metrics(metrics))
+
+
+def read_metrics(metrics: Path | None) -> list[dict]:
+    """The JSON lines of ``metrics`` (every line must parse), or [] without a file."""
+    if metrics is None or not metrics.is_file():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line]
+
+
+class Background:
+    """A child in its own session, running while the test acts on it (signals, a second run).
+
+    ``finish`` waits for it (hang guard: ``HANG_TIMEOUT_S``); leaving the ``with`` block kills
+    the whole process group whatever happened, so no child outlives the test.
+    """
+
+    def __init__(self, cmd, **kwargs) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True, **kwargs)  # fmt: skip
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child itself (not its group: a launcher forwards it on its own)."""
+        os.kill(self.proc.pid, sig)
+
+    def wait_for(self, condition, what: str, timeout: float | None = None) -> None:
+        """Poll ``condition()`` until true; fail if the child exits first or it hangs."""
+        deadline = time.monotonic() + (HANG_TIMEOUT_S if timeout is None else timeout)
+        while not condition():
+            if self.proc.poll() is not None:
+                _, stderr = self.proc.communicate()
+                raise AssertionError(
+                    f"exited {self.proc.returncode} before {what}\n{stderr[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"hung: no {what} after {timeout}s: {self.cmd}")
+            time.sleep(0.05)
+
+    def finish(self) -> subprocess.CompletedProcess:
+        try:
+            stdout, stderr = self.proc.communicate(timeout=HANG_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            stdout, stderr = self.proc.communicate()
+            raise AssertionError(f"hung: {self.cmd}\n{stderr[-3000:]}") from None
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, stdout, stderr)
+
+
+def session_members(sid: int) -> list[int]:
+    """PIDs of live processes in session ``sid`` (what a child started, even re-parented)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
 
 
 def assert_ok(run: Run) -> Run:

@@ -128,7 +128,8 @@ class TrainSection:
     checkpoint_dir: str | None = None
     save_interval: int = 0  # 0: save only at the end (when checkpoint_dir is set)
     exit_interval: int = 0  # stop (after saving) at a multiple of this step; 0 = run to the end
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
+    resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
+    overwrite: bool = False  # delete the checkpoints already in checkpoint_dir and start again
     init_from: str | None = None  # load model weights (any parallel layout) before step 1
     progress: bool = True
     timeout_s: float = 300.0
@@ -136,7 +137,7 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: str | None = None  # a UTF-8 text file; None = the embedded corpus
+    path: str | None = None  # a UTF-8 text file (only UTF-8); None = the embedded corpus
     pack_sequences: bool = False  # micro-batch rows as one packed (thd) sequence
 
 
@@ -594,8 +595,13 @@ def _validate_train(cfg) -> None:
               "use one of them")  # fmt: skip
     if t.init_from and not Path(t.init_from).exists():
         _fail("train.init_from", t.init_from, "no such checkpoint", "pass a checkpoint directory")
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():
         _fail("data.path", cfg.data.path, "no such file", "pass a UTF-8 text file or null")
+    if t.overwrite and t.resume:
+        _fail("train.overwrite", True, "and train.resume=true contradict each other",
+              "resume (keep the checkpoints) or overwrite (delete them), not both")  # fmt: skip
+    if t.overwrite and not t.checkpoint_dir:
+        _fail("train.overwrite", True, "needs train.checkpoint_dir", "set train.checkpoint_dir")
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -16,11 +16,18 @@ from pathlib import Path
 
 import torch
 
+from mcore_npu.training.config import ConfigError
+
 END_OF_DOCUMENT = 256
 
 
-def load_corpus(path: str | None = None) -> torch.Tensor:
-    """The tokens of ``path`` (UTF-8 text) or of the embedded corpus: int64 ``[N]``."""
+def load_corpus(path: str | None = None, seq_length: int | None = None) -> torch.Tensor:
+    """The tokens of ``path`` (UTF-8 text) or of the embedded corpus: int64 ``[N]``.
+
+    Raises:
+        ConfigError: ``data.path`` is a directory, unreadable, empty, not UTF-8 text, or (given
+            ``seq_length``) too short for one sample of ``seq_length + 1`` tokens.
+    """
     if path is None:
         text = (
             resources.files("mcore_npu.training")
@@ -28,9 +35,38 @@ def load_corpus(path: str | None = None) -> torch.Tensor:
             .read_text(encoding="utf-8")
         )
     else:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_text_file(path)
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    return torch.cat([data, torch.tensor([END_OF_DOCUMENT])])
+    tokens = torch.cat([data, torch.tensor([END_OF_DOCUMENT])])
+    if path is not None and seq_length is not None and tokens.numel() <= seq_length + 1:
+        raise ConfigError("data.path", path, f"has {tokens.numel() - 1} bytes, fewer than one "
+                          f"sample needs (train.seq_length + 1 = {seq_length + 1})",
+                          "use a longer text or a shorter train.seq_length")  # fmt: skip
+    return tokens
+
+
+def read_text_file(path: str) -> str:
+    """The text of ``path``; only UTF-8 is accepted (``ConfigError`` naming ``data.path``)."""
+    file = Path(path)
+    fix = "pass a non-empty UTF-8 text file (convert others, e.g. iconv -t UTF-8), or null"
+    if file.is_dir():
+        raise ConfigError("data.path", path, "is a directory, not a text file", fix)
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            "data.path", path, f"cannot be read ({err.strerror or err})", fix
+        ) from None
+    if not raw:
+        raise ConfigError("data.path", path, "is empty", fix)
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise ConfigError("data.path", path, f"looks binary (a NUL byte at offset {nul})", fix)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        problem = f"is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        raise ConfigError("data.path", path, problem, fix) from None
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,16 @@ Other ranks stay quiet. Each JSON line is one step::
 
     {"step": 3, "loss": 4.91, "lr": 0.0018, "grad_norm": 1.2, "tokens_per_s": 5120.0,
      "step_time_s": 0.2, "memory_bytes": 812000000}
+
+One line per step, across kills and resumes: a resumed run first cuts the file back to the
+resumed step (dropping the lines of steps trained after the last checkpoint, and a half-written
+last line), atomically, then appends. A fresh run starts the file again.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -38,8 +43,9 @@ class RunReporter:
         first_step: int,
         metrics_file: str | None,
         progress: bool,
-        resume: bool,
+        keep_through_step: int = 0,
     ) -> None:
+        """``keep_through_step`` > 0 (a resumed run): keep the lines up to that step, append."""
         self.enabled = enabled
         self._file = None
         self._bar = None
@@ -48,7 +54,9 @@ class RunReporter:
         if metrics_file:
             path = Path(metrics_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a" if resume else "w", encoding="utf-8")
+            if keep_through_step > 0:
+                truncate_metrics(path, keep_through_step)
+            self._file = path.open("a" if keep_through_step > 0 else "w", encoding="utf-8")
         if progress:
             self._bar = tqdm(
                 total=total_steps, initial=first_step, desc="train", unit="step",
@@ -75,3 +83,24 @@ class RunReporter:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the JSON lines of steps ``<= last_step`` (once each); write a temp file, rename."""
+    if not path.is_file():
+        return
+    kept, seen = [], set()
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+        if isinstance(step, int) and step <= last_step and step not in seen:
+            seen.add(step)
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

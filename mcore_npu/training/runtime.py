@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,9 +173,10 @@ def seed_streams(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Destroy Megatron's parallel state and the process group (safe to call twice)."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    """Destroy Megatron's parallel state and the process group (safe to call twice; imports
+    nothing when the run ended before Megatron was loaded, e.g. on a refused config)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

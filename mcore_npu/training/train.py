@@ -19,6 +19,7 @@ reproduces the losses of an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 import traceback
@@ -30,10 +31,12 @@ import torch.distributed as dist
 
 from mcore_npu._warnings import hide_known_harmless_warnings
 from mcore_npu.allocator.workers import ExpandableSegmentsMixin
-from mcore_npu.training import checkpointing, runtime
+from mcore_npu.training import checkpointing, run_folder, runtime
+from mcore_npu.training.checkpointing import CheckpointError
 from mcore_npu.training.config import ConfigError, load_config, to_yaml
 from mcore_npu.training.data import ByteDataset, MicroBatch, load_corpus
 from mcore_npu.training.metrics import RunReporter, peak_memory_bytes
+from mcore_npu.training.signals import StopRequest
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,21 @@ class Summary:
     backend: str
     kernel: str | None
     expandable_segments: bool
+    interrupted_by: int | None = None  # the signal that stopped the run early, if any
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.interrupted_by is None else 128 + self.interrupted_by
 
     def line(self) -> str:
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
         kernel = f" kernel={self.kernel}" if self.kernel else ""
+        state = "done"
+        if self.interrupted_by is not None:
+            name = signal.Signals(self.interrupted_by).name
+            state = f"interrupted at step {self.steps} by {name}:"
         return (
-            f"mcore-npu train: done steps={self.steps} final_loss={loss} "
+            f"mcore-npu train: {state} steps={self.steps} final_loss={loss} "
             f"tokens_per_s={self.tokens_per_s:.0f} peak_memory={self.peak_memory_bytes / 2**20:.0f}MiB "
             f"backend={self.backend}{kernel} "
             f"expandable_segments={'on' if self.expandable_segments else 'off'}"
@@ -71,13 +83,16 @@ class Summary:
 class Trainer(ExpandableSegmentsMixin):
     """A Megatron-Core GPT training run, set up from a validated config.
 
-    The mixin sets expandable segments (``memory.expandable_segments``) before anything but the
-    device choice runs, so every allocation of the run lands in them;
+    The mixin sets expandable segments (``memory.expandable_segments``) right after the device
+    choice, before any device allocation, so every allocation of the run lands in them;
     ``self.expandable_segments_enabled`` says whether that took effect (False on CPU).
     """
 
     def __init__(self, cfg) -> None:
-        runtime.select_device()  # first: the NPU allocator setter acts on the current device
+        # bad data and unusable output paths: refused before any device or process-group work
+        tokens = load_corpus(cfg.data.path, cfg.train.seq_length)  # host memory only
+        self.lock = _prepare_run_folder(cfg)
+        runtime.select_device()  # the NPU allocator setter acts on the current device
         super().__init__(
             expandable_segments=cfg.memory.expandable_segments,
             expandable_segments_strict=cfg.memory.strict,
@@ -98,9 +113,17 @@ class Trainer(ExpandableSegmentsMixin):
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler()
         self._connect_schedule()
-        self.dataset = ByteDataset(load_corpus(cfg.data.path), cfg.train.seq_length, cfg.train.seed)
+        self.dataset = ByteDataset(tokens, cfg.train.seq_length, cfg.train.seed)
         self.step = 0
+        if cfg.train.checkpoint_dir:
+            run_folder.check_free_space(cfg.train.checkpoint_dir, self._checkpoint_bytes())
+        self._saved_step: int | None = None
         self._restore()
+
+    def close(self) -> None:
+        """Release the run folder's lock (the OS releases it too if the process dies)."""
+        if self.lock is not None:
+            self.lock.release()
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -167,39 +190,76 @@ class Trainer(ExpandableSegmentsMixin):
     def _model_state(self):
         return self.model.module.sharded_state_dict()
 
+    def _checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint, all ranks: the model's tensors + Adam's fp32 moments (and
+        fp32 main weights under bf16/fp16), from the sharded state dict's main replicas."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+        numel = nbytes = 0
+        for value in nested_values(self._model_state()):
+            if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+                numel += value.data.numel()
+                nbytes += value.data.numel() * value.data.element_size()
+        fp32_copies = 2 + (self.cfg.train.dtype != "fp32")
+        total = torch.tensor([nbytes + 4 * fp32_copies * numel], device=self.runtime.device)
+        dist.all_reduce(total)  # int64: exact
+        return int(total.item())
+
     def _restore(self) -> None:
         t = self.cfg.train
         if t.resume:
-            path = checkpointing.latest(t.checkpoint_dir)
-            if path is not None:
-                self._load(path, with_optimizer=True)
+            say = run_folder.say_on_rank0(dist.get_rank())
+            found = run_folder.resume_point(
+                t.checkpoint_dir, partial(self._load, with_optimizer=True), say
+            )
+            self._saved_step = self.step if found is not None else None
         elif t.init_from:
-            source = checkpointing.latest(t.init_from) or t.init_from
-            self._load(source, with_optimizer=False)
+            named, _ = checkpointing.read_latest(t.init_from)
+            folders = checkpointing.step_dirs(t.init_from)
+            self._load(named or (folders[0] if folders else t.init_from), with_optimizer=False)
 
     def _load(self, path, *, with_optimizer: bool) -> None:
-        model_state = checkpointing.match_layout(self._model_state(), path)  # either layout
-        template = {"model": model_state}
-        if with_optimizer:
-            template["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)
-        loaded = checkpointing.load(template, path)
+        """Load ``path`` on every rank, or raise ``CheckpointError`` on every rank."""
+        failure, loaded = None, None
+        try:
+            model_state = checkpointing.match_layout(self._model_state(), path)  # either layout
+            template = {"model": model_state}
+            if with_optimizer:
+                optimizer_state = self.optimizer.sharded_state_dict(model_state, is_loading=True)
+                template["optimizer"] = optimizer_state
+            loaded = checkpointing.load(template, path)
+        except CheckpointError as err:
+            failure = str(err)
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+        if failure is not None:
+            raise CheckpointError(failure)
         self.model.module.load_state_dict(loaded["model"])
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["scheduler"])
             self.step = int(loaded["step"])
 
-    def save(self):
-        """Save model, optimizer, scheduler and step as ``step_<N>`` in ``train.checkpoint_dir``."""
+    def _checkpoint_state(self) -> dict:
+        """Model and optimizer as sharded tensors; scheduler, step and config as common state."""
         model_state = self._model_state()
-        state = {
+        return {
             "model": model_state,
             "optimizer": self.optimizer.sharded_state_dict(model_state),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "config": to_yaml(self.cfg),
         }
-        return checkpointing.save(state, self.cfg.train.checkpoint_dir, self.step)
+
+    def save(self):
+        """Save model, optimizer, scheduler and step as ``step_<N>`` in ``train.checkpoint_dir``."""
+        path = checkpointing.save(
+            self._checkpoint_state(), self.cfg.train.checkpoint_dir, self.step
+        )
+        self._saved_step = self.step
+        return path
 
     # -- training ---------------------------------------------------------------------------
 
@@ -263,27 +323,42 @@ class Trainer(ExpandableSegmentsMixin):
         dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
         return local.item() / parallel_state.get_data_parallel_world_size()
 
-    def train(self) -> Summary:
-        """Run ``train.steps`` steps (from the restored step), saving as configured."""
-        t = self.cfg.train
+    def train(self, stop: StopRequest | None = None) -> Summary:
+        """Run ``train.steps`` steps (from the restored step), saving as configured.
+
+        ``stop`` (installed SIGTERM/SIGINT handlers) ends the run after the current step, with a
+        checkpoint when ``train.checkpoint_dir`` is set; every rank stops after the same step.
+        """
+        t, stop = self.cfg.train, stop or StopRequest()
         reporter = RunReporter(
             enabled=self.runtime.is_logging_rank, total_steps=t.steps, first_step=self.step,
-            metrics_file=t.metrics_file, progress=t.progress, resume=t.resume and self.step > 0,
+            metrics_file=t.metrics_file, progress=t.progress, keep_through_step=self.step,
         )  # fmt: skip
         results: list[StepResult] = []
+        stopped_by = None
         try:
             while self.step < t.steps and not (results and _due(self.step, t.exit_interval)):
+                stopped_by = self._agreed_stop(stop)
+                if stopped_by:
+                    break
                 result = self.train_step()
                 results.append(result)
                 if result.step % t.log_interval == 0 or result.step == t.steps:
                     reporter.step(self._record(result))
                 if t.checkpoint_dir and _due(result.step, t.save_interval):
                     self.save()
-            if t.checkpoint_dir and not _due(self.step, t.save_interval):
-                self.save()  # the final (or exit-interval) state, unless just saved
+            if t.checkpoint_dir and self._saved_step != self.step:
+                self.save()  # the final (exit-interval, interrupted) state, unless just saved
+            stopped_by = stopped_by or self._agreed_stop(stop)
         finally:
             reporter.close()
-        return self._summary(results)
+        return self._summary(results, stopped_by)
+
+    def _agreed_stop(self, stop: StopRequest) -> int | None:
+        """The signal any rank received (one all-reduce), so all ranks stop after one step."""
+        flag = torch.tensor([stop.signum or 0], dtype=torch.int64, device=self.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
 
     def _record(self, result: StepResult) -> dict:
         return {
@@ -296,7 +371,7 @@ class Trainer(ExpandableSegmentsMixin):
             "memory_bytes": peak_memory_bytes(self.runtime.device),
         }
 
-    def _summary(self, results: list[StepResult]) -> Summary:
+    def _summary(self, results: list[StepResult], stopped_by: int | None = None) -> Summary:
         seconds = sum(r.seconds for r in results)
         return Summary(
             steps=self.step,
@@ -307,7 +382,23 @@ class Trainer(ExpandableSegmentsMixin):
             backend=self.backend,
             kernel=self.kernel,
             expandable_segments=self.expandable_segments_enabled,
+            interrupted_by=stopped_by,
         )
+
+
+def _prepare_run_folder(cfg) -> run_folder.FolderLock | None:
+    """Before any process group: write-test the output paths; rank 0 locks and claims the folder."""
+    t = cfg.train
+    run_folder.preflight_paths(t.checkpoint_dir, t.metrics_file)
+    if not t.checkpoint_dir or runtime.LaunchEnv.from_environ().rank != 0:
+        return None
+    lock = run_folder.FolderLock(t.checkpoint_dir)
+    try:
+        run_folder.claim(t.checkpoint_dir, resume=t.resume, overwrite=t.overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _due(step: int, interval: int) -> bool:
@@ -358,23 +449,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int:
-    """Train; exit 0 on success, 2 on a bad config, 1 on any other error (one line on stderr)."""
+    """Train; exit 0 on success, 2 on a bad config or a refused run folder, 128 + signal when
+    SIGTERM/SIGINT stopped the run, 1 on any other error (one line on stderr)."""
     hide_known_harmless_warnings()
     rank = runtime.LaunchEnv.from_environ().rank
+    trainer = None
     try:
-        summary = trainer_class(load_config(args.config, args.overrides)).train()
+        with StopRequest() as stop:
+            trainer = trainer_class(load_config(args.config, args.overrides))
+            summary = trainer.train(stop)
         if rank == 0:
             print(summary.line(), flush=True)
-        return 0
+        return summary.exit_code
     except ConfigError as err:
         print(f"mcore-npu train: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointError as err:
+        print(f"mcore-npu train: failed on rank {rank}: {err}", file=sys.stderr, flush=True)
+        return 1
     except Exception as err:  # one line with the cause, after the traceback for debugging
         traceback.print_exc()
         print(f"mcore-npu train: failed on rank {rank}: {type(err).__name__}: {err}",
               file=sys.stderr, flush=True)  # fmt: skip
         return 1
     finally:
+        if trainer is not None:
+            trainer.close()
         runtime.shutdown()
 
 

@@ -9,11 +9,20 @@ step in micro-batches of 1, i.e. 4 micro-batches in one process, 2 per rank unde
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
-from tests.launch import HANG_TIMEOUT_S, assert_ok, max_abs_diff, train
+from tests.launch import (
+    HANG_TIMEOUT_S,
+    ROOT,
+    Background,
+    assert_ok,
+    max_abs_diff,
+    train,
+    train_command,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -118,3 +127,27 @@ def test_bad_config_fails_before_process_groups_with_the_single_process_message(
     assert message.startswith("mcore-npu train: error: config attention.backend='npu'")
     assert message in launched.stderr
     assert "init_process_group" not in launched.stderr
+
+
+def test_sigterm_to_the_launcher_leaves_a_checkpoint_that_resumes(workdir, initial, parallel_runs):
+    """Both ranks pause after step 3; SIGTERM goes to torchrun only (as a scheduler sends it),
+    which forwards it; the ranks agree to stop after step 4, save it, and the resumed run's
+    losses equal the uninterrupted data-parallel run's."""
+    ckpt, metrics, go = workdir / "sigterm", workdir / "sigterm.jsonl", workdir / "sigterm.go"
+    cmd, env = train_command(
+        [*BATCH, f"train.init_from={initial}", f"train.checkpoint_dir={ckpt}",
+         "train.save_interval=3"], nproc=2, metrics=metrics, module="tests.training.signal_train",
+        extra_env={"PAUSE_AT_STEP": "3", "PAUSE_UNTIL": str(go)},
+    )  # fmt: skip
+    with Background(cmd, cwd=ROOT, env=env) as launch:
+        launch.wait_for(lambda: (workdir / "sigterm.go.paused").exists(), "the pause")
+        launch.signal(signal.SIGTERM)
+        time.sleep(0.5)  # let torchrun forward it before the ranks go on
+        go.touch()
+        done = launch.finish()
+    assert "interrupted at step 4 by SIGTERM" in done.stdout, done.stderr[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "step_0000004"
+    resumed = assert_ok(train([*BATCH, "train.resume=true", f"train.checkpoint_dir={ckpt}"],
+                              nproc=2, metrics=metrics))  # fmt: skip
+    assert [m["step"] for m in resumed.metrics] == list(range(1, STEPS + 1))
+    assert max_abs_diff(resumed.losses, parallel_runs["dp2"].losses) <= 1e-6
