@@ -31,6 +31,7 @@ from tests.allocator.standins import (
     install_fake_npu,
 )
 from tests.integrations.conftest import training_worker_config
+from tests.launch import run_command
 
 ON = "expandable_segments:True"
 
@@ -116,3 +117,12 @@ def test_actor_rollout_ref_worker_builds_actor_and_ref_from_the_plugin_worker():
     assert "self.actor_worker_cls(config=" in source
     assert "self.ref_worker_cls(config=" in source
     assert "TrainingWorker(" not in source
+
+
+def test_importing_mcore_npu_never_imports_verl():
+    probe = (
+        "import sys, mcore_npu, mcore_npu.integrations, mcore_npu.integrations.verl\n"
+        "print(sorted({'verl', 'ray', 'megatron'} & {m.split('.')[0] for m in sys.modules}))"
+    )
+    result = run_command([sys.executable, "-c", probe], check=True, timeout=300)
+    assert result.stdout.strip() == "[]"  # verl is installed here, and still not imported
