@@ -26,9 +26,23 @@ LAUNCH_ENV = {
 VOCAB = 128
 
 
+def _save_word_level_tokenizer(path) -> None:
+    """A tokenizer with tokens ``t0 .. t127`` (pad = ``t0``): verl's thd path reads pad_token_id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="t0", unk_token="t0", eos_token="t1"
+    )
+    fast.save_pretrained(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory) -> str:
-    """A 2-layer Qwen2 checkpoint (safetensors, fp32, random weights), no tokenizer."""
+    """A 2-layer Qwen2 checkpoint (safetensors, fp32, random weights) and a word-level tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
@@ -44,6 +58,7 @@ def tiny_hf_model(tmp_path_factory) -> str:
     )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
     return str(path)
 
 
@@ -87,7 +102,7 @@ def training_worker_config(model_path: str, *, remove_padding: bool = False):
     return TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(
-            path=model_path, load_tokenizer=False, use_remove_padding=remove_padding
+            path=model_path, load_tokenizer=remove_padding, use_remove_padding=remove_padding
         ),
         engine_config=McoreEngineConfig(
             strategy="megatron", dtype="bfloat16", use_mbridge=True, vanilla_mbridge=True

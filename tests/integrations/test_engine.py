@@ -100,17 +100,22 @@ def test_listed_by_name_it_loads():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def built_engine(cpu_runtime, tiny_hf_model):
-    """A TrainingWorker whose engine (the plugin's, picked by verl) has built its model."""
+def _build_engine(model_path: str, *, remove_padding: bool):
+    """A TrainingWorker's engine (the plugin's, picked by verl) with its model built."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VERL_ENGINE_DEVICE", "npu")
         env.setenv("VERL_ENGINE_VENDOR", "huawei")
-        worker = TrainingWorker(training_worker_config(tiny_hf_model))
+        worker = TrainingWorker(training_worker_config(model_path, remove_padding=remove_padding))
     engine = worker.engine
     engine._build_tf_config()  # the first two steps of engine.initialize()
     engine.module = engine._build_megatron_module()
     return engine
+
+
+@pytest.fixture(scope="module")
+def built_engine(cpu_runtime, tiny_hf_model):
+    """bshd (``use_remove_padding=False``)."""
+    return _build_engine(tiny_hf_model, remove_padding=False)
 
 
 def _gpt(engine):
@@ -210,6 +215,21 @@ def test_forward_backward_through_verl_matches_own_loss_without_dense_mask(built
     assert any(g.abs().sum() > 0 for g in grads)
     assert usage.allocations > 0
     assert _dense_mask_bytes() not in usage.sizes
+
+
+@needs_te_layout
+def test_thd_batch_through_verls_packed_path(cpu_runtime, tiny_hf_model, built_engine):
+    """thd (verl's default): verl's own packed path, PackedSeqParams into NPUFusionAttention.
+
+    Same weights and batch as the bshd test; bf16 activations with a different layout, so the
+    two losses agree to bf16 precision, not to 1e-5.
+    """
+    engine = _build_engine(tiny_hf_model, remove_padding=True)
+    assert engine.engine_config.use_remove_padding
+    data, ids = _batch()
+    (loss,) = engine.forward_backward_batch(data, _mean_negative_log_prob)["loss"]
+    assert abs(loss - _own_loss(built_engine, ids)) < 2e-2
+    assert "mindspeed" not in sys.modules
 
 
 @needs_te_layout
