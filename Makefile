@@ -4,8 +4,12 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The second environment: the real verl 0.9.1 next to the same torch / megatron-core.
+VERL_VENV  ?= .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: demo test lint format bench clean-venv
+.PHONY: demo test test-verl lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -14,11 +18,24 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
 
+# `pip install -e .` (no deps) registers the package's entry points, verl.plugins included.
+$(VERL_STAMP): requirements-verl.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install --quiet -r requirements-verl.lock
+	$(VERL_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
 demo: $(STAMP)
 	$(BIN)/mcore-npu train --config configs/gpt_tiny.yaml
 
+# tests/integrations need the verl environment: `make test` leaves them out, `make test-verl`
+# runs only them.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/integrations
+
+test-verl: $(VERL_STAMP)
+	$(VERL_BIN)/python -m pytest -q tests/integrations
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -34,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/mcore-npu bench step --out bench-out
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VERL_VENV)

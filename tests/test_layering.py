@@ -156,7 +156,8 @@ def test_the_checker_allows_downward_imports(case):
 ROOM_PROBE = """
 import importlib, json, sys
 rooms = ["mcore_npu", "mcore_npu.ops", "mcore_npu.masks", "mcore_npu.allocator",
-         "mcore_npu.transformer", "mcore_npu.training", "mcore_npu.tools", "mcore_npu.integrations"]
+         "mcore_npu.transformer", "mcore_npu.training", "mcore_npu.tools", "mcore_npu.integrations",
+         "mcore_npu.integrations.verl"]
 for room in rooms:
     importlib.import_module(room)
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"megatron", "torch_npu",

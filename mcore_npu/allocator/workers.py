@@ -12,7 +12,12 @@ mixin that runs first makes it impossible to drop while editing the worker's own
 
 The mixin does one thing: call :func:`mcore_npu.allocator.device.set_expandable_segments` at the start of
 ``__init__``, before the next class's ``__init__`` (process groups, device selection, model)
-allocates anything, and store the result in ``self.expandable_segments_enabled``.
+allocates anything, and record the outcome on the instance:
+
+* ``self.expandable_segments_applied``: what the setter returned, i.e. whether the *requested*
+  value (on or off) took effect;
+* ``self.expandable_segments_enabled``: whether expandable segments are **on** for this
+  process's new allocations (requested True and applied).
 """
 
 from __future__ import annotations
@@ -46,14 +51,20 @@ class ExpandableSegmentsMixin:
     instance, however often this ``__init__`` is reached.
 
     Attributes:
-        expandable_segments_enabled: the return value of ``set_expandable_segments``: True if
-            new allocations on this process's accelerator follow the requested value, False on
-            CPU or when it could not be applied (see that function for each device).
+        expandable_segments_enabled: True only when expandable segments are on for this
+            process's new allocations: True was requested and the setter applied it. False
+            after ``expandable_segments=False``, on CPU, and when enabling failed. (When a
+            request to turn them *off* fails, the allocator keeps whatever it had before; the
+            attribute still says False, meaning "not turned on here".)
+        expandable_segments_applied: the return value of ``set_expandable_segments``: True if
+            new allocations follow the *requested* value, whichever it was; False on CPU or
+            when it could not be applied (see that function for each device).
     """
 
     expandable_segments: bool = True
     expandable_segments_strict: bool = False
     expandable_segments_enabled: bool
+    expandable_segments_applied: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         enable = kwargs.pop("expandable_segments", self.expandable_segments)
@@ -63,5 +74,7 @@ class ExpandableSegmentsMixin:
             require_bool(where, "expandable_segments", enable)
             require_bool(where, "expandable_segments_strict", strict)
             setattr(self, _APPLIED, True)
-            self.expandable_segments_enabled = set_expandable_segments(enable, strict=strict)
+            applied = set_expandable_segments(enable, strict=strict)
+            self.expandable_segments_applied = applied
+            self.expandable_segments_enabled = applied and enable
         super().__init__(*args, **kwargs)

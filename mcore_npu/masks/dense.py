@@ -19,11 +19,20 @@ def build_npu_attention_mask(keep_mask: torch.Tensor) -> torch.Tensor:
 
         out[b, 0, i, j] = not (j <= i and keep_mask[b, i] and keep_mask[b, j])
 
+    Accepts verl's keep masks as they come (``attention_mask`` is bool or int64 depending on the
+    path): an integer entry counts as a real token when it is non-zero, as ``.bool()`` reads it.
+    The diagonal is ``out[b, 0, i, i] = not keep_mask[b, i]``, so verl's
+    ``postprocess_bshd_engine`` (``~mask.diagonal(dim1=-2, dim2=-1)``) reads the keep mask back.
+
     Args:
-        keep_mask: ``[B, S]`` bool or integer, True/1 = real token, False/0 = padding.
+        keep_mask: ``[B, S]`` bool or integer, True/non-zero = real token, False/0 = padding.
 
     Returns:
         ``[B, 1, S, S]`` bool, **True = masked out**. Peak allocation: the output plus O(B*S).
+
+    Raises:
+        ValueError: ``keep_mask`` is not a 2-D tensor.
+        TypeError: its dtype is floating point, complex or otherwise not bool / integer.
 
     Example (one row, the last token padded; 1 = masked)::
 
@@ -37,8 +46,12 @@ def build_npu_attention_mask(keep_mask: torch.Tensor) -> torch.Tensor:
             f"keep_mask: expected a [B, S] tensor (True/1 = real token), got "
             f"{list(keep_mask.shape) if isinstance(keep_mask, torch.Tensor) else type(keep_mask)}"
         )
-    if keep_mask.dtype.is_floating_point:
-        raise TypeError(f"keep_mask: dtype {keep_mask.dtype}; pass bool or integer 0/1 values")
+    if not _is_bool_or_integer(keep_mask.dtype):
+        raise TypeError(
+            f"keep_mask: dtype {keep_mask.dtype} is not supported; pass the [B, S] keep mask as "
+            f"bool (True = real token) or an integer dtype (1 = real token, 0 = padding), e.g. "
+            f"verl's attention_mask as it comes, or keep_mask.bool()"
+        )
     batch, seq = keep_mask.shape
     out = torch.empty(batch, 1, seq, seq, dtype=torch.bool, device=keep_mask.device)
     if batch == 0 or seq == 0:
@@ -50,3 +63,15 @@ def build_npu_attention_mask(keep_mask: torch.Tensor) -> torch.Tensor:
     out.logical_or_(padded.view(batch, 1, seq, 1))  # padded query rows
     out.logical_or_(padded.view(batch, 1, 1, seq))  # padded key columns
     return out
+
+
+def _is_bool_or_integer(dtype: torch.dtype) -> bool:
+    if dtype == torch.bool:
+        return True
+    if dtype.is_floating_point or dtype.is_complex:
+        return False
+    try:
+        torch.iinfo(dtype)
+    except TypeError:  # quantized and other exotic dtypes
+        return False
+    return True

@@ -13,6 +13,7 @@ Megatron does                         on CPU, after ``apply()``
 RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator states
 ``_get/_set_cuda_rng_state``          the CPU generator's state (full recompute)
 ``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
+``tensor.cuda(...)`` / ``module.cuda``  ``CudaFactoriesOnCpu`` keeps the tensor on the CPU
 gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
 ``torch.cuda.FloatTensor`` grads)     type assertion
 ``torch.cuda.Stream()``,              ``CpuStream``: a stream that runs nothing (CPU work is
@@ -40,10 +41,16 @@ from mcore_npu.allocator.device import current_accelerator
 
 
 class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU."""
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU.
+
+    ``Tensor.cuda(...)`` returns the tensor itself (so ``module.cuda(torch.cuda.current_device())``,
+    as model builders such as mbridge's ``get_model`` call it, leaves the module on the CPU).
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}

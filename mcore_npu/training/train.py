@@ -85,7 +85,9 @@ class Trainer(ExpandableSegmentsMixin):
 
     The mixin sets expandable segments (``memory.expandable_segments``) right after the device
     choice, before any device allocation, so every allocation of the run lands in them;
-    ``self.expandable_segments_enabled`` says whether that took effect (False on CPU).
+    ``self.expandable_segments_enabled`` says whether they are on (False on CPU, and when
+    ``memory.expandable_segments`` is false); ``self.expandable_segments_applied`` whether the
+    requested value took effect.
     """
 
     def __init__(self, cfg) -> None:

@@ -52,6 +52,7 @@ def test_setter_runs_once_before_base_init(npu):
     assert worker.calls_when_base_started == [ON]
     assert npu.calls == [ON]
     assert worker.expandable_segments_enabled is True
+    assert worker.expandable_segments_applied is True
 
 
 def test_keyword_false_is_honoured_and_removed(npu):
@@ -59,6 +60,8 @@ def test_keyword_false_is_honoured_and_removed(npu):
     assert npu.calls == [OFF]
     assert worker.calls_when_base_started == [OFF]
     assert "expandable_segments" not in worker.base_kwargs
+    assert worker.expandable_segments_enabled is False  # off, as asked
+    assert worker.expandable_segments_applied is True  # and the request took effect
 
 
 def test_other_arguments_arrive_unchanged(npu):
@@ -74,7 +77,8 @@ def test_other_arguments_arrive_unchanged(npu):
 def test_class_attribute_default(npu):
     worker = _worker_class(npu, expandable_segments=False)()
     assert npu.calls == [OFF]
-    assert worker.expandable_segments_enabled is True  # False is in effect
+    assert worker.expandable_segments_enabled is False  # segments are off
+    assert worker.expandable_segments_applied is True  # because False is in effect
     worker = _worker_class(npu, expandable_segments=False)(expandable_segments=True)
     assert npu.calls == [OFF, ON]
 
@@ -87,6 +91,16 @@ def test_strict_from_class_attribute_and_keyword(monkeypatch):
         _worker_class(fake)(expandable_segments_strict=True)
     with pytest.warns(UserWarning, match="torch-npu"):
         worker = _worker_class(fake)()
+    assert worker.expandable_segments_enabled is False
+    assert worker.expandable_segments_applied is False
+
+
+def test_failed_disable_is_not_reported_as_enabled(monkeypatch):
+    fake = install_fake_npu(monkeypatch, setter_error=RuntimeError("driver says no"))
+    with pytest.warns(UserWarning):
+        worker = _worker_class(fake)(expandable_segments=False)
+    assert fake.calls == [OFF]
+    assert worker.expandable_segments_applied is False
     assert worker.expandable_segments_enabled is False
 
 
@@ -141,7 +155,9 @@ def test_cpu_worker_reports_false(monkeypatch):
     class Worker(ExpandableSegmentsMixin):
         pass
 
-    assert Worker().expandable_segments_enabled is False
+    worker = Worker()
+    assert worker.expandable_segments_enabled is False
+    assert worker.expandable_segments_applied is False
     assert recorder.all_calls == []
 
 

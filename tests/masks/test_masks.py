@@ -639,8 +639,17 @@ def test_build_npu_attention_mask_example_grid():
 def test_build_npu_attention_mask_refuses_bad_input():
     with pytest.raises(ValueError, match="keep_mask"):
         build_npu_attention_mask(torch.ones(2, 1, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="keep_mask"):
-        build_npu_attention_mask(torch.ones(2, 4))
+    for dtype in (torch.float32, torch.bfloat16, torch.complex64):
+        with pytest.raises(TypeError, match=r"keep_mask: dtype .* bool .* integer"):
+            build_npu_attention_mask(torch.ones(2, 4, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_build_npu_attention_mask_integer_dtypes_and_diagonal(dtype):
+    keep = _keep_masks("right", 3, 7, seed=5)
+    got = build_npu_attention_mask(keep.to(dtype))
+    assert torch.equal(got, _verl_build_npu_attn_mask(keep))
+    assert torch.equal(~got.diagonal(dim1=-2, dim2=-1).squeeze(1), keep)
 
 
 # --------------------------------------------------------------------------------------------

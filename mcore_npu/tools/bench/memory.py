@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.profiler import ProfilerActivity, profile
 
 
 @dataclass
 class AllocationUsage:
+    """``sizes``: the byte size of every allocation, in order (to spot one tensor's shape)."""
+
     peak_bytes: int = 0
     allocated_bytes: int = 0
     allocations: int = 0
+    sizes: list[int] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -54,6 +57,7 @@ def track_allocations():
         if size > 0:
             usage.allocated_bytes += size
             usage.allocations += 1
+            usage.sizes.append(size)
 
 
 @contextlib.contextmanager

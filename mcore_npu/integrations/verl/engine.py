@@ -1,0 +1,247 @@
+"""An NPU Megatron engine for verl, without MindSpeed.
+
+verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
+(``verl/workers/engine/mindspeed/transformer_impl.py``): MindSpeed's ``repatch`` rewires the TE
+layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
+(``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
+MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
+change three things, nothing else:
+
+1. **Model.** Every layer comes from :func:`mcore_npu.get_gpt_decoder_block_npu_spec` (core
+   attention ``NPUFusionAttention``), in Transformer Engine parameter names
+   (``param_layout="te"``), so the bridges' HF <-> TE name maps load and export weights
+   unchanged. The spec goes in through the
+   bridge's own hook, on this engine's bridge object only: mbridge's
+   ``_get_transformer_layer_spec`` (an instance attribute) or Megatron-Bridge's
+   ``provider.transformer_layer_spec``. The bridge modules are not patched.
+2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
+   causal attention no real query ever sees a padded key; the model gets
+   ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
+   2048 x 2048 compressed mask. No ``[B, 1, S, S]`` tensor exists; the ``[B, S]`` keep mask
+   (True = real token) only selects the real positions of the outputs.
+3. **thd batches** (the default) go through verl's own path unchanged: ``attention_mask=None``
+   and ``PackedSeqParams``, which ``NPUFusionAttention`` turns into the operator's TND layout with
+   ``actual_seq_qlen`` from ``cu_seqlens``. Nothing is read from or written to globals.
+   (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed it only
+   logs that it skipped.)
+
+Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
+value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
+MindSpeed engine, so on Ascend (or with ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VENDOR=huawei``)
+``EngineRegistry.get_engine_cls`` returns these classes once the entry point has loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as mpu
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+
+from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+__all__ = [
+    "NPUMegatronEngineWithLMHead",
+    "NPUMegatronEngineWithValueHead",
+    "RightPadded",
+    "npu_block_spec",
+    "pad_right",
+]
+
+DEVICE = "npu"
+VENDOR = "huawei"
+
+
+def npu_block_spec(config, vp_stage: int | None = None, *, kernel: str = "auto"):
+    """The NPU decoder-block spec for ``config``, in TE parameter names.
+
+    ``vp_stage`` is passed only if the installed Megatron's ``get_gpt_decoder_block_spec`` takes
+    it (probed, not read from the version).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    kwargs: dict = {"kernel": kernel, "param_layout": "te"}
+    if "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters:
+        kwargs["vp_stage"] = vp_stage
+    return get_gpt_decoder_block_npu_spec(config, **kwargs)
+
+
+def _mbridge_layer_spec(bridge, vp_stage: int | None = None):
+    """mbridge's ``_get_transformer_layer_spec(vp_stage)``, answered with the NPU spec."""
+    return npu_block_spec(bridge.config, vp_stage)
+
+
+def _provider_layer_spec(provider, vp_stage: int | None = None):
+    """Megatron-Bridge's ``transformer_layer_spec(provider, vp_stage=...)`` callable form."""
+    return npu_block_spec(provider, vp_stage)
+
+
+class RightPadded:
+    """A jagged ``[B, j]`` batch padded on the right to ``[B, S]``, and back.
+
+    Attributes:
+        lengths: ``[B]`` int64, real tokens per row.
+        keep: ``[B, S]`` bool, **True = real token** (False = padding, on the right only).
+        positions: ``[B, S]`` int64 position ids ``0 .. S-1`` of every row.
+    """
+
+    def __init__(self, nested: torch.Tensor, align: int = 1) -> None:
+        self.lengths = nested.offsets().diff()
+        seq = int(self.lengths.max().item()) if self.lengths.numel() else 0
+        seq += (align - seq % align) % align
+        self.batch, self.seq = int(self.lengths.numel()), seq
+        index = torch.arange(seq, device=nested.device)
+        self.keep = index.unsqueeze(0) < self.lengths.unsqueeze(1)
+        self.positions = index.unsqueeze(0).expand(self.batch, seq)
+
+    def pad(self, nested: torch.Tensor, value: float = 0) -> torch.Tensor:
+        """Jagged ``[B, j, ...]`` -> dense ``[B, S, ...]``, ``value`` in the padding."""
+        size = (self.batch, self.seq, *nested.shape[2:])
+        return torch.nested.to_padded_tensor(nested, value, output_size=size)
+
+    def unpad(self, dense: torch.Tensor) -> torch.Tensor:
+        """Dense ``[B, S, ...]`` -> jagged ``[B, j, ...]`` of the real positions (as verl does)."""
+        rows = [dense[i][self.keep[i]] for i in range(self.batch)]
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def pad_right(input_ids: torch.Tensor) -> RightPadded:
+    """Padding for ``input_ids`` (jagged), aligned to the tensor-parallel size as verl aligns."""
+    return RightPadded(input_ids, align=mpu.get_tensor_model_parallel_world_size())
+
+
+class _NPUEngineMixin:
+    """What both NPU engines change in verl's ``MegatronEngine``: the spec hook and bshd."""
+
+    def _build_tf_config(self):
+        super()._build_tf_config()
+        self._install_npu_layer_spec()
+
+    def _install_npu_layer_spec(self) -> None:
+        """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
+        if self.provider is not None:  # Megatron-Bridge
+            self.provider.transformer_layer_spec = _provider_layer_spec
+        elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
+            self.bridge._get_transformer_layer_spec = functools.partial(
+                _mbridge_layer_spec, self.bridge
+            )
+        else:
+            raise ValueError(
+                "engine_config.use_mbridge: the NPU Megatron engine builds its model through a "
+                "bridge (mbridge or Megatron-Bridge); got no bridge. Set use_mbridge=True."
+            )
+
+    def _dense_mask_free(self, batch) -> bool:
+        """True when this micro-batch may take the bshd path without a mask tensor.
+
+        Conditions: bshd (``use_remove_padding=False``), no fused kernels, no context
+        parallelism, no vision tower, no MTP, no router replay and no distillation: the cases
+        whose extra inputs verl's bshd forward prepares and this path does not.
+        """
+        if self.engine_config.use_remove_padding or self.engine_config.use_fused_kernels:
+            return False
+        if mpu.get_context_parallel_world_size() > 1 or self.enable_routing_replay:
+            return False
+        if hasattr(self.model_config.hf_config, "vision_config") or self.model_config.mtp.enable:
+            return False
+        return not tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False)
+
+
+class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine with NPU layers and mask-free bshd micro-batches."""
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch = next(batch_iter)
+        if not self._dense_mask_free(batch):
+            return super().forward_step(
+                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
+            )
+        batch = batch.to(get_device_id())
+        inputs = self.prepare_model_inputs(batch)
+        input_ids = inputs["input_ids"]
+        padded = pad_right(input_ids)
+        logits = model(
+            input_ids=padded.pad(input_ids),
+            attention_mask=None,  # right padding + causal: the operator's causal mode suffices
+            position_ids=padded.positions,
+        )
+        done = partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
+        if not unwrap_post_process(model):  # an earlier pipeline stage: hidden states go on
+            return logits, done
+        processor = partial(
+            self._lm_head_logits_processor,
+            calculate_sum_pi_squared=tu.get_non_tensor_data(
+                batch, key="calculate_sum_pi_squared", default=False
+            ),
+            calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy", default=False),
+            distillation_use_topk=False,
+            distillation_only=False,
+            logits_processor_func=logits_processor_func,
+            batch=batch,
+            data_format="bshd",
+        )
+        label = torch.roll(padded.pad(input_ids), shifts=-1, dims=1)  # next token, as verl rolls
+        results = processor(logits, label, self._padded_temperature(batch, input_ids, padded))
+        return {key: padded.unpad(value) for key, value in results.items()}, done
+
+    @staticmethod
+    def _padded_temperature(batch, input_ids, padded: RightPadded) -> torch.Tensor:
+        """``[B, S]`` float32: each row's temperature on every position (1.0 in the padding)."""
+        temperature = batch["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.tensor([temperature] * input_ids.shape[0])
+        rows = temperature.to(device=padded.keep.device, dtype=torch.float32).reshape(-1, 1)
+        return torch.where(padded.keep, rows, torch.ones_like(rows))
+
+
+class NPUMegatronEngineWithValueHead(_NPUEngineMixin, MegatronEngineWithValueHead):
+    """verl's Megatron value-head engine with NPU layers and mask-free bshd micro-batches."""
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch = next(batch_iter)
+        if not self._dense_mask_free(batch):
+            return super().forward_step(
+                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
+            )
+        batch = batch.to(get_device_id())
+        input_ids = self.prepare_model_inputs(batch)["input_ids"]
+        padded = pad_right(input_ids)
+        values = model(
+            input_ids=padded.pad(input_ids), attention_mask=None, position_ids=padded.positions
+        )
+        if unwrap_post_process(model):
+            values = padded.unpad(values).squeeze(-1)  # [B, j], as verl's value forward returns
+        return values, partial(postprocess_micro_batch_func, data=batch)
+
+
+def unwrap_post_process(model) -> bool:
+    """Whether this model chunk holds the output layer (the last pipeline stage)."""
+    from verl.utils.megatron_utils import unwrap_model
+
+    return bool(unwrap_model(model).post_process)
+
+
+def register() -> tuple[type, type]:
+    """Register both engines for ``backend="megatron", device="npu", vendor="huawei"``.
+
+    Idempotent: a key that already holds these classes is left alone (verl's registry asserts
+    on a second registration of the same key).
+    """
+    engines = EngineRegistry._engines
+    for model_type, engine in (
+        ("language_model", NPUMegatronEngineWithLMHead),
+        ("value_model", NPUMegatronEngineWithValueHead),
+    ):
+        current = engines.get(model_type, {}).get("megatron", {}).get((DEVICE, VENDOR))
+        if current is engine:
+            continue
+        EngineRegistry.register(model_type, backend="megatron", device=DEVICE, vendor=VENDOR)(
+            engine
+        )
+    return NPUMegatronEngineWithLMHead, NPUMegatronEngineWithValueHead

@@ -1,0 +1,53 @@
+"""The ``verl.plugins`` entry point: loading it registers the NPU Megatron engines.
+
+verl 0.9.x imports every entry point of the ``verl.plugins`` group at the end of
+``verl/__init__.py`` and calls ``EntryPoint.load()`` on it (the loaded attribute is not called).
+``pyproject.toml`` declares::
+
+    [project.entry-points."verl.plugins"]
+    mcore_npu = "mcore_npu.integrations.verl.plugin:registered"
+
+so importing this module is what registers the engines. verl decides whether it is loaded:
+``VERL_USE_EXTERNAL_PLUGINS`` = ``auto`` (default: every entry point), ``none`` (no entry
+point), or a comma-separated list of entry-point names (``mcore_npu`` loads this one). verl
+lower-cases the list, so the entry point's name is lower case.
+
+Harmless where it does not apply:
+
+- nothing here imports torch_npu; the engines are registered under ``("npu", "huawei")`` only,
+  a key verl looks up on Ascend machines (or when ``VERL_ENGINE_DEVICE=npu`` and
+  ``VERL_ENGINE_VENDOR=huawei`` are exported), so CUDA and CPU runs pick the same engines as
+  before;
+- without megatron-core nothing is registered (``registered`` is an empty tuple);
+- a failure while registering is logged as a warning (verl itself would only log it at debug
+  level) and leaves verl's registry as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["register", "registered"]
+
+
+def register() -> tuple[type, ...]:
+    """Register the NPU engines with verl's ``EngineRegistry``; return the classes registered.
+
+    Returns an empty tuple (and registers nothing) when megatron-core is not installed or the
+    engines cannot be imported; the reason is logged as a warning.
+    """
+    if importlib.util.find_spec("megatron") is None:
+        logger.info("mcore_npu verl plugin: megatron-core is not installed; nothing registered")
+        return ()
+    try:
+        from mcore_npu.integrations.verl import engine
+    except Exception as exc:  # verl would swallow it at debug level; say it louder
+        logger.warning("mcore_npu verl plugin: NPU Megatron engine not registered: %r", exc)
+        return ()
+    return engine.register()
+
+
+registered: tuple[type, ...] = register()

@@ -1,0 +1,119 @@
+"""Fixtures for the tests against the real verl 0.9.1 (the ``.venv-verl`` environment).
+
+These tests need ``make test-verl``: verl, mbridge, transformers and the package installed with
+``pip install --no-deps -e .`` (so its ``verl.plugins`` entry point exists). ``make test`` does
+not collect this folder; every module also starts with ``pytest.importorskip("verl")``.
+
+One process, one gloo group: ``cpu_runtime`` (session) applies the project's CPU shims
+(``mcore_npu.training.cpu_support``), starts a single-rank gloo process group and, after the
+last test, destroys Megatron's parallel state and the group and reverts the shims. Nothing in
+verl is patched. The only stand-in is the NPU allocator (``tests/allocator/standins.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LAUNCH_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29561",
+}
+VOCAB = 128
+
+
+def _save_word_level_tokenizer(path) -> None:
+    """A tokenizer with tokens ``t0 .. t127`` (pad = ``t0``): verl's thd path reads pad_token_id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="t0", unk_token="t0", eos_token="t1"
+    )
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory) -> str:
+    """A 2-layer Qwen2 checkpoint (safetensors, fp32, random weights) and a word-level tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def cpu_runtime():
+    """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mcore_npu.training import cpu_support
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in LAUNCH_ENV.items():
+            env.setenv(key, value)
+        cpu_support.apply()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        cpu_support.seed_cpu_streams(1, tp_rank=0)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            cpu_support.revert()
+
+
+def training_worker_config(model_path: str, *, remove_padding: bool = False):
+    """verl's ``TrainingWorkerConfig`` for the tiny model: Megatron + vanilla mbridge, bf16.
+
+    bf16 because verl's ``McoreEngineConfig`` accepts only bfloat16 / float16
+    (``verl/workers/config/engine.py``, ``__post_init__``).
+    """
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import (
+        HFModelConfig,
+        McoreEngineConfig,
+        McoreOptimizerConfig,
+        TrainingWorkerConfig,
+    )
+
+    return TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(
+            path=model_path, load_tokenizer=remove_padding, use_remove_padding=remove_padding
+        ),
+        engine_config=McoreEngineConfig(
+            strategy="megatron", dtype="bfloat16", use_mbridge=True, vanilla_mbridge=True
+        ),
+        optimizer_config=McoreOptimizerConfig(lr=1e-3),
+        checkpoint_config=CheckpointConfig(),
+    )
+
+
+@pytest.fixture
+def npu_engine_env(monkeypatch):
+    """Make verl's EngineRegistry look up ``("npu", "huawei")``, as on an Ascend machine."""
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "npu")
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "huawei")
