@@ -470,3 +470,4 @@ def _segment_plan(options, s, seq_q, seq_kv, band_segment, device) -> _Keep:
 # The gradient operator lives in its own module (it builds on the helpers above) and is
 # re-exported here, so that this module mirrors the torch_npu namespace. Import order: the
 # package imports this module first, so attention_grad finds every helper defined.
+from mcore_npu.ops.attention_grad import npu_fusion_attention_grad  # noqa: E402, F401
