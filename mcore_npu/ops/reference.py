@@ -343,7 +343,7 @@ def _row_max(q, k, causal: bool, scale: float) -> torch.Tensor:
     group = heads_q // heads_kv
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qg = q.reshape(batch * heads_kv, group, seq_q, head_dim).to(compute)  # [B*Nkv, G, Sq, D]
-    kg = k.reshape(batch * heads_kv, 1, seq_kv, head_dim).to(compute)  # [B*Nkv, 1, Skv, D]
+    kg = k.reshape(batch * heads_kv, seq_kv, head_dim).to(compute)  # [B*Nkv, Skv, D]
     out = torch.empty(batch * heads_kv, group, seq_q, dtype=compute, device=q.device)
     rows = min(ROW_MAX_ROWS, max(seq_q, 1))
     per_row = max(1, group * rows * seq_kv * 4)
@@ -352,11 +352,18 @@ def _row_max(q, k, causal: bool, scale: float) -> torch.Tensor:
         for start in range(0, seq_q, rows):
             stop = min(seq_q, start + rows)
             keys = min(stop, seq_kv) if causal else seq_kv
-            scores = torch.matmul(qg[h : h + heads, :, start:stop], kg[h : h + heads, :, :keys].mT)
+            if keys == 0:
+                out[h : h + heads, :, start:stop] = float("-inf")
+                continue
+            q_block = qg[h : h + heads, :, start:stop]  # [h, G, r, D]
+            hb = q_block.shape[0]
+            # one batched GEMM per kv head: [h, G*r, D] @ [h, D, keys] (3-D bmm, no broadcast)
+            scores = torch.bmm(q_block.reshape(hb, -1, head_dim), kg[h : h + heads, :keys].mT)
+            scores = scores.view(hb, group, stop - start, keys)
             if causal and start < keys:  # the diagonal square [start:stop, start:keys]
                 tri = torch.ones(stop - start, keys - start, dtype=torch.bool, device=q.device)
                 scores[..., start:keys].masked_fill_(tri.triu_(1), float("-inf"))
-            out[h : h + heads, :, start:stop] = scores.amax(-1) if keys else float("-inf")
+            torch.amax(scores, -1, out=out[h : h + heads, :, start:stop])
     out = out.view(batch, heads_q, seq_q).mul_(scale).float()
     valid = torch.isfinite(out)
     return torch.where(valid, out, _F32.min)
