@@ -13,6 +13,7 @@ Megatron does                         on CPU, after ``apply()``
 RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator states
 ``_get/_set_cuda_rng_state``          the CPU generator's state (full recompute)
 ``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
+``pin_memory=True``, ``t.cuda()``     ``CudaFactoriesOnCpu``: unpinned, and ``t`` itself
 gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
 ``torch.cuda.FloatTensor`` grads)     type assertion
 ====================================  ==================================================
@@ -34,13 +35,19 @@ from mcore_npu.allocator.device import current_accelerator
 
 
 class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU."""
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU, drops
+    ``pin_memory=True`` (no pinned allocator without an accelerator) and makes ``Tensor.cuda()``
+    a no-op (Megatron's RoPE under context parallelism builds its chunk index that way)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 
