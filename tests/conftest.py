@@ -45,12 +45,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 class RecordingTorchNpu(types.ModuleType):
-    """A stand-in for ``torch_npu`` (no hardware here): records npu_fusion_attention calls and
-    answers with a zero output of the right shape."""
+    """A stand-in for ``torch_npu`` (no hardware here): records npu_fusion_attention and
+    npu_fusion_attention_grad calls and answers with zeros of the right shapes."""
 
     def __init__(self) -> None:
         super().__init__("torch_npu")
         self.calls: list[tuple[tuple, dict]] = []
+        self.grad_calls: list[tuple[tuple, dict]] = []
+
+    def npu_fusion_attention_grad(self, query, key, value, dy, head_num, input_layout, **kwargs):
+        self.grad_calls.append(((query, key, value, dy, head_num, input_layout), kwargs))
+        dpse = torch.zeros_like(kwargs["pse"]) if kwargs.get("pse") is not None else None
+        extra = query.new_empty(0)  # some releases return more than four values
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dpse, extra
 
     def npu_fusion_attention(self, query, key, value, head_num, input_layout, **kwargs):
         self.calls.append(((query, key, value, head_num, input_layout), kwargs))

@@ -3,6 +3,9 @@
 ``fusion_attention`` validates the call once (``mcore_npu.ops.validation``), then runs either
 Ascend's ``torch_npu.npu_fusion_attention`` or the pure-PyTorch reference
 (``mcore_npu.ops.reference``) and returns the attention output only.
+``fusion_attention_with_stats`` also returns the softmax statistics (outputs 1 and 2), and
+``fusion_attention_grad`` runs the explicit gradient operator ``npu_fusion_attention_grad``:
+both are what ring attention (context parallelism) calls per block.
 
 ``torch_npu`` is looked up at call time with ``importlib.import_module``, never when this package
 is imported, so machines without CANN import fine and tests can put a stand-in module into
@@ -17,7 +20,7 @@ import importlib
 import torch
 
 from mcore_npu.ops.contract import INT32_MAX
-from mcore_npu.ops.reference import AttentionOptions, run_reference
+from mcore_npu.ops.reference import AttentionOptions, npu_fusion_attention_grad, run_reference
 from mcore_npu.ops.validation import validate_call
 
 KERNELS = ("auto", "torch_npu", "reference")
@@ -25,6 +28,8 @@ KERNELS = ("auto", "torch_npu", "reference")
 __all__ = [
     "KERNELS",
     "fusion_attention",
+    "fusion_attention_grad",
+    "fusion_attention_with_stats",
     "grouped_linear",
     "grouped_matmul",
     "load_torch_npu",
@@ -115,7 +120,72 @@ def fusion_attention(
         return torch_npu.npu_fusion_attention(
             query, key, value, head_num, input_layout, **op_kwargs
         )[0]
-    options = AttentionOptions(
+    return run_reference(problem, query, key, value, _options(op_kwargs), need_stats=False)[0]
+
+
+def fusion_attention_with_stats(
+    query, key, value, head_num: int, input_layout: str, *, kernel: str = "auto", **op_kwargs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`fusion_attention`, returning ``(out, softmax_max, softmax_sum)``.
+
+    The statistics are float32 ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``): the row max of the
+    scaled, masked scores and ``sum(exp(score - max))``; fully masked rows give float32 min /
+    float32 max. The output keeps its autograd graph; the statistics are detached.
+    """
+    _check_keywords(op_kwargs)
+    chosen = resolve_kernel(kernel, getattr(query, "device", torch.device("cpu")))
+    problem = validate_call(query, key, value, head_num, input_layout, **op_kwargs, kernel=chosen)
+    if chosen == "torch_npu":
+        result = load_torch_npu().npu_fusion_attention(
+            query, key, value, head_num, input_layout, **op_kwargs
+        )
+        return result[0], result[1], result[2]
+    return run_reference(problem, query, key, value, _options(op_kwargs), need_stats=True)
+
+
+_GRAD_KEYWORDS = tuple(name for name in _OP_KEYWORDS if name != "scale") + (
+    "scale_value", "softmax_max", "softmax_sum", "softmax_in", "attention_in", "seed", "offset",
+    "numels",
+)  # fmt: skip
+
+
+def fusion_attention_grad(
+    query, key, value, dy, head_num: int, input_layout: str, *, kernel: str = "auto", **op_kwargs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradient operator ``npu_fusion_attention_grad`` through the kernel switch.
+
+    Args:
+        query, key, value, dy, head_num, input_layout: as the operator (dy: the output's shape).
+        kernel: ``"auto"``, ``"torch_npu"`` or ``"reference"`` (as :func:`fusion_attention`).
+        **op_kwargs: the operator's keywords exactly as torch_npu spells them (``scale_value``,
+            ``softmax_max``, ``softmax_sum``, ``attention_in``, ``atten_mask``, ...).
+
+    Returns:
+        ``(dq, dk, dv, dpse)`` in the layouts of query/key/value; dpse is None without ``pse``
+        (some torch_npu releases return more values; only these are kept).
+    """
+    for name in op_kwargs:
+        if name not in _GRAD_KEYWORDS:
+            close = difflib.get_close_matches(name, _GRAD_KEYWORDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(
+                f"fusion_attention_grad: unknown operator keyword {name!r}; {hint}the gradient "
+                f"operator takes {', '.join(_GRAD_KEYWORDS)} (the scale is 'scale_value' here)"
+            )
+    chosen = resolve_kernel(kernel, getattr(query, "device", torch.device("cpu")))
+    if chosen == "torch_npu":
+        result = load_torch_npu().npu_fusion_attention_grad(
+            query, key, value, dy, head_num, input_layout, **op_kwargs
+        )
+    else:
+        result = npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout,
+                                           **op_kwargs)  # fmt: skip
+    dpse = result[3] if op_kwargs.get("pse") is not None else None
+    return result[0], result[1], result[2], dpse
+
+
+def _options(op_kwargs: dict) -> AttentionOptions:
+    return AttentionOptions(
         pse=op_kwargs.get("pse"),
         atten_mask=op_kwargs.get("atten_mask"),
         scale=float(op_kwargs.get("scale", 1.0)),
@@ -125,7 +195,6 @@ def fusion_attention(
         prefix=op_kwargs.get("prefix"),
         sparse_mode=op_kwargs.get("sparse_mode", 0),
     )
-    return run_reference(problem, query, key, value, options, need_stats=False)[0]
 
 
 # The fused operators beyond attention (they use resolve_kernel / load_torch_npu from above).

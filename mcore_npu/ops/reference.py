@@ -50,7 +50,7 @@ from mcore_npu.ops.sparse_modes import band_covers_everything, band_keep, causal
 from mcore_npu.ops.swiglu import npu_swiglu  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.validation import split_q_band_segment, validate_call
 
-STATS_CHUNK_BYTES = 64 * 2**20
+STATS_CHUNK_BYTES = 4 * 2**20
 """Largest float32 score block materialised while computing softmax statistics."""
 
 _F32 = torch.finfo(torch.float32)
@@ -245,6 +245,11 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
         ``[B, Nq, Sq, 8]`` float32 or None.
     """
     seq_q, seq_kv = q.shape[-2], k.shape[-2]
+    if seq_kv == 0:  # no key at all: every row is invalid
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        return (out, *_invalid_statistics(q)) if need_stats else (out, None, None)
+    if need_stats and _fast_statistics_apply(q, keep, options, pse):
+        return _attend_with_statistics(q, k, v, keep, options.scale)
     mask = keep.mask
     if pse is not None and keep.causal:
         mask = keep.dense(seq_q, seq_kv, q.device)
@@ -273,6 +278,107 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     if not need_stats:
         return out, None, None
     return (out, *_statistics(q, k, keep, options.scale, pse))
+
+
+def _fast_statistics_apply(q, keep: _Keep, options, pse) -> bool:
+    """The fused CPU kernel returns the log-sum-exp: full or causal, no bias, no dropout."""
+    return (
+        q.device.type == "cpu"
+        and keep.mask is None
+        and pse is None
+        and options.keep_prob == 1.0
+        and options.scale > 0
+        and q.shape[-1] > 0
+    )
+
+
+def _attend_with_statistics(q, k, v, keep: _Keep, scale):
+    """The statistics path for full and causal blocks: one fused call plus a row-max pass.
+
+    PyTorch's CPU flash kernel returns the output and the log-sum-exp ``lse`` (GQA native, with
+    autograd). The contract wants the max and the sum separately, so the row max is computed
+    by :func:`_row_max` (matmul + amax, no exp, in small blocks) and the sum follows exactly:
+    ``softmax_sum = exp(lse - softmax_max)``.
+    """
+    if v.shape[-1] != q.shape[-1]:  # the fused kernel wants Dv == D
+        return (*_attend_plain(q, k, v, keep, scale), *_statistics(q, k, keep, scale, None))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q, k, v, 0.0, keep.causal, scale=scale)  # lse [B, Nq, Sq]
+    with torch.no_grad():
+        row_max = _row_max(q, k, keep.causal, scale)  # [B, Nq, Sq]
+        row_sum = torch.exp(lse.detach().float() - row_max)
+    expand = (*row_max.shape, 8)
+    return (
+        out,
+        row_max.unsqueeze(-1).expand(expand).contiguous(),
+        row_sum.unsqueeze(-1).expand(expand).contiguous(),
+    )
+
+
+def _attend_plain(q, k, v, keep, scale):
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=keep.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return (out,)
+
+
+ROW_MAX_ROWS = 128
+"""Query rows per block of the row-max pass (with as many heads as fit ``ROW_MAX_BYTES``)."""
+ROW_MAX_BYTES = 4 * 2**20
+"""Largest float32 score block of the row-max pass: small enough to stay in cache."""
+
+
+def _row_max(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """``max_j scale * q_i . k_j`` over the kept keys (top-left causal or all), float32.
+
+    The scale is applied to the max, not to every score: for scale > 0 rounding is monotonic, so
+    ``max(fl(scale * x)) == fl(scale * max(x))`` exactly. Causal blocks multiply only the keys a
+    row block can see (``:stop``) and mask the diagonal square.
+
+    Args:
+        q: ``[B, Nq, Sq, D]``; k: ``[B, Nkv, Skv, D]`` (Nq % Nkv == 0, head i reads i // G).
+
+    Returns:
+        ``[B, Nq, Sq]`` float32.
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.reshape(batch * heads_kv, group, seq_q, head_dim).to(compute)  # [B*Nkv, G, Sq, D]
+    kg = k.reshape(batch * heads_kv, seq_kv, head_dim).to(compute)  # [B*Nkv, Skv, D]
+    out = torch.empty(batch * heads_kv, group, seq_q, dtype=compute, device=q.device)
+    rows = min(ROW_MAX_ROWS, max(seq_q, 1))
+    per_row = max(1, group * rows * seq_kv * 4)
+    heads = max(1, min(batch * heads_kv, ROW_MAX_BYTES // per_row))
+    for h in range(0, batch * heads_kv, heads):
+        for start in range(0, seq_q, rows):
+            stop = min(seq_q, start + rows)
+            keys = min(stop, seq_kv) if causal else seq_kv
+            if keys == 0:
+                out[h : h + heads, :, start:stop] = float("-inf")
+                continue
+            q_block = qg[h : h + heads, :, start:stop]  # [h, G, r, D]
+            hb = q_block.shape[0]
+            # one batched GEMM per kv head: [h, G*r, D] @ [h, D, keys] (3-D bmm, no broadcast)
+            scores = torch.bmm(q_block.reshape(hb, -1, head_dim), kg[h : h + heads, :keys].mT)
+            scores = scores.view(hb, group, stop - start, keys)
+            if causal and start < keys:  # the diagonal square [start:stop, start:keys]
+                tri = torch.ones(stop - start, keys - start, dtype=torch.bool, device=q.device)
+                scores[..., start:keys].masked_fill_(tri.triu_(1), float("-inf"))
+            torch.amax(scores, -1, out=out[h : h + heads, :, start:stop])
+    out = out.view(batch, heads_q, seq_q).mul_(scale).float()
+    valid = torch.isfinite(out)
+    return torch.where(valid, out, _F32.min)
+
+
+def _invalid_statistics(q):
+    """Statistics of rows without any key: float32 min / float32 max, ``[B, Nq, Sq, 8]``."""
+    shape = (*q.shape[:-1], 8)
+    return (
+        torch.full(shape, _F32.min, device=q.device),
+        torch.full(shape, _F32.max, device=q.device),
+    )
 
 
 @torch.no_grad()
@@ -369,3 +475,9 @@ def _segment_plan(options, s, seq_q, seq_kv, band_segment, device) -> _Keep:
             )
     prefix = None if options.prefix is None else [options.prefix[s]]
     return _plan(options, seq_q, seq_kv, dense_keep, prefix, device, mode=mode)
+
+
+# The gradient operator lives in its own module (it builds on the helpers above) and is
+# re-exported here, so that this module mirrors the torch_npu namespace. Import order: the
+# package imports this module first, so attention_grad finds every helper defined.
+from mcore_npu.ops.attention_grad import npu_fusion_attention_grad  # noqa: E402, F401

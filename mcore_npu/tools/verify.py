@@ -20,7 +20,12 @@ decided by the float64 oracle's keep mask, never by the kernel under test. The u
 is zero on those rows, so the k/v gradients do not depend on what a kernel writes there either.
 In oracle mode the reference must also give exactly 0 on invalid rows and finite gradients.
 
-A case passes when, for each of forward, dq, dk and dv, ``max|got - want| <= atol + rtol *
+Both modes also run the explicit gradient operator ``npu_fusion_attention_grad`` (through
+``ops.fusion_attention_grad``, given the forward's statistics and output, as ring attention calls
+it) and compare its gradients with the same trusted ones (``op-dq``, ``op-dk``, ``op-dv``; JSON
+and failure details only; skipped for dropout cases).
+
+A case passes when, for each of forward, dq, dk and dv (and op-dq, op-dk, op-dv), ``max|got - want| <= atol + rtol *
 max|want|`` over the valid rows (``Tolerance.bound`` of the case table).
 """
 
@@ -39,7 +44,7 @@ from pathlib import Path
 import torch
 
 from mcore_npu.allocator import device as accelerators
-from mcore_npu.ops import fusion_attention
+from mcore_npu.ops import fusion_attention, fusion_attention_grad, fusion_attention_with_stats
 from mcore_npu.tools.cases import DEFAULT_TABLE, AttentionCase, Tolerance, load_cases, make_inputs
 
 __all__ = [
@@ -390,6 +395,10 @@ def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu"
     want.out.backward(grad.double())
     comparisons = [compare("forward", got, want.out, want.valid_out, case.forward)]
     comparisons += _grad_comparisons(got_leaves, want_leaves, want.valid_q, case.grad)
+    comparisons += _grad_operator_comparisons(
+        inputs, grad.to(got.device), "reference", [t.grad for t in want_leaves], want.valid_q,
+        case.grad,
+    )  # fmt: skip
     problems = []
     if bool((got.detach().cpu()[~want.valid_out] != 0).any()):
         problems.append("the output is not 0 on invalid (fully masked) rows")
@@ -424,7 +433,50 @@ def check_kernel_case(case: AttentionCase, device: torch.device | str) -> CaseRe
     want.backward(grad.float())
     comparisons = [compare("forward", got, want, truth.valid_out, case.forward)]
     comparisons += _grad_comparisons(device_leaves, ref_leaves, truth.valid_q, case.grad)
+    device_inputs = _Leaves(device_leaves, heads, layout, device_kwargs)
+    comparisons += _grad_operator_comparisons(
+        device_inputs, grad.to(device), "torch_npu", [t.grad for t in ref_leaves], truth.valid_q,
+        case.grad,
+    )  # fmt: skip
     return CaseResult(case.id, tuple(comparisons))
+
+
+@dataclass(frozen=True)
+class _Leaves:
+    """q/k/v, head_num, layout and operator keywords of one call (as ``make_inputs`` gives)."""
+
+    leaves: Sequence[torch.Tensor]
+    head_num: int
+    input_layout: str
+    op_kwargs: dict
+
+    def call_args(self):
+        return (*self.leaves, self.head_num, self.input_layout)
+
+
+def _grad_operator_comparisons(inputs, dy, kernel, want_grads, valid_q, tolerance):
+    """``npu_fusion_attention_grad`` given the forward's statistics and output, vs ``want_grads``.
+
+    Compared as ``op-dq``/``op-dk``/``op-dv``: what ring attention (context parallelism) calls
+    per block. Skipped (no comparisons) for dropout cases: no kernel can replay the mask.
+    """
+    kwargs = dict(inputs.op_kwargs)
+    if float(kwargs.get("keep_prob", 1.0)) != 1.0:
+        return []
+    q, k, v = (t.detach() for t in inputs.call_args()[:3])
+    head_num, layout = inputs.head_num, inputs.input_layout
+    with torch.no_grad():
+        out, smax, ssum = fusion_attention_with_stats(q, k, v, head_num, layout, kernel=kernel,
+                                                      **kwargs)  # fmt: skip
+    kwargs["scale_value"] = kwargs.pop("scale", 1.0)
+    grads = fusion_attention_grad(q, k, v, dy.to(out.dtype), head_num, layout, kernel=kernel,
+                                  softmax_max=smax, softmax_sum=ssum, attention_in=out,
+                                  **kwargs)  # fmt: skip
+    rows = (valid_q, None, None)
+    return [
+        compare(f"op-{name}", got, want, valid, tolerance)
+        for name, got, want, valid in zip(("dq", "dk", "dv"), grads[:3], want_grads, rows)
+    ]
 
 
 @contextlib.contextmanager

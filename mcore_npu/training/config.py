@@ -103,7 +103,8 @@ class ParallelSection:
     tensor: int = 1
     pipeline: int = 1
     sequence_parallel: bool = False
-    context: int = 1  # only 1 here; data parallel = world size / (tensor * pipeline * context)
+    context: int = 1  # data parallel = world size / (tensor * pipeline * context)
+    cp_comm_type: str = "p2p"  # context > 1: "p2p" (ring), "all_gather" or "a2a" (Ulysses)
     expert: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
 
 
@@ -496,6 +497,41 @@ def _validate_heads(cfg) -> None:
               "round the vocabulary up to a multiple of the tensor-parallel size")  # fmt: skip
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _validate_context(cfg, p) -> None:
+    """``parallel.context > 1``: the NPU spec's attention splits the sequence over CP ranks."""
+    if p.cp_comm_type not in CP_COMM_TYPES:
+        _fail("parallel.cp_comm_type", p.cp_comm_type, "is not a context-parallel algorithm of "
+              "the NPU spec ('a2a+p2p' is not built)", f"use one of {', '.join(CP_COMM_TYPES)}")  # fmt: skip
+    if _resolved_backend(cfg) != "npu_fusion":
+        _fail("parallel.context", p.context, "needs attention.backend=npu_fusion (Megatron's "
+              f"local attention refuses CP; attention.backend={cfg.attention.backend})",
+              "use attention.backend=npu_fusion, or parallel.context=1")  # fmt: skip
+    if cfg.train.seq_length % (2 * p.context):
+        _fail("train.seq_length", cfg.train.seq_length, f"does not divide by 2*parallel.context "
+              f"= {2 * p.context} (Megatron cuts each sequence into 2*CP chunks)",
+              f"use a multiple of {2 * p.context}")  # fmt: skip
+    if cfg.data.pack_sequences:
+        _fail("data.pack_sequences", True, "packed (thd) batches are not split over "
+              "context-parallel ranks by this trainer yet", "use unpacked batches with "
+              "parallel.context > 1, or parallel.context=1 for packing")  # fmt: skip
+    if p.cp_comm_type == "p2p" and cfg.model.attention_dropout > 0:
+        _fail("model.attention_dropout", cfg.model.attention_dropout, "the p2p ring's gradient "
+              "operator cannot replay a dropout mask", "set it to 0, or parallel.cp_comm_type="
+              "all_gather / a2a")  # fmt: skip
+    if p.cp_comm_type == "a2a":
+        m, tp = cfg.model, p.tensor
+        groups = m.num_query_groups or m.num_attention_heads
+        for name, count in (("num_attention_heads", m.num_attention_heads),
+                            ("num_query_groups", groups)):  # fmt: skip
+            if (count // tp) % p.context:
+                _fail(f"model.{name}", count, f"per tensor-parallel rank ({count // tp}) does "
+                      f"not divide by parallel.context={p.context}, as cp_comm_type=a2a needs",
+                      "use parallel.cp_comm_type=p2p or all_gather, or another CP size")  # fmt: skip
+
+
 def _validate_parallel(cfg, world_size: int) -> None:
     p = cfg.parallel
     model_parallel = p.tensor * p.pipeline * p.context
@@ -509,10 +545,7 @@ def _validate_parallel(cfg, world_size: int) -> None:
         )
     data_parallel = world_size // model_parallel
     if p.context > 1:
-        _fail("parallel.context", p.context, "mcore-npu train does not split batches over "
-              "context-parallel ranks (and the npu_fusion and local attention run without context "
-              "parallelism)", "use parallel.context=1; long sequences: data.pack_sequences or "
-              "parallel.sequence_parallel")  # fmt: skip
+        _validate_context(cfg, p)
     if p.sequence_parallel and p.tensor == 1:
         _fail("parallel.sequence_parallel", True, "needs parallel.tensor > 1",
               "set parallel.tensor >= 2 or turn sequence parallelism off")  # fmt: skip

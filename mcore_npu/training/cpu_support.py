@@ -14,6 +14,7 @@ RNG tracker ``fork()`` / ``add()``    ``CpuRngTracker``: real CPU generator stat
 ``_get/_set_cuda_rng_state``          the CPU generator's state (full recompute)
 ``torch.zeros(..., device="cuda")``   ``CudaFactoriesOnCpu`` rewrites the device to CPU
 ``tensor.cuda(...)`` / ``module.cuda``  ``CudaFactoriesOnCpu`` keeps the tensor on the CPU
+``pin_memory=True``                   ``CudaFactoriesOnCpu`` drops it (no pinned allocator)
 gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, no CUDA
 ``torch.cuda.FloatTensor`` grads)     type assertion
 ``torch.cuda.Stream()``,              ``CpuStream``: a stream that runs nothing (CPU work is
@@ -41,10 +42,12 @@ from mcore_npu.allocator.device import current_accelerator
 
 
 class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU.
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU and drops
+    ``pin_memory=True`` (no pinned allocator without an accelerator).
 
     ``Tensor.cuda(...)`` returns the tensor itself (so ``module.cuda(torch.cuda.current_device())``,
-    as model builders such as mbridge's ``get_model`` call it, leaves the module on the CPU).
+    as model builders such as mbridge's ``get_model`` call it, leaves the module on the CPU, and
+    Megatron's RoPE under context parallelism builds its chunk index on the CPU).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -54,6 +57,8 @@ class CudaFactoriesOnCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

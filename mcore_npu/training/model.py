@@ -45,6 +45,7 @@ def transformer_config(cfg):
         pipeline_model_parallel_size=p.pipeline,
         context_parallel_size=p.context,
         expert_model_parallel_size=p.expert,
+        cp_comm_type=p.cp_comm_type if p.context > 1 else None,
         sequence_parallel=p.sequence_parallel,
         params_dtype=_DTYPES[t.dtype],
         pipeline_dtype=_DTYPES[t.dtype],

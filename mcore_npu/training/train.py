@@ -278,6 +278,7 @@ class Trainer(ExpandableSegmentsMixin):
             dp_size=parallel_state.get_data_parallel_world_size(),
             packed=self.cfg.data.pack_sequences,
         )]  # fmt: skip
+        batches = [_on_this_cp_rank(b) for b in batches]
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
@@ -311,7 +312,7 @@ class Trainer(ExpandableSegmentsMixin):
             labels=batch.labels,
             packed_seq_params=_packed_seq_params(batch),
         )
-        return output, partial(_masked_mean_loss, batch.loss_mask)
+        return output, partial(_masked_mean_loss, batch.loss_mask, self.cfg.parallel.context)
 
     def _global_mean_loss(self, losses) -> float:
         """Mean loss of the step, known on every rank (last pipeline stage, all data ranks)."""
@@ -433,11 +434,39 @@ def _packed_seq_params(batch: MicroBatch):
     )
 
 
-def _masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``."""
+def _on_this_cp_rank(batch: MicroBatch) -> MicroBatch:
+    """This context-parallel rank's chunks (r and 2*CP-1-r) of a ``[b, s]`` batch, cut by
+    Megatron's ``get_batch_on_this_cp_rank``; the batch itself at CP = 1."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    names = ("tokens", "labels", "loss_mask", "position_ids")
+    local = get_batch_on_this_cp_rank({name: getattr(batch, name) for name in names})
+    return MicroBatch(**local)
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: torch.Tensor):
+    """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``.
+
+    Under context parallelism each rank holds 2 of the 2*CP chunks: the token sum and count are
+    summed over the CP group (as Megatron's ``loss_func`` does), the gradient flows through the
+    local sum only and the loss is multiplied by CP, because the gradient all-reduce averages
+    over data x context ranks.
+    """
     mask = loss_mask.reshape(-1).float()
-    loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
+    local_sum = (per_token_loss.float().reshape(-1) * mask).sum()
+    if cp_size == 1:
+        loss = local_sum / mask.sum().clamp(min=1)
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
+    from megatron.core import parallel_state
+
+    totals = torch.stack([local_sum.detach(), mask.sum()])
+    dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+    count = totals[1].clamp(min=1)
+    loss = local_sum / count * cp_size
+    return loss, {"lm loss": (totals[0] / count).detach().clone()}
 
 
 # -- command line ---------------------------------------------------------------------------

@@ -18,6 +18,10 @@ causal attention uses the cached compressed mask (sparse_mode 2/3), sliding wind
 packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
 polarity (True = masked out) is the operator's, so explicit masks pass through untouched.
 
+Under context parallelism (``context_parallel_size > 1``) the layer's ``cp_comm_type`` picks
+an algorithm of :mod:`mcore_npu.transformer.context_parallel` (p2p ring, all_gather, a2a) for
+causal or full sbhd attention; dense masks and ``attention_bias`` are refused there.
+
 Nothing here writes to ``config``, patches Megatron or keeps global state.
 """
 
@@ -30,8 +34,16 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
-from mcore_npu.masks import SeqLengthsMemo, describe_mask
+from mcore_npu.masks import (
+    BottomRightCausalMask,
+    FullAttention,
+    Packed,
+    SeqLengthsMemo,
+    TopLeftCausalMask,
+    describe_mask,
+)
 from mcore_npu.ops import KERNELS, fusion_attention
+from mcore_npu.transformer import context_parallel
 from mcore_npu.transformer.extra_state import EmptyExtraState
 
 try:  # Megatron >= 0.15
@@ -50,7 +62,9 @@ class NPUFusionAttention(MegatronModule):
         attention_type: ``"self"`` or ``"cross"`` (unused, as in Megatron's local attention).
         attention_dropout: overrides ``config.attention_dropout`` when given.
         softmax_scale: overrides ``1/sqrt(head_dim)`` when given.
-        cp_comm_type: context-parallel communication; only CP = 1 is supported.
+        cp_comm_type: this layer's context-parallel algorithm (``"p2p"``, ``"all_gather"``,
+            ``"a2a"``; ``"a2a+p2p"`` is refused); None = ``config.cp_comm_type`` (a string or a
+            per-layer list), else ``"p2p"``. Used when ``context_parallel_size > 1``.
         kernel: ``"auto"`` (torch_npu on NPU tensors, the reference elsewhere), ``"torch_npu"``
             or ``"reference"``. Set through ``ModuleSpec.params`` by the layer specs.
         seq_lengths_memo: shared by all layers of a model so that cu_seqlens is converted to
@@ -92,6 +106,19 @@ class NPUFusionAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.window_size = _layer_window(config, self.layer_number)
+        self.cp_group, self.cp_comm_type = None, None
+        if getattr(config, "context_parallel_size", 1) > 1:
+            self.cp_comm_type = context_parallel.layer_comm_type(
+                config, self.layer_number, cp_comm_type
+            )
+            self.cp_group = context_parallel.context_parallel_group(
+                kwargs.get("pg_collection") or kwargs.get("model_comm_pgs")
+            )
+            if self.cp_comm_type == "a2a":
+                cp_size = config.context_parallel_size
+                context_parallel.ulysses.check_heads(
+                    self.num_heads_per_partition, self.num_query_groups_per_partition, cp_size
+                )
 
     def forward(
         self,
@@ -116,11 +143,13 @@ class NPUFusionAttention(MegatronModule):
             window_size=self.window_size,
             memo=self.seq_lengths_memo,
         )
+        keep_prob = 1.0 - self.dropout_p if self.training else 1.0
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, mask, attention_bias, keep_prob)
         op_kwargs = mask.operator_args(query.device).as_kwargs()
         pse = self._bias(attention_bias, query, seq_q, seq_kv, packed)
         if pse is not None:
             op_kwargs["pse"] = pse
-        keep_prob = 1.0 - self.dropout_p if self.training else 1.0
         if packed:  # [t, np, hn] stays [t, np, hn]: layout TND
             layout, q, k, v = "TND", query, key, value
         else:  # [s, b, n, hn] -> [s, b, n*hn] (a view for contiguous inputs): layout SBH
@@ -131,6 +160,36 @@ class NPUFusionAttention(MegatronModule):
                 kernel=self.kernel, scale=self.softmax_scale, keep_prob=keep_prob, **op_kwargs,
             )  # fmt: skip
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
+
+    def _context_parallel(self, query, key, value, mask, attention_bias, keep_prob):
+        """sbhd under CP: ``[s/CP, b, np, hn]`` (chunks r, 2CP-1-r) -> ``[s/CP, b, np*hn]``."""
+        where = f"context parallelism (cp_comm_type={self.cp_comm_type!r})"
+        if attention_bias is not None:
+            raise NotImplementedError(
+                f"attention_bias under {where}: a bias over the whole sequence would have to "
+                "travel with every block; fix: context_parallel_size=1 for biased attention"
+            )
+        if isinstance(mask, Packed):
+            raise NotImplementedError(
+                f"packed (thd) sequences under {where} are not built yet; fix: unpacked (sbhd) "
+                "batches under CP, or context_parallel_size=1 for packed batches"
+            )
+        if isinstance(mask, FullAttention):
+            causal = False
+        elif isinstance(mask, (TopLeftCausalMask, BottomRightCausalMask)):
+            causal = True
+        else:
+            raise NotImplementedError(
+                f"{type(mask).__name__} under {where}: only causal and full attention are split "
+                "over CP ranks (a dense mask would be S x S per rank); fix: express padding by "
+                "packing sequences, or use context_parallel_size=1"
+            )
+        with self._dropout_rng(keep_prob):
+            return context_parallel.attention(
+                self.cp_comm_type, query, key, value, self.cp_group,
+                heads=self.num_heads_per_partition, scale=self.softmax_scale, causal=causal,
+                kernel=self.kernel, keep_prob=keep_prob,
+            )  # fmt: skip
 
     def _bias(self, attention_bias, query, seq_q, seq_kv, packed):
         """Megatron's ``attention_bias`` (added after scaling) as the operator's ``pse`` (added
@@ -168,13 +227,6 @@ class NPUFusionAttention(MegatronModule):
 def _check_supported(config, kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise NotImplementedError(
-            f"context_parallel_size={config.context_parallel_size}: NPUFusionAttention runs "
-            "without context parallelism. Use context_parallel_size=1 and shard sequences with "
-            "packing or sequence parallelism, or use the TE spec (attention.backend: te) on CUDA, "
-            "or MindSpeed's ring attention on Ascend"
-        )
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
         raise NotImplementedError(

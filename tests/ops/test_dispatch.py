@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from mcore_npu.masks import compressed_causal_mask
-from mcore_npu.ops import fusion_attention, resolve_kernel
+from mcore_npu.ops import (
+    fusion_attention,
+    fusion_attention_grad,
+    fusion_attention_with_stats,
+    resolve_kernel,
+)
 from mcore_npu.ops.reference import npu_fusion_attention
 
 
@@ -109,3 +114,33 @@ def test_tnd_statistics_are_filled_per_segment_n_major():
     seg2 = npu_fusion_attention(q[2:].transpose(0, 1)[None], q[2:].transpose(0, 1)[None],
                                 q[2:].transpose(0, 1)[None], 2, "BNSD", scale=0.5)[1]  # fmt: skip
     torch.testing.assert_close(smax.reshape(-1)[2 * 2 * 8 :], seg2.reshape(-1))
+
+
+def test_grad_operator_reaches_torch_npu_with_its_own_spelling(fake_torch_npu):
+    q, k, v = _qkv()
+    dy = torch.randn(q.shape)
+    stats = torch.zeros(2, 4, 6, 8)
+    kwargs = dict(atten_mask=compressed_causal_mask(), scale_value=0.125, sparse_mode=2,
+                  softmax_max=stats, softmax_sum=stats, attention_in=dy)  # fmt: skip
+    dq, dk, dv, dpse = fusion_attention_grad(q, k, v, dy, 4, "SBH", kernel="torch_npu", **kwargs)
+    ((args, got),) = fake_torch_npu.grad_calls
+    assert args[0] is q and args[3] is dy and args[4:] == (4, "SBH")
+    assert got.keys() == kwargs.keys() and got["softmax_max"] is stats
+    assert dq.shape == q.shape and dk.shape == k.shape and dpse is None
+    with pytest.raises(TypeError, match="did you mean 'scale_value'"):
+        fusion_attention_grad(q, k, v, dy, 4, "SBH", kernel="torch_npu", scale=0.1)
+
+
+def test_grad_operator_reference_matches_autograd_and_stats_forward_matches():
+    q, k, v = (t.double().requires_grad_() for t in _qkv())
+    kwargs = dict(atten_mask=compressed_causal_mask(), sparse_mode=2)
+    out, smax, ssum = fusion_attention_with_stats(q, k, v, 4, "SBH", scale=0.125, **kwargs)
+    assert smax.shape == ssum.shape == (2, 4, 6, 8) and smax.dtype == torch.float32
+    dy = torch.randn(out.shape, dtype=torch.float64)
+    out.backward(dy)
+    grads = fusion_attention_grad(q.detach(), k.detach(), v.detach(), dy, 4, "SBH",
+                                  kernel="reference", scale_value=0.125, softmax_max=smax,
+                                  softmax_sum=ssum, attention_in=out.detach(), **kwargs)  # fmt: skip
+    assert grads[3] is None
+    for got, leaf in zip(grads[:3], (q, k, v)):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-6)

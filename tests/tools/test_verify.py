@@ -16,6 +16,7 @@ import torch
 from mcore_npu.allocator.device import is_npu_available
 from mcore_npu.cli import main
 from mcore_npu.ops.reference import npu_fusion_attention as reference_op
+from mcore_npu.ops.reference import npu_fusion_attention_grad as npu_fusion_attention_grad_reference
 from mcore_npu.tools import verify
 from mcore_npu.tools.cases import Tolerance, load_cases, make_inputs
 from tests.launch import ROOT, run_command
@@ -188,10 +189,16 @@ def test_reference_check_flags_non_zero_invalid_rows(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _stand_in(spoil=None) -> types.ModuleType:
-    """A ``torch_npu`` whose kernel is the reference; ``spoil(out, query, key, value)`` may
-    change the answer."""
+def _stand_in(spoil=None, spoil_grad=None) -> types.ModuleType:
+    """A ``torch_npu`` whose kernels are the references; ``spoil(out, query, key, value)`` and
+    ``spoil_grad(dq)`` may change the answers."""
     module = types.ModuleType("torch_npu")
+
+    def npu_fusion_attention_grad(*args, **kwargs):
+        dq, dk, dv, dpse = npu_fusion_attention_grad_reference(*args, **kwargs)
+        return (dq if spoil_grad is None else spoil_grad(dq)), dk, dv, dpse
+
+    module.npu_fusion_attention_grad = npu_fusion_attention_grad
 
     def npu_fusion_attention(query, key, value, *args, **kwargs):
         result = reference_op(query, key, value, *args, **kwargs)
@@ -236,6 +243,14 @@ def test_hardware_path_ignores_what_the_kernel_does_on_invalid_rows(pretend_npu)
     pretend_npu(_stand_in(mean_of_v_on_invalid_rows))
     result = verify.check_kernel_case(CASES[INVALID_ROWS_CASE], "cpu")
     assert result.passed, result
+
+
+def test_hardware_path_fails_a_wrong_gradient_operator(pretend_npu):
+    """Only the explicit gradient operator is wrong: op-dq fails, dq (autograd) passes."""
+    pretend_npu(_stand_in(spoil_grad=lambda dq: dq + 0.01))
+    result = verify.check_kernel_case(CASES[INVALID_ROWS_CASE], "cpu")
+    failed = {c.name for c in result.comparisons if not c.passed}
+    assert failed == {"op-dq"}, result
 
 
 def test_hardware_path_fails_a_wrong_kernel_with_its_max_error(pretend_npu, capsys):

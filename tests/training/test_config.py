@@ -30,7 +30,16 @@ BAD = [
     (["attention.kernel=cuda"], "attention.kernel"),
     (["model.param_layout=megatron"], "model.param_layout"),
     (["attention.backend=local", "attention.kernel=reference"], "attention.kernel"),
-    (["parallel.context=2"], "parallel.context"),
+    (["parallel.context=2", "parallel.cp_comm_type=ring"], "parallel.cp_comm_type"),
+    (["parallel.context=2", "parallel.cp_comm_type=a2a+p2p"], "parallel.cp_comm_type"),
+    (["parallel.context=2", "attention.backend=local"], "parallel.context"),
+    (["parallel.context=2", "train.seq_length=126"], "train.seq_length"),
+    (["parallel.context=2", "data.pack_sequences=true"], "data.pack_sequences"),
+    (["parallel.context=2", "model.attention_dropout=0.1"], "model.attention_dropout"),
+    (
+        ["parallel.context=2", "parallel.cp_comm_type=a2a", "model.num_query_groups=1"],
+        "model.num_query_groups",
+    ),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (
         ["parallel.tensor=2", "parallel.sequence_parallel=true", "attention.backend=local"],

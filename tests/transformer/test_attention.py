@@ -136,11 +136,16 @@ def _qkv(s=8, b=2):
     return q, k, k.clone()
 
 
-def test_context_parallel_is_refused_with_alternatives():
+def test_context_parallel_comm_types_outside_the_plugin_are_refused():
+    """CP itself runs (tests/distributed/test_context_parallel.py); these values never do."""
     config = tiny_config()
     object.__setattr__(config, "context_parallel_size", 2)
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2.*backend: te"):
+    object.__setattr__(config, "cp_comm_type", "a2a+p2p")
+    with pytest.raises(NotImplementedError, match="a2a\\+p2p.*fix"):
         _core(config)
+    object.__setattr__(config, "cp_comm_type", ["p2p", "ring"])
+    with pytest.raises(ValueError, match="unknown value 'ring' for layer 2"):
+        NPUFusionAttention(config, 2, _causal())
 
 
 def test_attention_bias_of_wrong_shape_is_refused():

@@ -14,6 +14,10 @@ CPU, float32, forward only, b = 1, 16 heads of 64, causal self-attention, S in
     the peak; ``baddbmm`` is out of place, so the buffer sits on top of a fresh score tensor).
 ``SDPA (BNSD)``
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on contiguous ``[1, 16, S, 64]``.
+``reference + stats (SBH)``
+    the statistics path that ring attention calls per block:
+    ``mcore_npu.ops.fusion_attention_with_stats(...)`` with the arguments of ``reference (SBH)``,
+    returning the output and ``softmax_max`` / ``softmax_sum`` (float32 ``[1, 16, S, 8]``).
 
 Two diagnostic rows explain the gap between the first and the last (the result's ``ratios``
 ``reference_bnsd_time_over_sdpa`` and ``sdpa_sbh_views_time_over_sdpa``): ``reference (BNSD
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_npu.masks import compressed_causal_mask
-from mcore_npu.ops import fusion_attention
+from mcore_npu.ops import fusion_attention, fusion_attention_with_stats
 from mcore_npu.tools.bench import goal, markdown_table
 from mcore_npu.tools.bench.mask import format_seconds
 from mcore_npu.tools.bench.memory import track_allocations
@@ -55,7 +59,8 @@ DPA = "Megatron DPA"
 SDPA = "SDPA (BNSD)"
 REFERENCE_BNSD = "reference (BNSD input)"
 SDPA_SBH_VIEWS = "SDPA (SBH views)"
-METHODS = (REFERENCE, DPA, SDPA, REFERENCE_BNSD, SDPA_SBH_VIEWS)
+STATS = "reference + stats (SBH)"
+METHODS = (REFERENCE, DPA, SDPA, REFERENCE_BNSD, SDPA_SBH_VIEWS, STATS)
 
 
 def megatron_dot_product_attention():
@@ -102,11 +107,15 @@ def _candidates(seq: int, megatron_attention) -> dict:
         SDPA: lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
         REFERENCE_BNSD: lambda: fusion_attention(qb, kb, vb, HEADS, "BNSD", **kwargs),
         SDPA_SBH_VIEWS: lambda: F.scaled_dot_product_attention(*views, is_causal=True, scale=SCALE),
+        STATS: lambda: fusion_attention_with_stats(q, k, v, HEADS, "SBH", **kwargs),
     }
 
 
-def _as_sbh(output: torch.Tensor) -> torch.Tensor:
-    """Any method's output as ``[S, 1, N*D]`` (BNSD ``[1, N, S, D]`` is permuted)."""
+def _as_sbh(output) -> torch.Tensor:
+    """Any method's output as ``[S, 1, N*D]`` (BNSD ``[1, N, S, D]`` is permuted; of the
+    statistics path's ``(out, softmax_max, softmax_sum)`` the output)."""
+    if isinstance(output, tuple):
+        output = output[0]
     if output.dim() == 4:  # [1, N, S, D] -> [S, 1, N*D]
         return output.permute(2, 0, 1, 3).flatten(2)
     return output
@@ -147,6 +156,8 @@ def _ratios(rows: list[dict], seq: int, max_diff: float) -> dict:
         "reference_peak_over_dpa": by[REFERENCE]["peak_bytes"] / by[DPA]["peak_bytes"],
         "reference_bnsd_time_over_sdpa": by[REFERENCE_BNSD]["seconds"] / by[SDPA]["seconds"],
         "sdpa_sbh_views_time_over_sdpa": by[SDPA_SBH_VIEWS]["seconds"] / by[SDPA]["seconds"],
+        "stats_time_over_sdpa": by[STATS]["seconds"] / by[SDPA]["seconds"],
+        "stats_peak_over_sdpa": by[STATS]["peak_bytes"] / by[SDPA]["peak_bytes"],
         "max_abs_diff_vs_sdpa": max_diff,
     }
 
@@ -195,6 +206,18 @@ def measure(quick: bool = False) -> dict:
                 0.25,
                 "memory",
             ),
+            goal(
+                f"reference + stats time / SDPA time at S={goal_seq}",
+                at["stats_time_over_sdpa"],
+                1.5,
+                "time",
+            ),
+            goal(
+                f"reference + stats peak / SDPA peak at S={goal_seq}",
+                at["stats_peak_over_sdpa"],
+                2.0,
+                "memory",
+            ),
         ],
     }
 
@@ -202,7 +225,10 @@ def measure(quick: bool = False) -> dict:
 def table(result: dict) -> str:
     """Markdown: per S, median ms and peak MiB of each method, then the goal ratios."""
     cells = {(r["S"], r["method"]): r for r in result["rows"]}
-    headers = ["S", *METHODS, "ref/SDPA time", "ref/DPA time", "ref/DPA peak"]
+    if not any(r["method"] == STATS for r in result["rows"]):  # a result saved before the row
+        return _table_without_stats(result, cells)
+    headers = ["S", *METHODS, "ref/SDPA time", "ref/DPA time", "ref/DPA peak", "stats/SDPA time",
+               "stats/SDPA peak"]  # fmt: skip
     body = []
     for ratio in result["ratios"]:
         seq = ratio["S"]
@@ -217,6 +243,8 @@ def table(result: dict) -> str:
                 f"{ratio['reference_time_over_sdpa']:.3f}",
                 f"{ratio['reference_time_over_dpa']:.3f}",
                 f"{ratio['reference_peak_over_dpa']:.4f}",
+                f"{ratio['stats_time_over_sdpa']:.3f}",
+                f"{ratio['stats_peak_over_sdpa']:.3f}",
             ]
         )
     title = (
@@ -236,10 +264,10 @@ def plot(result: dict, path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     sdpa = {r["S"]: r["seconds"] for r in result["rows"] if r["method"] == SDPA}
-    for marker, method in zip("osv^D", METHODS):
+    for marker, method in zip("osv^Dx", METHODS):
         points = sorted((r["S"], r) for r in result["rows"] if r["method"] == method)
         xs = [s for s, _ in points]
-        style = "-" if method in (REFERENCE, DPA, SDPA) else ":"
+        style = "-" if method in (REFERENCE, DPA, SDPA, STATS) else ":"
         left.plot(
             xs, [r["seconds"] / sdpa[s] for s, r in points], style, marker=marker, label=method
         )
@@ -267,3 +295,28 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _table_without_stats(result: dict, cells: dict) -> str:
+    """The table of a result measured before the statistics row existed (unchanged format)."""
+    methods = METHODS[:-1]
+    headers = ["S", *methods, "ref/SDPA time", "ref/DPA time", "ref/DPA peak"]
+    body = [
+        [
+            r["S"],
+            *(
+                f"{format_seconds(cells[r['S'], m]['seconds'])}, "
+                f"{cells[r['S'], m]['peak_bytes'] / MIB:.1f} MiB"
+                for m in methods
+            ),
+            f"{r['reference_time_over_sdpa']:.3f}",
+            f"{r['reference_time_over_dpa']:.3f}",
+            f"{r['reference_peak_over_dpa']:.4f}",
+        ]
+        for r in result["ratios"]
+    ]
+    title = (
+        "Causal self-attention, **forward only**, CPU float32, b=1, 16 heads x 64: median time "
+        "and peak bytes allocated per call (outputs included).\n\n"
+    )
+    return title + markdown_table(headers, body)

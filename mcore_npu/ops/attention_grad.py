@@ -1,0 +1,306 @@
+"""A pure-PyTorch reference of ``torch_npu.npu_fusion_attention_grad``.
+
+The explicit gradient operator of ``npu_fusion_attention``, with torch_npu's signature (note
+``scale_value``, where the forward says ``scale``) and return ``(dq, dk, dv, dpse)``. Ring
+attention needs it: each block's call, given the **global** statistics and the **global**
+(merged) output, returns that block's exact contribution to dQ, dK and dV.
+
+With ``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), the statistics
+``lse = softmax_max + log(softmax_sum)``, ``P = exp(s - lse)``, ``O = attention_in`` and
+``dY = dy``::
+
+    Delta = rowsum(dY * O)        dP = dY V^T        dS = P * (dP - Delta)
+    dQ = scale * dS K             dK = scale * dS^T Q    dV = P^T dY    dpse = scale * dS
+
+Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is recomputed per
+block, and without ``attention_in`` the output comes from the forward reference. Computed in float32 (float64 for float64
+inputs), in blocks of query rows of at most ``GRAD_BLOCK_BYTES`` of scores; GQA gradients of a
+KV head sum over its query heads. The reference has no replayable dropout stream, so
+``keep_prob`` must be 1.0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_npu.ops.reference import (
+    AttentionOptions,
+    _from_bnsd,
+    _Keep,
+    _plan,
+    _segment_plan,
+    _to_bnsd,
+    run_reference,
+)
+from mcore_npu.ops.validation import split_q_band_segment, validate_call
+
+GRAD_BLOCK_BYTES = 16 * 2**20
+"""Largest score block (``[B, Nq, rows, Skv]`` in the compute dtype) of one backward step."""
+
+__all__ = ["npu_fusion_attention_grad"]
+
+
+def npu_fusion_attention_grad(
+    query,
+    key,
+    value,
+    dy,
+    head_num,
+    input_layout,
+    *,
+    pse=None,
+    padding_mask=None,
+    atten_mask=None,
+    softmax_max=None,
+    softmax_sum=None,
+    softmax_in=None,
+    attention_in=None,
+    scale_value=1.0,
+    keep_prob=1.0,
+    pre_tockens=2147483647,
+    next_tockens=2147483647,
+    inner_precise=0,
+    seed=0,
+    offset=0,
+    numels=0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode=0,
+    gen_mask_parallel=True,
+    sync=False,
+):
+    """Gradients of ``npu_fusion_attention`` for one call, given the output gradient ``dy``.
+
+    Args:
+        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
+            pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
+            actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync: exactly as given to the
+            forward call of the same block (``atten_mask`` True = masked out).
+        dy: gradient of the output, the output's shape (query layout, D replaced by Dv).
+        softmax_max, softmax_sum: float32 ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``, N-major per
+            segment), the forward's outputs 1 and 2 (in ring attention: the merged ones).
+            Both or neither; neither = the log-sum-exp is recomputed in the compute dtype.
+        softmax_in: reserved (the forward's empty output 3); ignored.
+        attention_in: the forward output (ring attention: the merged output); None = recompute.
+        scale_value: the forward's ``scale``.
+        keep_prob: must be 1.0 for the reference.
+        seed, offset, numels: the forward's dropout outputs; ignored at ``keep_prob == 1``.
+
+    Returns:
+        ``(dq, dk, dv, dpse)``: dq/dk/dv in the layouts, shapes and dtypes of query/key/value;
+        dpse the shape of ``pse`` (an empty tensor without pse).
+
+    Raises:
+        TypeError, ValueError: the call breaks the operator contract (as the forward's), or
+            ``dy`` / ``attention_in`` / the statistics have the wrong shape.
+        NotImplementedError: ``keep_prob < 1`` (the reference cannot replay the NPU's dropout).
+    """
+    problem = validate_call(
+        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
+        keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
+        actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, kernel="reference",
+    )  # fmt: skip
+    _check_grad_inputs(problem, query, dy, softmax_max, softmax_sum, attention_in, keep_prob)
+    options = AttentionOptions(
+        pse, atten_mask, float(scale_value), 1.0, pre_tockens, next_tockens, prefix, sparse_mode
+    )
+    if attention_in is None:
+        with torch.no_grad():
+            attention_in = run_reference(problem, query, key, value, options, False)[0]
+    if problem.layout == "TND":
+        dq, dk, dv = _grad_packed(problem, query, key, value, dy, attention_in, softmax_max,
+                                  softmax_sum, options)  # fmt: skip
+        return dq, dk, dv, query.new_empty(0)
+    return _grad_dense(problem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
+                       options)  # fmt: skip
+
+
+def _check_grad_inputs(problem, query, dy, softmax_max, softmax_sum, attention_in, keep_prob):
+    out_shape = _output_shape(problem)
+    for name, t in (("dy", dy), ("attention_in", attention_in)):
+        if t is None and name == "attention_in":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != out_shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"npu_fusion_attention_grad: {name}: expected the forward output's shape "
+                f"{list(out_shape)} ({problem.layout}), got {got}\n"
+                f"  fix: pass the output (gradient) of the forward call of the same block"
+            )
+    if (softmax_max is None) != (softmax_sum is None):
+        raise ValueError(
+            "npu_fusion_attention_grad: softmax_max / softmax_sum: pass both or neither, got "
+            f"{'softmax_max' if softmax_sum is None else 'softmax_sum'} only\n"
+            "  fix: pass outputs 1 and 2 of the forward call together"
+        )
+    stats_shape = _stats_shape(problem)
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != stats_shape):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"npu_fusion_attention_grad: {name}: expected float32 {list(stats_shape)} "
+                f"(the forward's statistics), got {got}\n"
+                "  fix: pass outputs 1 and 2 of the forward call unchanged"
+            )
+    if float(keep_prob) != 1.0:
+        raise NotImplementedError(
+            f"npu_fusion_attention_grad: keep_prob: the reference needs 1.0, got {keep_prob}; "
+            "it cannot replay the NPU's dropout stream\n"
+            "  fix: use attention_dropout = 0 on CPU, or the torch_npu kernel on an NPU"
+        )
+
+
+def _output_shape(problem) -> tuple[int, ...]:
+    b, n, sq, dv = problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v
+    return {
+        "BSH": (b, sq, n * dv), "SBH": (sq, b, n * dv), "BSND": (b, sq, n, dv),
+        "BNSD": (b, n, sq, dv), "TND": (sq, n, dv),
+    }[problem.layout]  # fmt: skip
+
+
+def _stats_shape(problem) -> tuple[int, ...]:
+    if problem.layout == "TND":
+        return (problem.seq_q, problem.heads_q, 8)
+    return (problem.batch, problem.heads_q, problem.seq_q, 8)
+
+
+def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
+    """BSH/SBH/BSND/BNSD: one block of ``[B, N, S, D]`` tensors."""
+    layout = problem.layout
+    q = _to_bnsd(query, layout, problem.heads_q)
+    k, v = (_to_bnsd(t, layout, problem.heads_kv) for t in (key, value))
+    g, o = (_to_bnsd(t, layout, problem.heads_q) for t in (dy, out))
+    dense_keep = None
+    if options.atten_mask is not None and options.sparse_mode in (0, 1):
+        dense_keep = torch.logical_not(options.atten_mask)  # True = kept
+    keep = _plan(options, problem.seq_q, problem.seq_kv, dense_keep, options.prefix, q.device)
+    lse = None if smax is None else _lse(smax[..., 0], ssum[..., 0])  # [B, Nq, Sq]
+    dq, dk, dv, dpse = _block_grad(q, k, v, g, o, lse, keep, options.scale, options.pse)
+    dpse = query.new_empty(0) if dpse is None else dpse.to(options.pse.dtype)
+    return (
+        _from_bnsd(dq.to(query.dtype), layout),
+        _from_bnsd(dk.to(key.dtype), layout),
+        _from_bnsd(dv.to(value.dtype), layout),
+        dpse,
+    )
+
+
+def _lse(smax: torch.Tensor, ssum: torch.Tensor) -> torch.Tensor:
+    """``max + log(sum)``; invalid rows (float32 min / max) give -inf, hence P = 0."""
+    lse = smax.double() + torch.log(ssum.double())
+    return lse.masked_fill(smax <= torch.finfo(torch.float32).min, float("inf"))
+
+
+def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse):
+    """Gradients of one ``[B, N, S, D]`` block, in row blocks.
+
+    Args:
+        q, g, o: ``[B, Nq, Sq, D|Dv]``; k, v: ``[B, Nkv, Skv, D|Dv]``; lse: ``[B, Nq, Sq]``
+            (+inf on invalid rows, so that ``exp(s - lse) = 0``), or None: computed here in the
+            compute dtype.
+
+    Returns:
+        ``(dq, dk, dv, dpse)`` in the compute dtype; dpse reduced to pse's shape, or None.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    qc, gc, oc = (t.to(compute) for t in (q, g, o))
+    kc = k.to(compute).unsqueeze(2)  # [B, Nkv, 1, Skv, D]
+    vc = v.to(compute).unsqueeze(2)
+    delta = (gc * oc).sum(-1)  # [B, Nq, Sq]
+    lse = None if lse is None else lse.to(compute)
+    dq = torch.zeros_like(qc)
+    dk = torch.zeros(batch, heads_kv, seq_kv, head_dim, dtype=compute, device=q.device)
+    dv = torch.zeros(batch, heads_kv, seq_kv, v.shape[-1], dtype=compute, device=q.device)
+    dpse = None if pse is None else torch.zeros(pse.shape, dtype=compute, device=q.device)
+    itemsize = torch.finfo(compute).bits // 8
+    rows = max(1, GRAD_BLOCK_BYTES // max(1, itemsize * batch * heads_q * seq_kv))
+    for start in range(0, seq_q, rows):
+        stop = min(seq_q, start + rows)
+
+        def grouped(t, start=start, stop=stop):  # [B, Nq, r, X] -> [B, Nkv, G, r, X]
+            return t[:, :, start:stop].reshape(batch, heads_kv, group, stop - start, -1)
+
+        q_r, g_r = grouped(qc), grouped(gc)
+        scores = torch.matmul(q_r, kc.mT)  # [B, Nkv, G, r, Skv]
+        if pse is not None:
+            bias = pse[..., start:stop, :] if pse.shape[-2] != 1 else pse
+            scores = scores + bias.to(compute).reshape(
+                bias.shape[0], heads_kv, group, bias.shape[-2], seq_kv
+            )
+        scores = scores * scale
+        keep_rows = keep.rows(start, stop, seq_kv, q.device)
+        if keep_rows is not None:
+            keep_rows = _grouped_mask(keep_rows, heads_kv, group)
+            scores = scores.masked_fill(~keep_rows, float("-inf"))
+        if lse is None:
+            lse_r = torch.logsumexp(scores, -1, keepdim=True)  # [B, Nkv, G, r, 1]
+            lse_r = lse_r.masked_fill(torch.isneginf(lse_r), float("inf"))  # invalid rows
+        else:
+            lse_r = grouped(lse.unsqueeze(-1))  # [B, Nkv, G, r, 1]
+        prob = torch.exp(scores - lse_r)
+        dprob = torch.matmul(g_r, vc.mT)  # [B, Nkv, G, r, Skv]
+        dscore = prob * (dprob - grouped(delta.unsqueeze(-1)))
+        dq[:, :, start:stop] = (scale * torch.matmul(dscore, kc)).flatten(1, 2)
+        dk += scale * torch.matmul(dscore.mT, q_r).sum(2)
+        dv += torch.matmul(prob.mT, g_r).sum(2)
+        if dpse is not None:
+            contribution = (scale * dscore).flatten(1, 2)  # [B, Nq, r, Skv]
+            if pse.shape[-2] == 1:
+                contribution = contribution.sum(-2, keepdim=True)
+                if pse.shape[0] == 1:
+                    contribution = contribution.sum(0, keepdim=True)
+                dpse += contribution
+            else:
+                if pse.shape[0] == 1:
+                    contribution = contribution.sum(0, keepdim=True)
+                dpse[..., start:stop, :] += contribution
+    return dq, dk, dv, dpse
+
+
+def _grouped_mask(keep_rows: torch.Tensor, heads_kv: int, group: int) -> torch.Tensor:
+    """A keep mask broadcastable to ``[B, Nq, r, Skv]`` -> broadcastable to ``[B, Nkv, G, r, Skv]``."""
+    if keep_rows.dim() < 4:
+        keep_rows = keep_rows.reshape((1,) * (4 - keep_rows.dim()) + tuple(keep_rows.shape))
+    b, n = keep_rows.shape[:2]
+    if n == 1:
+        return keep_rows.unsqueeze(2)  # [B, 1, 1, r, Skv]
+    return keep_rows.reshape(b, heads_kv, group, *keep_rows.shape[2:])
+
+
+def _grad_packed(problem, query, key, value, dy, out, smax, ssum, options):
+    """TND: segment by segment; statistics are N-major per segment (as the forward fills them)."""
+    heads_q = problem.heads_q
+    band_segment = None
+    if options.sparse_mode in (7, 8):
+        band_segment = split_q_band_segment(problem, options.sparse_mode)
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    bounds = zip(
+        problem.segments_q, problem.segments_q[1:], problem.segments_kv, problem.segments_kv[1:]
+    )
+    for s, (q0, q1, k0, k1) in enumerate(bounds):
+        seq_q, seq_kv = q1 - q0, k1 - k0
+        if seq_q == 0 or seq_kv == 0:
+            continue
+
+        def bnsd(t, a, b):  # [T, N, D] slice -> [1, N, S_s, D]
+            return t[a:b].transpose(0, 1).unsqueeze(0)
+
+        stats = slice(q0 * heads_q * 8, q1 * heads_q * 8)
+        lse = None
+        if smax is not None:
+            seg_max = smax.reshape(-1)[stats].view(1, heads_q, seq_q, 8)[..., 0]
+            seg_sum = ssum.reshape(-1)[stats].view(1, heads_q, seq_q, 8)[..., 0]
+            lse = _lse(seg_max, seg_sum)
+        keep = _segment_plan(options, s, seq_q, seq_kv, band_segment, query.device)
+        grads = _block_grad(
+            bnsd(query, q0, q1), bnsd(key, k0, k1), bnsd(value, k0, k1), bnsd(dy, q0, q1),
+            bnsd(out, q0, q1), lse, keep, options.scale, None,
+        )  # fmt: skip
+        for target, grad, a, b in ((dq, grads[0], q0, q1), (dk, grads[1], k0, k1),
+                                   (dv, grads[2], k0, k1)):  # fmt: skip
+            target[a:b] += grad[0].transpose(0, 1).to(target.dtype)  # [1, N, S_s, X] -> [S_s, N, X]
+    return dq, dk, dv

@@ -1,0 +1,87 @@
+"""Megatron's load-balanced chunk layout under context parallelism, and the collectives on it.
+
+The sequence is cut into 2·CP chunks; CP rank r holds chunks ``r`` and ``2·CP-1-r``, in that
+order (``megatron.core.utils.get_batch_on_this_cp_rank``). With CP=2: rank 0 holds [0, 3],
+rank 1 holds [1, 2]. Gathering the local sequences of all ranks in rank order therefore gives
+the chunks in *rank order* ``[0, 3, 1, 2]``; :func:`natural_index` undoes that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def chunk_ids(rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks CP rank ``rank`` holds: ``(rank, 2*cp_size - 1 - rank)``."""
+    return rank, 2 * cp_size - 1 - rank
+
+
+def rank_order(cp_size: int) -> list[int]:
+    """Chunk ids in rank order: ``[0, 2P-1, 1, 2P-2, ...]`` (CP=2: ``[0, 3, 1, 2]``)."""
+    return [c for r in range(cp_size) for c in chunk_ids(r, cp_size)]
+
+
+def natural_index(cp_size: int, device=None) -> torch.Tensor:
+    """Index that turns rank-ordered chunks into natural order: ``natural = x[index]``."""
+    order = rank_order(cp_size)
+    return torch.tensor([order.index(c) for c in range(2 * cp_size)], device=device)
+
+
+def rank_index(cp_size: int, device=None) -> torch.Tensor:
+    """Index that turns naturally ordered chunks into rank order: ``ranked = x[index]``."""
+    return torch.tensor(rank_order(cp_size), device=device)
+
+
+def reorder_chunks(x: torch.Tensor, index: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Permute the ``chunks`` equal chunks of dim 0 of ``x`` by ``index`` (a new tensor)."""
+    shape = x.shape
+    return x.reshape(chunks, shape[0] // chunks, *shape[1:])[index].reshape(shape)
+
+
+def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s_local, ...]`` from every rank -> ``[cp * s_local, ...]`` in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """``[cp * s_local, ...]`` summed over ranks; rank r keeps slice r ``[s_local, ...]``.
+
+    gloo has no reduce-scatter: there it is an all-reduce followed by the rank's slice.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = x.shape[0] // size
+    if dist.get_backend(group) == "gloo":
+        total = x.contiguous()
+        dist.all_reduce(total, group=group)
+        return total[rank * local : (rank + 1) * local].clone()
+    out = x.new_empty(local, *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``[cp, ...]`` -> ``[cp, ...]``: slice i goes to rank i; slice j received from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous like x (empty_like keeps a permuted input's strides)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """Send ``x`` to the next CP rank, receive the previous rank's tensor of the same shape."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    send_to = dist.get_global_rank(group, (rank + 1) % size)
+    recv_from = dist.get_global_rank(group, (rank - 1) % size)
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, send_to, group),
+        dist.P2POp(dist.irecv, received, recv_from, group),
+    ]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received

@@ -1,0 +1,73 @@
+"""NPUFusionAttention under context parallelism: 2 gloo ranks against one process.
+
+One torchrun launch of ``cp_attention.py`` checks every comm type (p2p ring, all_gather, a2a),
+MHA and GQA, causal (and full attention where supported), the ring through a stand-in
+``torch_npu`` (no NPU here), and the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.launch import ROOT, TORCHRUN, run_command
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = ROOT / "tests" / "distributed" / "cp_attention.py"
+    proc = run_command(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(script)], cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = {}
+    for line in proc.stdout.splitlines():
+        tag, _, payload = line.partition(" ")
+        if tag in ("CASE", "STANDIN", "REFUSALS"):
+            lines.setdefault(tag, []).append(json.loads(payload))
+    return lines
+
+
+def test_every_comm_type_matches_one_process(report):
+    cases = report["CASE"]
+    covered = {(c["comm"], c["groups"], c["mask"], c["kernel"]) for c in cases}
+    for comm in ("p2p", "all_gather", "a2a"):
+        assert {(comm, 4, "causal", "reference"), (comm, 2, "causal", "reference")} <= covered
+    for case in cases:
+        worst = max(case["max_abs_error"].values())
+        assert worst <= TOLERANCE, case
+
+
+def test_ring_calls_the_operators_with_their_exact_arguments(report):
+    (calls,) = report["STANDIN"]
+    forward, grad = calls["forward"], calls["grad"]
+    # CP=2, rank 0: step 0 its own chunks (causal, mode 2), step 1 the later rank's K/V with
+    # the late query chunk only (full, mode 0, no mask); the backward repeats both blocks.
+    assert [c["kwargs"]["sparse_mode"] for c in forward] == [2, 0]
+    assert [c["kwargs"]["sparse_mode"] for c in grad] == [2, 0]
+    assert all(c["layout"] == ["SBH"] for c in forward + grad)
+    assert "scale" in forward[0]["kwargs"] and "scale_value" not in forward[0]["kwargs"]
+    assert all("scale_value" in c["kwargs"] and "scale" not in c["kwargs"] for c in grad)
+    assert forward[0]["tensor_kwargs"] == {"atten_mask": [2048, 2048]}
+    assert forward[1]["tensor_kwargs"] == {}
+    assert forward[1]["shapes"][0] == [4, 2, 32]  # the late query chunk: 4 of 8 rows
+    for call in grad:
+        rows = call["shapes"][0][0]
+        assert call["tensor_kwargs"]["softmax_max"] == [2, 4, rows, 8]
+        assert call["tensor_kwargs"]["softmax_sum"] == [2, 4, rows, 8]
+        assert call["tensor_kwargs"]["attention_in"] == call["shapes"][0]
+
+
+def test_refusals_name_the_numbers_and_the_fix(report):
+    (found,) = report["REFUSALS"]
+    assert "1 KV groups" in found["a2a_mqa"] and "context_parallel_size=2" in found["a2a_mqa"]
+    assert "a2a+p2p" in found["a2a+p2p"] and "fix" in found["a2a+p2p"]
+    assert "attention_bias" in found["attention_bias"] and "fix" in found["attention_bias"]
+    assert "ExplicitMask" in found["dense_mask"] and "packing" in found["dense_mask"]

@@ -1,0 +1,116 @@
+"""The reference npu_fusion_attention_grad against autograd through the forward reference.
+
+float64, one case per layout and sparse mode from the case table, GQA. With the forward's own
+statistics (float32, as the operator stores them) the gradients agree to float32 precision;
+with the statistics recomputed (None) to float64 precision.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_npu.ops.reference import npu_fusion_attention, npu_fusion_attention_grad
+from mcore_npu.tools.cases import load_cases, make_inputs, shrink
+
+
+def _one_per_mode_and_layout():
+    chosen = {}
+    for case in load_cases():
+        key = (case.layout, case.mode.name)
+        if key not in chosen and case.heads_name == "GQA" and case.dtype == "float32":
+            lengths = ((5, 7), (0, 0), (6, 6)) if case.layout == "TND" else (6, 9)
+            chosen[key] = shrink(case, batch=2, head_dim=4, heads=(4, 2), lengths=lengths)
+    return list(chosen.values())
+
+
+CASES = _one_per_mode_and_layout()
+
+
+def _autograd(inputs, dy):
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    out, smax, ssum, *_ = npu_fusion_attention(
+        q, k, v, inputs.head_num, inputs.input_layout, **inputs.op_kwargs
+    )
+    out.backward(dy)
+    return out.detach(), smax, ssum, (q.grad, k.grad, v.grad)
+
+
+def _grad_kwargs(inputs):
+    kwargs = dict(inputs.op_kwargs)
+    kwargs["scale_value"] = kwargs.pop("scale", 1.0)
+    return kwargs
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.layout}/{c.mode.name}" for c in CASES])
+def test_grad_matches_autograd(case):
+    inputs = make_inputs(case, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    out0 = npu_fusion_attention(inputs.query, inputs.key, inputs.value, inputs.head_num,
+                                inputs.input_layout, **inputs.op_kwargs)[0]  # fmt: skip
+    dy = torch.randn(out0.shape, generator=gen, dtype=torch.float64)
+    out, smax, ssum, want = _autograd(inputs, dy)
+    args = (inputs.query, inputs.key, inputs.value, dy, inputs.head_num, inputs.input_layout)
+    given = npu_fusion_attention_grad(
+        *args, softmax_max=smax, softmax_sum=ssum, attention_in=out, **_grad_kwargs(inputs)
+    )
+    recomputed = npu_fusion_attention_grad(*args, **_grad_kwargs(inputs))
+    for name, w, g, r in zip(("dq", "dk", "dv"), want, given, recomputed):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        torch.testing.assert_close(r, w, rtol=1e-9, atol=1e-10, msg=name)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    assert given[3].numel() == 0  # no pse: empty dpse
+
+
+def test_every_mode_and_layout_is_covered():
+    assert {(c.layout, c.mode.sparse_mode) for c in CASES} >= {
+        (layout, mode)
+        for layout in ("BSH", "SBH", "BSND", "BNSD")
+        for mode in (0, 1, 2, 3, 4, 5, 6)
+    } | {("TND", mode) for mode in (0, 1, 2, 3, 4, 6, 7, 8)}
+
+
+@pytest.mark.parametrize("pse_shape", [(2, 2, 4, 5), (2, 2, 1, 5), (1, 2, 4, 5)])
+def test_pse_gradient(pse_shape):
+    from mcore_npu.masks import compressed_causal_mask
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 4, 3, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 1, 5, 3, generator=gen, dtype=torch.float64)
+    pse = torch.randn(pse_shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    kw = dict(sparse_mode=3, atten_mask=compressed_causal_mask())
+    qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out = npu_fusion_attention(qa, ka, ka, 2, "BNSD", pse=pse, scale=0.5, **kw)[0]
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(dy)
+    dq, dk, dv, dpse = npu_fusion_attention_grad(q, k, k, dy, 2, "BNSD", pse=pse.detach(),
+                                                 scale_value=0.5, **kw)  # fmt: skip
+    torch.testing.assert_close(dq, qa.grad)
+    torch.testing.assert_close(dk + dv, ka.grad)  # key is value: both paths add up
+    torch.testing.assert_close(dpse, pse.grad)
+
+
+def test_refusals_name_the_argument():
+    q = k = v = torch.randn(1, 4, 8)
+    good = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="dy"):
+        npu_fusion_attention_grad(q, k, v, good[:, :3], 2, "BSH")
+    with pytest.raises(ValueError, match="softmax_max / softmax_sum"):
+        npu_fusion_attention_grad(q, k, v, good, 2, "BSH", softmax_max=torch.zeros(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="softmax_sum"):
+        npu_fusion_attention_grad(q, k, v, good, 2, "BSH", softmax_max=torch.zeros(1, 2, 4, 8),
+                                  softmax_sum=torch.zeros(1, 2, 3, 8))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="keep_prob"):
+        npu_fusion_attention_grad(q, k, v, good, 2, "BSH", keep_prob=0.9)
+    with pytest.raises(ValueError, match="head_num"):
+        npu_fusion_attention_grad(q, k, v, good, 0, "BSH")
+
+
+def test_empty_key_gives_zero_output_and_documented_statistics():
+    q = torch.randn(2, 3, 4 * 8)
+    k = v = torch.randn(2, 0, 2 * 8)
+    out, smax, ssum, *_ = npu_fusion_attention(q, k, v, 4, "BSH", scale=0.3)
+    assert out.shape == q.shape and not out.any()
+    assert smax.shape == ssum.shape == (2, 4, 3, 8)
+    assert (smax == torch.finfo(torch.float32).min).all()
+    assert (ssum == torch.finfo(torch.float32).max).all()
