@@ -14,7 +14,7 @@ mbridge = pytest.importorskip("mbridge")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
