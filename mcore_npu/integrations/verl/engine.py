@@ -137,6 +137,20 @@ class _NPUEngineMixin:
                 "bridge (mbridge or Megatron-Bridge); got no bridge. Set use_mbridge=True."
             )
 
+    def _mask_free_forward(self, model, batch):
+        """One bshd forward without a mask tensor: ``(output, RightPadded, jagged input_ids)``.
+
+        The jagged ``input_ids`` are right-padded to ``[B, S]``; right padding under causal
+        attention needs no mask (no real query sees a pad key), so ``attention_mask=None`` and
+        the operator's causal mode (the cached compressed mask) does the rest.
+        """
+        input_ids = self.prepare_model_inputs(batch)["input_ids"]
+        padded = pad_right(input_ids)
+        output = model(
+            input_ids=padded.pad(input_ids), attention_mask=None, position_ids=padded.positions
+        )
+        return output, padded, input_ids
+
     def _dense_mask_free(self, batch) -> bool:
         """True when this micro-batch may take the bshd path without a mask tensor.
 
@@ -163,14 +177,7 @@ class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):
                 iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
             )
         batch = batch.to(get_device_id())
-        inputs = self.prepare_model_inputs(batch)
-        input_ids = inputs["input_ids"]
-        padded = pad_right(input_ids)
-        logits = model(
-            input_ids=padded.pad(input_ids),
-            attention_mask=None,  # right padding + causal: the operator's causal mode suffices
-            position_ids=padded.positions,
-        )
+        logits, padded, input_ids = self._mask_free_forward(model, batch)
         done = partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
         if not unwrap_post_process(model):  # an earlier pipeline stage: hidden states go on
             return logits, done
@@ -210,11 +217,7 @@ class NPUMegatronEngineWithValueHead(_NPUEngineMixin, MegatronEngineWithValueHea
                 iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
             )
         batch = batch.to(get_device_id())
-        input_ids = self.prepare_model_inputs(batch)["input_ids"]
-        padded = pad_right(input_ids)
-        values = model(
-            input_ids=padded.pad(input_ids), attention_mask=None, position_ids=padded.positions
-        )
+        values, padded, _ = self._mask_free_forward(model, batch)
         if unwrap_post_process(model):
             values = padded.unpad(values).squeeze(-1)  # [B, j], as verl's value forward returns
         return values, partial(postprocess_micro_batch_func, data=batch)
