@@ -1,0 +1,89 @@
+"""Packed (thd) batches under context parallelism: Megatron's per-sequence load balancing.
+
+Every packed sequence ``i`` occupies ``[cu[i], cu[i+1])`` of the ``[T]`` token axis, with a
+padded length ``L_i`` that divides by ``2·CP`` (verl pads to a multiple of tp·cp·2). It is cut
+into its own ``2·CP`` chunks of ``c_i = L_i / (2·CP)`` tokens; CP rank r keeps chunks ``r`` and
+``2·CP-1-r`` of every sequence, sequence after sequence::
+
+    CP=2, two sequences of 8 and 4 tokens (cu = [0, 8, 12]):
+        rank 0 keeps  0 1 | 6 7 || 8 | 11          (chunks 0 and 3 of each)
+        rank 1 keeps  2 3 | 4 5 || 9 | 10          (chunks 1 and 2 of each)
+
+so each rank holds ``T / CP`` tokens and its local ``cu_seqlens`` is ``cu // CP``. This is what
+Transformer Engine's ``tex.thd_get_partitioned_indices`` computes, and what Megatron's
+``get_thd_batch_on_this_cp_rank`` needs (it asserts that TE is installed). Here it is plain
+PyTorch: a few vectorised ops on the device of ``cu_seqlens``, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_thd_partitionable", "local_cu_seqlens", "thd_get_partitioned_indices"]
+
+
+def thd_get_partitioned_indices(
+    cu_seqlens: torch.Tensor, total_tokens: int, world_size: int, rank: int
+) -> torch.Tensor:
+    """The token indices CP rank ``rank`` keeps of a packed batch (TE's signature and result).
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int, the **padded** cumulative sequence lengths with the leading
+            0 (Megatron's ``cu_seqlens_q_padded``); every length divides by ``2 * world_size``.
+        total_tokens: T, the length of the packed token axis: ``cu_seqlens[-1]``, or more when
+            the batch has a padding tail, which is then split like one more sequence (its
+            length must divide by ``2 * world_size`` too).
+        world_size, rank: the context-parallel size and this rank's index in the CP group.
+
+    Returns:
+        ``[T / world_size]`` int64 indices into the token axis, on ``cu_seqlens``'s device:
+        ``tokens.index_select(dim, indices)`` gives this rank's local packed batch.
+    """
+    _check_args(cu_seqlens, total_tokens, world_size, rank)
+    ends = torch.cat([cu_seqlens.long(), cu_seqlens.new_tensor([total_tokens], dtype=torch.long)])
+    cu_local = local_cu_seqlens(ends, world_size)  # [B + 2]: the tail is one more sequence
+    token = torch.arange(total_tokens // world_size, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_local, token, right=True) - 1  # the sequence of each local token
+    start = cu_local[seq]
+    half = (cu_local[seq + 1] - start) // 2  # c_i: one chunk of sequence i
+    within = token - start  # position among this rank's 2·c_i tokens of sequence i
+    chunk = torch.where(within < half, rank, 2 * world_size - 2 - rank)  # late: skip chunk 0's c_i
+    return start * world_size + chunk * half + within
+
+
+def local_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``[B + 1]`` padded cumulative lengths of one CP rank's local batch: ``cu // CP``."""
+    return torch.div(cu_seqlens, world_size, rounding_mode="floor")
+
+
+def check_thd_partitionable(cu_seqlens: torch.Tensor, world_size: int) -> None:
+    """Raise ``ValueError`` naming the first sequence whose padded length does not divide by
+    ``2 * world_size`` (one device-to-host copy: call it once per batch, not per layer)."""
+    lengths = cu_seqlens.diff().tolist()
+    for i, length in enumerate(lengths):
+        if length % (2 * world_size):
+            raise ValueError(
+                f"cu_seqlens: packed sequence {i} has padded length {length}, which does not "
+                f"divide by 2 * context_parallel_size = {2 * world_size}; fix: pad every "
+                f"sequence to a multiple of {2 * world_size} (verl pads to tp * cp * 2) and pass "
+                "those padded offsets (Megatron's cu_seqlens_q_padded)"
+            )
+
+
+def _check_args(cu_seqlens, total_tokens, world_size, rank) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens)
+        raise TypeError(
+            f"cu_seqlens: expected a 1-D integer tensor [B + 1] with the leading 0, got {got}"
+        )
+    if cu_seqlens.is_floating_point():
+        raise TypeError(f"cu_seqlens: expected an integer tensor, got {cu_seqlens.dtype}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    if not isinstance(total_tokens, int) or total_tokens < 0 or total_tokens % world_size:
+        raise ValueError(
+            f"total_tokens: expected a non-negative multiple of world_size={world_size}, got "
+            f"{total_tokens!r}; fix: pad the packed batch to a multiple of 2 * CP per sequence"
+        )
