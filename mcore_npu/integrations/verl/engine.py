@@ -137,6 +137,18 @@ class _NPUEngineMixin:
                 "bridge (mbridge or Megatron-Bridge); got no bridge. Set use_mbridge=True."
             )
 
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        """verl's own ``forward_step`` unless this micro-batch may take the mask-free bshd path
+        (:meth:`_dense_mask_free`); then the engine's ``_mask_free_step`` on the device batch."""
+        batch = next(batch_iter)
+        if not self._dense_mask_free(batch):
+            return super().forward_step(
+                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
+            )
+        return self._mask_free_step(
+            batch.to(get_device_id()), model, logits_processor_func, postprocess_micro_batch_func
+        )
+
     def _mask_free_forward(self, model, batch):
         """One bshd forward without a mask tensor: ``(output, RightPadded, jagged input_ids)``.
 
@@ -170,13 +182,7 @@ class _NPUEngineMixin:
 class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):
     """verl's Megatron LM-head engine with NPU layers and mask-free bshd micro-batches."""
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch = next(batch_iter)
-        if not self._dense_mask_free(batch):
-            return super().forward_step(
-                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
-            )
-        batch = batch.to(get_device_id())
+    def _mask_free_step(self, batch, model, logits_processor_func, postprocess_micro_batch_func):
         logits, padded, input_ids = self._mask_free_forward(model, batch)
         done = partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
         if not unwrap_post_process(model):  # an earlier pipeline stage: hidden states go on
@@ -210,13 +216,7 @@ class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):
 class NPUMegatronEngineWithValueHead(_NPUEngineMixin, MegatronEngineWithValueHead):
     """verl's Megatron value-head engine with NPU layers and mask-free bshd micro-batches."""
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch = next(batch_iter)
-        if not self._dense_mask_free(batch):
-            return super().forward_step(
-                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
-            )
-        batch = batch.to(get_device_id())
+    def _mask_free_step(self, batch, model, logits_processor_func, postprocess_micro_batch_func):
         values, padded, _ = self._mask_free_forward(model, batch)
         if unwrap_post_process(model):
             values = padded.unpad(values).squeeze(-1)  # [B, j], as verl's value forward returns

@@ -20,50 +20,22 @@ from mcore_npu.tools.bench.memory import track_allocations
 from mcore_npu.tools.bench.timing import interleaved_medians
 
 BACKENDS = ("npu_fusion", "local")
-MOE_MODEL = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=128",
-             "model.moe_token_dispatcher_type=alltoall", "model.moe_router_dtype=fp32",
-             "model.moe_aux_loss_coeff=0.01"]  # fmt: skip
-MOE_VARIANTS = {"grouped": [], "sequential": ["fused.grouped_matmul=off"]}
+DENSE_VARIANTS = {backend: [f"attention.backend={backend}"] for backend in BACKENDS}
+MOE_MODEL = ["attention.backend=npu_fusion", "model.num_moe_experts=4", "model.moe_router_topk=2",
+             "model.moe_ffn_hidden_size=128", "model.moe_token_dispatcher_type=alltoall",
+             "model.moe_router_dtype=fp32", "model.moe_aux_loss_coeff=0.01"]  # fmt: skip
+MOE_VARIANTS = {"grouped": MOE_MODEL, "sequential": [*MOE_MODEL, "fused.grouped_matmul=off"]}
+COMMON = ["train.metrics_file=null", "train.progress=false", "model.qk_layernorm=true"]
 
 
-def _trainers(seq_length: int, steps: int):
+def _trainers(variants: dict, seq_length: int, steps: int) -> dict:
+    """One trainer per variant (name -> its config overrides), all of ``seq_length`` tokens."""
     from mcore_npu.training.config import load_config
     from mcore_npu.training.train import Trainer
 
-    trainers = {}
-    for backend in BACKENDS:
-        cfg = load_config(None, [
-            f"attention.backend={backend}", f"train.seq_length={seq_length}",
-            f"model.max_sequence_length={seq_length}", f"train.steps={steps}",
-            "train.metrics_file=null", "train.progress=false", "model.qk_layernorm=true",
-        ])  # fmt: skip
-        trainers[backend] = Trainer(cfg)
-    return trainers
-
-
-def _moe_trainers(seq_length: int, steps: int):
-    from mcore_npu.training.config import load_config
-    from mcore_npu.training.train import Trainer
-
-    return {
-        name: Trainer(
-            load_config(
-                None,
-                [
-                    "attention.backend=npu_fusion",
-                    f"train.seq_length={seq_length}",
-                    f"model.max_sequence_length={seq_length}",
-                    f"train.steps={steps}",
-                    "train.metrics_file=null",
-                    "train.progress=false",
-                    "model.qk_layernorm=true",
-                    *MOE_MODEL,
-                    *extra,
-                ],
-            )
-        )  # fmt: skip
-        for name, extra in MOE_VARIANTS.items()
-    }
+    shape = [f"train.seq_length={seq_length}", f"model.max_sequence_length={seq_length}",
+             f"train.steps={steps}", *COMMON]  # fmt: skip
+    return {name: Trainer(load_config(None, [*extra, *shape])) for name, extra in variants.items()}
 
 
 def _time_and_peak(trainers: dict, repeats: int) -> tuple[dict, dict]:
@@ -80,16 +52,18 @@ def _time_and_peak(trainers: dict, repeats: int) -> tuple[dict, dict]:
     return times, peaks
 
 
-def _moe_rows(lengths, repeats: int) -> list[dict]:
+def _rows(variants: dict, lengths, repeats: int) -> list[dict]:
+    """Per sequence length: both variants' time and peak and their ratios (first / second)."""
+    first, second = variants
     rows = []
     for seq in lengths:
-        times, peaks = _time_and_peak(_moe_trainers(seq, steps=repeats + 4), repeats)
+        times, peaks = _time_and_peak(_trainers(variants, seq, steps=repeats + 4), repeats)
         rows.append({
             "seq_length": seq,
-            "grouped_seconds": times["grouped"], "sequential_seconds": times["sequential"],
-            "time_ratio": times["grouped"] / times["sequential"],
-            "grouped_peak_bytes": peaks["grouped"], "sequential_peak_bytes": peaks["sequential"],
-            "peak_ratio": peaks["grouped"] / peaks["sequential"],
+            f"{first}_seconds": times[first], f"{second}_seconds": times[second],
+            "time_ratio": times[first] / times[second],
+            f"{first}_peak_bytes": peaks[first], f"{second}_peak_bytes": peaks[second],
+            "peak_ratio": peaks[first] / peaks[second],
         })  # fmt: skip
     return rows
 
@@ -99,28 +73,9 @@ def measure(quick: bool = False) -> dict:
 
     lengths = (128,) if quick else (128, 512, 1024)
     repeats = 3 if quick else 7
-    rows = []
     try:
-        for seq in lengths:
-            trainers = _trainers(seq, steps=repeats + 4)
-            for trainer in trainers.values():
-                trainer.train_step()  # warm-up: optimizer state, cached masks
-            peaks = {}
-            for backend, trainer in trainers.items():
-                with track_allocations() as usage:
-                    trainer.train_step()
-                peaks[backend] = usage.peak_bytes
-            times = interleaved_medians(
-                {b: t.train_step for b, t in trainers.items()}, repeats=repeats, warmup=0
-            )
-            rows.append({
-                "seq_length": seq,
-                "npu_fusion_seconds": times["npu_fusion"], "local_seconds": times["local"],
-                "time_ratio": times["npu_fusion"] / times["local"],
-                "npu_fusion_peak_bytes": peaks["npu_fusion"], "local_peak_bytes": peaks["local"],
-                "peak_ratio": peaks["npu_fusion"] / peaks["local"],
-            })  # fmt: skip
-        moe_rows = _moe_rows(lengths[:2], repeats)
+        rows = _rows(DENSE_VARIANTS, lengths, repeats)
+        moe_rows = _rows(MOE_VARIANTS, lengths[:2], repeats)
     finally:
         runtime.shutdown()
     first = rows[0]
