@@ -116,6 +116,140 @@ def refusals():
     return found
 
 
+# --- packed (thd) and sliding-window cases of the ring and Ulysses (ring.attention and
+# ulysses.attention called directly, without the module's dispatch) --------------------------
+
+PACKED_LENGTHS = (8, 12, 4, 16)  # padded, each a multiple of 2 * CP = 4; T = 40
+WINDOWS = ((5, 0), (9, 0))  # chunk = 4 at SEQ = 16: ring blocks skipped, full and banded
+
+
+def _cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+def _grads(fn, q, k, v, dy):
+    """Output and dQ/dK/dV of ``fn(q, k, v)`` (autograd from leaf copies)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dy)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _errors(got, want):
+    """Worst absolute error of out, dQ, dK, dV over both ranks (their blocks differ)."""
+    names = ("out", "dq", "dk", "dv")
+    worst = torch.stack([(g - w).abs().max() for g, w in zip(got, want)])
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=_cp_group())
+    return dict(zip(names, worst.tolist()))
+
+
+def _one_process_kwargs(causal, window, ends, layout_kind):
+    """The whole-sequence operator's mask keywords (the answer the CP run must reproduce)."""
+    from mcore_npu.masks import BottomRightCausalMask, FullAttention, SlidingWindow
+
+    within = SlidingWindow(*window) if window else (BottomRightCausalMask() if causal
+                                                     else FullAttention())  # fmt: skip
+    kwargs = within.operator_args().as_kwargs()
+    if layout_kind == "thd":
+        kwargs.update(actual_seq_qlen=list(ends), actual_seq_kvlen=list(ends))
+    return kwargs
+
+
+def check_packed(comm, heads, groups, *, causal=True, window=None, kernel="reference"):
+    """thd: 2 ranks (``thd_ends`` = local padded ends) against one TND call on the whole pack."""
+    from mcore_npu.ops import fusion_attention
+    from mcore_npu.transformer.context_parallel import ring, ulysses
+    from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indices
+
+    group = _cp_group()
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    cu = torch.tensor((0, *PACKED_LENGTHS)).cumsum(0)
+    total = int(cu[-1])
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(total, heads, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(total, groups, HEAD_DIM, generator=gen) for _ in range(2))
+    dy = torch.randn(total, heads * HEAD_DIM, generator=gen)
+    scale = HEAD_DIM**-0.5
+    op = _one_process_kwargs(causal, window, cu[1:].tolist(), "thd")
+
+    def whole(q, k, v):
+        return fusion_attention(q, k, v, heads, "TND", kernel="reference", scale=scale,
+                                **op).flatten(1)  # fmt: skip
+
+    mine = thd_get_partitioned_indices(cu, total, size, rank)
+    want = [t[mine] for t in _grads(whole, q, k, v, dy)]
+    ends = tuple(int(e) for e in (cu[1:] // size))
+    algorithm = {"p2p": ring, "a2a": ulysses}[comm]
+
+    def parallel(q, k, v):
+        return algorithm.attention(q, k, v, group, heads=heads, scale=scale, causal=causal,
+                                   kernel=kernel, thd_ends=ends, window=window)  # fmt: skip
+
+    got = _grads(parallel, *(t[mine] for t in (q, k, v, dy)))
+    mask = f"window{window}" if window else ("causal" if causal else "no_mask")
+    return {"comm": comm, "format": "thd", "heads": heads, "groups": groups, "mask": mask,
+            "kernel": kernel, "max_abs_error": _errors(got, want)}  # fmt: skip
+
+
+def check_window(comm, heads, groups, window):
+    """sbhd sliding window: 2 ranks (Megatron's chunks) against one SBH call."""
+    from mcore_npu.ops import fusion_attention
+    from mcore_npu.transformer.context_parallel import ring, ulysses
+
+    group = _cp_group()
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=gen) for _ in range(2))
+    dy = torch.randn(SEQ, BATCH, heads * HEAD_DIM, generator=gen)
+    scale = HEAD_DIM**-0.5
+    op = _one_process_kwargs(True, window, None, "sbhd")
+
+    def whole(q, k, v):
+        return fusion_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads, "SBH",
+                                kernel="reference", scale=scale, **op)  # fmt: skip
+
+    want = [_local(t) for t in _grads(whole, q, k, v, dy)]
+    algorithm = {"p2p": ring, "a2a": ulysses}[comm]
+
+    def parallel(q, k, v):
+        return algorithm.attention(q, k, v, group, heads=heads, scale=scale, causal=True,
+                                   kernel="reference", window=window)  # fmt: skip
+
+    got = _grads(parallel, *(_local(t) for t in (q, k, v, dy)))
+    return {"comm": comm, "format": "sbhd", "heads": heads, "groups": groups,
+            "mask": f"window{window}", "kernel": "reference",
+            "max_abs_error": _errors(got, want)}  # fmt: skip
+
+
+def packed_and_window_cases():
+    """13b's cases: thd for p2p and a2a (MHA, GQA), windows for a2a (sbhd, thd) and p2p
+    (sbhd), the thd ring through the stand-in torch_npu, and the refused p2p thd window."""
+    results = []
+    for comm in ("p2p", "a2a"):
+        for heads, groups in ((4, 4), (4, 2)):
+            results.append(check_packed(comm, heads, groups))
+    results.append(check_packed("a2a", 4, 2, causal=False))
+    results.append(check_packed("a2a", 4, 2, window=WINDOWS[0]))
+    for window in WINDOWS:
+        results.append(check_window("p2p", 4, 2, window))
+    results.append(check_window("a2a", 4, 2, WINDOWS[0]))
+    stand_in = RecordingTorchNpu()
+    sys.modules["torch_npu"] = stand_in
+    try:
+        results.append(check_packed("p2p", 4, 2, kernel="torch_npu"))
+    finally:
+        del sys.modules["torch_npu"]
+    try:
+        check_packed("p2p", 4, 2, window=WINDOWS[0])
+        refused = None
+    except NotImplementedError as err:
+        refused = str(err)
+    calls = {"forward": stand_in.forward_calls, "grad": stand_in.grad_calls}
+    return results, calls, {"p2p_thd_window": refused}
+
+
 def main():
     rt = runtime.initialize(runtime.ParallelLayout(context=2), seed=0)
     results = []
@@ -130,12 +264,16 @@ def main():
         results.append(check("p2p", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
     finally:
         del sys.modules["torch_npu"]
+    packed_results, packed_calls, packed_refusals = packed_and_window_cases()
+    results += packed_results
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
         print("STANDIN " + json.dumps({"forward": stand_in.forward_calls,
                                        "grad": stand_in.grad_calls}), flush=True)  # fmt: skip
         print("REFUSALS " + json.dumps(refusals()), flush=True)
+        print("STANDIN_THD " + json.dumps(packed_calls), flush=True)
+        print("REFUSALS_THD " + json.dumps(packed_refusals), flush=True)
     runtime.shutdown()
 
 

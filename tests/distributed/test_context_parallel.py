@@ -30,7 +30,7 @@ def report():
     lines = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("CASE", "STANDIN", "REFUSALS"):
+        if tag in ("CASE", "STANDIN", "REFUSALS", "STANDIN_THD", "REFUSALS_THD"):
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -71,3 +71,50 @@ def test_refusals_name_the_numbers_and_the_fix(report):
     assert "a2a+p2p" in found["a2a+p2p"] and "fix" in found["a2a+p2p"]
     assert "attention_bias" in found["attention_bias"] and "fix" in found["attention_bias"]
     assert "ExplicitMask" in found["dense_mask"] and "packing" in found["dense_mask"]
+
+
+def test_packed_and_windowed_ring_and_ulysses_match_one_process(report):
+    """thd (4 sequences of padded lengths 8, 12, 4, 16) for p2p and a2a, MHA and GQA; sliding
+    windows for a2a (sbhd, thd) and p2p (sbhd): the worst error over both ranks."""
+    cases = [c for c in report["CASE"] if "format" in c]
+    covered = {(c["comm"], c["format"], c["groups"], c["mask"], c["kernel"]) for c in cases}
+    wanted = {
+        (comm, "thd", groups, "causal", "reference") for comm in ("p2p", "a2a") for groups in (4, 2)
+    } | {
+        ("a2a", "thd", 2, "no_mask", "reference"),
+        ("a2a", "thd", 2, "window(5, 0)", "reference"),
+        ("a2a", "sbhd", 2, "window(5, 0)", "reference"),
+        ("p2p", "sbhd", 2, "window(5, 0)", "reference"),
+        ("p2p", "sbhd", 2, "window(9, 0)", "reference"),
+        ("p2p", "thd", 2, "causal", "torch_npu"),
+    }
+    assert wanted <= covered
+    for case in cases:
+        assert max(case["max_abs_error"].values()) <= TOLERANCE, case
+
+
+def test_packed_ring_calls_the_operators_with_their_exact_arguments(report):
+    """The thd ring through the stand-in torch_npu, CP=2, rank 0 (local padded ends
+    [4, 10, 12, 20]): step 0 its own halves (mode 3 per sequence), step 1 the later rank's K/V
+    with the late half of every sequence (mode 0, no mask); the backward repeats both."""
+    (calls,) = report["STANDIN_THD"]
+    forward, grad = calls["forward"], calls["grad"]
+    assert [c["kwargs"]["sparse_mode"] for c in forward] == [3, 0]
+    assert [c["kwargs"]["sparse_mode"] for c in grad] == [3, 0]
+    assert all(c["layout"] == ["TND"] for c in forward + grad)
+    whole, halves = [4, 10, 12, 20], [2, 5, 6, 10]  # host ints, no leading 0
+    for calls_of_a_pass in (forward, grad):
+        assert [c["kwargs"]["actual_seq_qlen"] for c in calls_of_a_pass] == [whole, halves]
+        assert [c["kwargs"]["actual_seq_kvlen"] for c in calls_of_a_pass] == [whole, whole]
+    assert "scale" in forward[0]["kwargs"] and "scale_value" not in forward[0]["kwargs"]
+    assert all("scale_value" in c["kwargs"] and "scale" not in c["kwargs"] for c in grad)
+    assert [c["tensor_kwargs"] for c in forward] == [{"atten_mask": [2048, 2048]}, {}]
+    assert forward[1]["shapes"][0] == [10, 4, 8]  # the late halves: 10 of 20 rows
+    for call in grad:
+        rows = call["shapes"][0][0]
+        assert call["tensor_kwargs"]["softmax_max"] == [rows, 4, 8]
+        assert call["tensor_kwargs"]["softmax_sum"] == [rows, 4, 8]
+        assert call["tensor_kwargs"]["attention_in"] == call["shapes"][0]
+    (refused,) = report["REFUSALS_THD"]
+    assert "window_size=(5, 0)" in refused["p2p_thd_window"]
+    assert "'a2a'" in refused["p2p_thd_window"] and "fix" in refused["p2p_thd_window"]

@@ -1,16 +1,21 @@
-"""``cp_comm_type="p2p"``: ring attention on Megatron's load-balanced layout.
+"""``cp_comm_type="p2p"``: ring attention on Megatron's load-balanced layout, sbhd and thd.
 
-K/V blocks travel around the CP ring. Rank r holds query chunks (r, 2·CP-1-r); at step i it
-holds the K/V of rank ``src = (r - i) mod CP`` and makes one operator call:
+K/V blocks travel around the CP ring. Rank r holds query chunks (r, 2·CP-1-r) of every
+sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the calls of
+:func:`.blocks.schedule` (one per step; up to four with a sliding window):
 
 ================  =========================================  ===========================
 step              queries -> keys                            operator call
 ================  =========================================  ===========================
-i = 0 (own K/V)   both local chunks -> both local chunks     sparse mode 2 (causal): the
-                                                             pair (early, late) is causal
+i = 0 (own K/V)   both local chunks -> both local chunks     causal: sbhd mode 2, thd
+                                                             mode 3 (square per sequence)
 src < r           both chunks -> src's early chunk           mode 0, no mask (full)
 src > r           the late chunk -> both of src's chunks     mode 0, no mask (full)
 ================  =========================================  ===========================
+
+Packed (thd) batches run the same schedule in TND, every sequence of the pack in one call:
+the parts (early/late half of each sequence) are index tensors and the TND lengths
+(``actual_seq_qlen/kvlen``, no leading 0) come from the local padded ends ``thd_ends``.
 
 Partial results merge through the operator's statistics (``softmax_max`` m, ``softmax_sum``
 l, float32)::
@@ -29,39 +34,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_npu.masks import compressed_causal_mask
+from mcore_npu.masks.descriptions import layer_window
 from mcore_npu.ops import fusion_attention_grad, fusion_attention_with_stats
 from mcore_npu.transformer.context_parallel import chunks
+from mcore_npu.transformer.context_parallel.blocks import (
+    BOTH,
+    DenseLayout,
+    PackedLayout,
+    schedule,
+)
 
-
-def _blocks(rank: int, size: int, step: int, chunk: int):
-    """``(query rows, key rows, causal)`` of step ``step`` on rank ``rank`` (local indices)."""
-    src = (rank - step) % size
-    if step == 0:
-        return slice(0, 2 * chunk), slice(0, 2 * chunk), True
-    if src < rank:
-        return slice(0, 2 * chunk), slice(0, chunk), False
-    return slice(chunk, 2 * chunk), slice(0, 2 * chunk), False
-
-
-def _mask_kwargs(causal: bool, device) -> dict:
-    if causal:
-        return {"atten_mask": compressed_causal_mask(device), "sparse_mode": 2}
-    return {"sparse_mode": 0}
-
-
-def _stats_to_sbh(stat: torch.Tensor) -> torch.Tensor:
-    """``[B, N, Sq, 8]`` -> ``[Sq, B, N, 1]`` (one copy of the repeated value)."""
-    return stat[..., 0].permute(2, 0, 1).unsqueeze(-1)
-
-
-def _stats_from_sbh(stat: torch.Tensor) -> torch.Tensor:
-    """``[Sq, B, N, 1]`` -> ``[B, N, Sq, 8]``, the operator's layout."""
-    return stat[..., 0].permute(1, 2, 0).unsqueeze(-1).expand(-1, -1, -1, 8).contiguous()
+_F32_MIN = torch.finfo(torch.float32).min
 
 
 def _merge(acc, rows, out_b, m_b, l_b):
-    """Merge a block's ``(out [r, b, n, d] fp32, m, l [r, b, n, 1])`` into ``acc`` at ``rows``."""
+    """Merge a block's ``(out [r, ..., n, d] fp32, m, l [r, ..., n, 1])`` into ``acc`` at
+    ``rows`` (a slice or an index tensor of dim 0)."""
     out_a, m_a, l_a = acc[0][rows], acc[1][rows], acc[2][rows]
     m = torch.maximum(m_a, m_b)
     w_a, w_b = l_a * torch.exp(m_a - m), l_b * torch.exp(m_b - m)
@@ -70,70 +58,88 @@ def _merge(acc, rows, out_b, m_b, l_b):
     acc[1][rows], acc[2][rows] = m, total
 
 
+def _empty_acc(tokens: int, out_b, m_b):
+    """Nothing seen yet: out 0, m = float32 min, l = 0 (merges as an empty block)."""
+    out = out_b.new_zeros(tokens, *out_b.shape[1:])
+    return [
+        out,
+        m_b.new_full((tokens, *m_b.shape[1:]), _F32_MIN),
+        m_b.new_zeros(tokens, *m_b.shape[1:]),
+    ]
+
+
 class RingAttention(torch.autograd.Function):
-    """q ``[2c, b, np*hn]``, k/v ``[2c, b, ng*hn]`` (SBH, local chunks) -> out like q."""
+    """q, k, v in ``layout``'s operator form (sbhd: SBH ``[2c, b, n*hn]``; thd: TND
+    ``[t, n, hn]``) -> the merged output in the query's form."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, heads, scale, kernel):
+    def forward(ctx, q, k, v, group, layout, left, kernel, scale):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[0] // 2
+        tokens = q.shape[0]
         acc = None
-        kv = torch.stack([k, v])  # one message per hop: [2, 2c, b, ng*hn]
-        k_cur, v_cur = k, v
+        kv = torch.stack([k, v])  # one message per hop
         for step in range(size):
-            rows, keys, causal = _blocks(rank, size, step, chunk)
-            out_b, m_b, l_b = fusion_attention_with_stats(
-                q[rows], k_cur[keys], v_cur[keys], heads, "SBH", kernel=kernel, scale=scale,
-                **_mask_kwargs(causal, q.device),
-            )  # fmt: skip
-            out_b = out_b.float().unflatten(-1, (heads, -1))  # [r, b, np, hn]
-            m_b, l_b = _stats_to_sbh(m_b), _stats_to_sbh(l_b)
-            if acc is None:
-                acc = [out_b, m_b, l_b]  # step 0 covers every local row
-            else:
+            for block in schedule(rank, size, step, left=left, chunk=tokens // 2):
+                rows, keys = layout.rows(block.rows), layout.rows(block.keys)
+                out_b, m_b, l_b = fusion_attention_with_stats(
+                    q[rows], kv[0][keys], kv[1][keys], layout.heads, layout.input_layout,
+                    kernel=kernel, scale=scale, **layout.mask_kwargs(block),
+                )  # fmt: skip
+                out_b = layout.out_rows(out_b)
+                m_b, l_b = layout.stats_rows(m_b, block.rows), layout.stats_rows(l_b, block.rows)
+                if acc is None and block.rows == BOTH:
+                    acc = [out_b, m_b, l_b]  # covers every local row
+                    continue
+                if acc is None:
+                    acc = _empty_acc(tokens, out_b, m_b)
                 _merge(acc, rows, out_b, m_b, l_b)
             if step + 1 < size:
                 kv = chunks.ring_exchange(kv, group)
-                k_cur, v_cur = kv[0], kv[1]
-        out = acc[0].flatten(2).to(q.dtype)
-        smax, ssum = _stats_from_sbh(acc[1]), _stats_from_sbh(acc[2])
-        ctx.save_for_backward(q, k, v, out, smax, ssum)
-        ctx.group, ctx.heads, ctx.scale, ctx.kernel = group, heads, scale, kernel
+        out = layout.output(acc[0]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc[1], acc[2])
+        ctx.group, ctx.layout, ctx.left, ctx.kernel, ctx.scale = group, layout, left, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, smax, ssum = ctx.saved_tensors
-        group, heads, scale = ctx.group, ctx.heads, ctx.scale
+        group, layout = ctx.group, ctx.layout
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[0] // 2
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for step in range(size):
-            rows, keys, causal = _blocks(rank, size, step, chunk)
-            dq_b, dk_b, dv_b, _ = fusion_attention_grad(
-                q[rows], kv[0][keys], kv[1][keys], dout[rows], heads, "SBH",
-                kernel=ctx.kernel, scale_value=scale,
-                softmax_max=smax[:, :, rows].contiguous(),
-                softmax_sum=ssum[:, :, rows].contiguous(),
-                attention_in=out[rows], **_mask_kwargs(causal, q.device),
-            )  # fmt: skip
-            dq[rows] += dq_b.float()
-            dkv[0][keys] += dk_b.float()
-            dkv[1][keys] += dv_b.float()
+            for block in schedule(rank, size, step, left=ctx.left, chunk=q.shape[0] // 2):
+                rows, keys = layout.rows(block.rows), layout.rows(block.keys)
+                dq_b, dk_b, dv_b, _ = fusion_attention_grad(
+                    q[rows], kv[0][keys], kv[1][keys], dout[rows], layout.heads,
+                    layout.input_layout, kernel=ctx.kernel, scale_value=ctx.scale,
+                    softmax_max=layout.stats_op(smax[rows], block.rows),
+                    softmax_sum=layout.stats_op(ssum[rows], block.rows),
+                    attention_in=out[rows], **layout.mask_kwargs(block),
+                )  # fmt: skip
+                dq[rows] += dq_b.float()
+                dkv[0][keys] += dk_b.float()
+                dkv[1][keys] += dv_b.float()
             if step + 1 < size:
                 kv = chunks.ring_exchange(kv, group)
             dkv = chunks.ring_exchange(dkv, group)  # travels with its block; the last hop: home
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return *grads, None, None, None, None, None
 
 
-def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0):
-    """Ring attention, sbhd: ``[s_local, b, np, hn]`` in, ``[s_local, b, np * hn]`` out.
+def attention(
+    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
+    window=None,
+):  # fmt: skip
+    """Ring attention: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``; thd (with
+    ``thd_ends``, the local padded cumulative ends without a leading 0, host ints)
+    ``[t_local, np, hn]`` -> ``[t_local, np * hn]``.
 
     Causal attention only, without dropout (the gradient operator cannot replay a dropout mask
-    that the reference draws); both are checked by the caller.
+    that the reference draws). ``window=(left, right)`` (Megatron's ``window_size``): a causal
+    sliding window, sbhd only (a packed pack would need one band per sequence length).
     """
     if not causal or keep_prob != 1.0:
         raise ValueError(
@@ -141,6 +147,29 @@ def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_pr
             f"causal={causal}, keep_prob={keep_prob}. fix: attention_dropout=0, or "
             "cp_comm_type='all_gather'"
         )
-    return RingAttention.apply(
-        query.flatten(2), key.flatten(2), value.flatten(2), group, heads, scale, kernel
-    )
+    band = layer_window("causal", window)
+    left = None if band is None else band.left
+    if thd_ends is None:
+        layout = DenseLayout(query.shape[0], heads, query.device)
+        q, k, v = query.flatten(2), key.flatten(2), value.flatten(2)
+        return RingAttention.apply(q, k, v, group, layout, left, kernel, scale)
+    if left is not None:
+        raise NotImplementedError(
+            f"cp_comm_type='p2p' with packed (thd) sequences and window_size={tuple(window)}: "
+            "a ring block of a sliding window is a band shifted by the chunk length, which "
+            "differs between the packed sequences, so one operator call cannot hold it; fix: "
+            "cp_comm_type='a2a' or 'all_gather' for windowed packed batches"
+        )
+    _check_thd_ends(thd_ends, query.shape[0])
+    layout = PackedLayout(tuple(thd_ends), heads, query.device)
+    return RingAttention.apply(query, key, value, group, layout, None, kernel, scale).flatten(1)
+
+
+def _check_thd_ends(thd_ends, tokens: int) -> None:
+    ends = tuple(thd_ends)
+    if not ends or not all(isinstance(e, int) for e in ends) or ends[-1] != tokens:
+        raise ValueError(
+            f"thd_ends: expected host ints, the local padded cumulative ends without a leading 0 "
+            f"ending at the local token count {tokens}; got {ends!r}. fix: pass "
+            "local_cu_seqlens(cu_seqlens_q_padded, CP)[1:] converted once per step"
+        )

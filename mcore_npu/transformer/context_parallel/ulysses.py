@@ -1,60 +1,110 @@
 """``cp_comm_type="a2a"`` (Ulysses): trade the sequence split for a head split.
 
-An all-to-all turns ``[s/CP, b, np, hn]`` (local chunks) into ``[s, b, np/CP, hn]`` (whole
-sequence, 1/CP of the heads), the chunk order is undone, attention runs as without CP, and
-a second all-to-all brings the output back. Query heads and KV groups must divide by CP.
+An all-to-all turns the local chunks (sbhd ``[s/CP, b, np, hn]``, thd ``[t/CP, np, hn]``)
+into the whole sequence with 1/CP of the heads (``[s, b, np/CP, hn]``, ``[t, np/CP, hn]``),
+the load-balanced chunk order is undone, attention runs as without CP, and a second
+all-to-all brings the output back. Query heads and KV groups must divide by CP.
+
+Order after the exchange: the ranks' local tokens one after another. sbhd: the chunks
+``[0, 2CP-1, 1, 2CP-2, ...]`` (:func:`.chunks.natural_index` undoes that). thd: every rank
+holds chunks r and 2CP-1-r *of every packed sequence*, so the permutation back to natural
+order comes from :func:`.thd.thd_get_partitioned_indices` of every rank (built on the host
+from the host ``thd_ends``, once per layout, no device synchronisation).
+
+Masks: the sequence is whole after the exchange, so causal, full and sliding-window attention
+are the one-process arguments (sbhd: layout SBH, mode 2 / mode 4 with ``pre/next_tockens``;
+thd: TND with the global padded lengths, mode 3 / mode 4 per sequence).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from mcore_npu.masks import compressed_causal_mask
+from mcore_npu.masks import BottomRightCausalMask, FullAttention, TopLeftCausalMask
+from mcore_npu.masks.descriptions import layer_window
 from mcore_npu.ops import fusion_attention
 from mcore_npu.transformer.context_parallel import chunks
+from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indices
 
 
-def _seq_to_heads(x, group):
-    """``[s_local, b, n, d]`` -> ``[s, b, n/CP, d]``, natural token order."""
+class _Order:
+    """How the rank-ordered gathered tokens (dim 0) map to natural order and back."""
+
+    def __init__(self, size: int, device, thd_ends=None) -> None:
+        self.size, self.packed = size, thd_ends is not None
+        if thd_ends is None:
+            self.natural, self.ranked = (
+                chunks.natural_index(size, device),
+                chunks.rank_index(size, device),
+            )
+        else:
+            self.natural, self.ranked = _packed_order(tuple(thd_ends), size, torch.device(device))
+
+    def to_natural(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:  # sbhd: whole chunks
+            return chunks.reorder_chunks(x, self.natural, 2 * self.size)
+        return x.index_select(0, self.natural)
+
+    def to_ranked(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return chunks.reorder_chunks(x, self.ranked, 2 * self.size)
+        return x.index_select(0, self.ranked)
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_order(ends: tuple[int, ...], size: int, device: torch.device):
+    """``(natural, ranked)`` token permutations of a packed batch: ``ranked[p]`` is the global
+    token at rank-order position p (rank after rank, each in its local order)."""
+    cu = torch.tensor((0, *ends)) * size  # global padded cu_seqlens, leading 0
+    total = cu[-1].item()
+    ranked = torch.cat([thd_get_partitioned_indices(cu, total, size, r) for r in range(size)])
+    natural = torch.empty_like(ranked)
+    natural[ranked] = torch.arange(total)
+    return natural.to(device), ranked.to(device)
+
+
+def _seq_to_heads(x, group, order: _Order):
+    """``[t_local, *batch, n, d]`` -> ``[t, *batch, n/CP, d]``, natural token order."""
     size = dist.get_world_size(group)
-    s_local, b, n, d = x.shape
-    parts = x.reshape(s_local, b, size, n // size, d).permute(2, 0, 1, 3, 4)  # [CP, s_l, ...]
-    received = chunks.all_to_all(parts, group)  # [CP (source rank), s_l, b, n/CP, d]
-    ranked = received.reshape(size * s_local, b, n // size, d)
-    return chunks.reorder_chunks(ranked, chunks.natural_index(size, x.device), 2 * size)
+    t_local, *batch, n, d = x.shape
+    parts = x.reshape(t_local, *batch, size, n // size, d).movedim(-3, 0)  # [CP, t_l, ..., n/CP, d]
+    received = chunks.all_to_all(parts, group)  # [CP (source rank), t_l, ..., n/CP, d]
+    return order.to_natural(received.reshape(size * t_local, *batch, n // size, d))
 
 
-def _heads_to_seq(x, group):
-    """``[s, b, n/CP, d]`` (natural order) -> ``[s_local, b, n, d]``: the inverse."""
+def _heads_to_seq(x, group, order: _Order):
+    """``[t, *batch, n/CP, d]`` (natural order) -> ``[t_local, *batch, n, d]``: the inverse."""
     size = dist.get_world_size(group)
-    s, b, n_local, d = x.shape
-    ranked = chunks.reorder_chunks(x, chunks.rank_index(size, x.device), 2 * size)
-    received = chunks.all_to_all(ranked.reshape(size, s // size, b, n_local, d), group)
-    # [CP (head group), s_l, b, n/CP, d] -> [s_l, b, CP, n/CP, d] -> [s_l, b, n, d]
-    return received.permute(1, 2, 0, 3, 4).reshape(s // size, b, size * n_local, d)
+    t, *batch, n_local, d = x.shape
+    ranked = order.to_ranked(x)
+    received = chunks.all_to_all(ranked.reshape(size, t // size, *batch, n_local, d), group)
+    # [CP (head group), t_l, ..., n/CP, d] -> [t_l, ..., CP, n/CP, d] -> [t_l, ..., n, d]
+    return received.movedim(0, -3).reshape(t // size, *batch, size * n_local, d)
 
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, order):
+        ctx.group, ctx.order = group, order
+        return _seq_to_heads(x, group, order)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
+        return _heads_to_seq(grad, ctx.group, ctx.order), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
+    def forward(ctx, x, group, order):
+        ctx.group, ctx.order = group, order
+        return _heads_to_seq(x, group, order)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return _seq_to_heads(grad, ctx.group, ctx.order), None, None
 
 
 def check_heads(heads: int, groups: int, cp_size: int) -> None:
@@ -69,16 +119,52 @@ def check_heads(heads: int, groups: int, cp_size: int) -> None:
             )
 
 
-def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0):
-    """Context-parallel attention by all-to-all, sbhd: ``[s_local, b, np, hn]`` in and
-    ``[s_local, b, np * hn]`` out."""
+def _mask_kwargs(causal: bool, window, packed: bool, device) -> dict:
+    """The one-process mask arguments of the whole sequence (square, so top-left causal =
+    bottom-right causal); ``window`` is Megatron's ``window_size`` ``(left, right)``."""
+    within = layer_window("causal" if causal else "no_mask", window)
+    if within is None:
+        if not causal:
+            within = FullAttention()
+        else:
+            within = BottomRightCausalMask() if packed else TopLeftCausalMask()
+    return within.operator_args(device).as_kwargs()
+
+
+def attention(
+    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
+    window=None,
+):  # fmt: skip
+    """Context-parallel attention by all-to-all.
+
+    Args:
+        query: sbhd ``[s_local, b, np, hn]`` or, with ``thd_ends``, thd ``[t_local, np, hn]``;
+            key/value the same with ng groups.
+        thd_ends: packed batches only: the local padded cumulative ends without a leading 0
+            (host ints); the attention runs in TND over the global padded lengths
+            ``CP * thd_ends``.
+        window: Megatron's ``window_size`` ``(left, right)``, or None.
+
+    Returns:
+        sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
+    """
     size = dist.get_world_size(group)
-    check_heads(heads, key.shape[2], size)
-    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))  # [s, b, n/CP, hn]
+    check_heads(heads, key.shape[-2], size)
+    packed = thd_ends is not None
+    if packed and (not thd_ends or tuple(thd_ends)[-1] != query.shape[0]):
+        raise ValueError(
+            f"thd_ends: expected the local padded cumulative ends without a leading 0, ending at "
+            f"the local token count {query.shape[0]}; got {thd_ends!r}"
+        )
+    order = _Order(size, query.device, thd_ends)
+    q, k, v = (SeqToHeads.apply(t, group, order) for t in (query, key, value))
     kwargs = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
-    if causal:
-        kwargs.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=2)
-    out = fusion_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads // size, "SBH",
-                           **kwargs)  # fmt: skip
-    out = HeadsToSeq.apply(out.unflatten(-1, (heads // size, -1)), group)  # [s_l, b, np, hn]
-    return out.flatten(2)
+    kwargs.update(_mask_kwargs(causal, window, packed, query.device))
+    if packed:
+        ends = [e * size for e in thd_ends]
+        kwargs.update(actual_seq_qlen=ends, actual_seq_kvlen=ends)
+        out = fusion_attention(q, k, v, heads // size, "TND", **kwargs)  # [t, np/CP, hn]
+    else:
+        out = fusion_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads // size, "SBH",
+                               **kwargs).unflatten(-1, (heads // size, -1))  # fmt: skip
+    return HeadsToSeq.apply(out, group, order).flatten(-2)
