@@ -3,8 +3,8 @@
 mbridge maps Hugging Face names onto the names of Megatron's Transformer Engine spec
 (``model.layers.{i}.input_layernorm.weight`` <-> ``decoder.layers.{i}.self_attention.linear_qkv.
 layer_norm_weight``); the NPU spec in ``param_layout="te"`` has exactly those names, so the bridge's
-own loaders and exporters work unchanged. The one thing swapped is the layer spec the bridge
-builds, on the bridge instance (never on the mbridge module)::
+own loaders and exporters work unchanged. What changes is the layer spec the bridge builds, on
+the bridge instance (never on the mbridge module)::
 
     from mcore_npu.integrations.hf import npu_bridge, build_model
 
@@ -13,7 +13,14 @@ builds, on the bridge instance (never on the mbridge module)::
     bridge.load_weights([model], "/path/to/Qwen2.5-0.5B")
     for hf_name, tensor in bridge.export_weights([model]): ...           # back to HF names
 
-or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
+MoE families load the same way (mbridge's Qwen3-MoE and Mixtral bridges set
+``moe_grouped_gemm``, so the experts are ``NPUGroupedMLP`` with TEGroupedMLP's names
+``mlp.experts.linear_fc1.weight{e}``, the names those bridges map). Per bridge instance,
+``use_npu_spec`` also fills ``rope_theta`` and ``head_dim`` where transformers >= 5 leaves them
+off the config, and matches the router's softmax form to the Hugging Face model's
+(``match_hf_routing``).
+
+Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
 ``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
 safetensors); importing ``mcore_npu`` never imports this module.
 """
