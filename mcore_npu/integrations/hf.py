@@ -3,8 +3,8 @@
 mbridge maps Hugging Face names onto the names of Megatron's Transformer Engine spec
 (``model.layers.{i}.input_layernorm.weight`` <-> ``decoder.layers.{i}.self_attention.linear_qkv.
 layer_norm_weight``); the NPU spec in ``param_layout="te"`` has exactly those names, so the bridge's
-own loaders and exporters work unchanged. The one thing swapped is the layer spec the bridge
-builds, on the bridge instance (never on the mbridge module)::
+own loaders and exporters work unchanged. What changes is the layer spec the bridge builds, on
+the bridge instance (never on the mbridge module)::
 
     from mcore_npu.integrations.hf import npu_bridge, build_model
 
@@ -13,7 +13,14 @@ builds, on the bridge instance (never on the mbridge module)::
     bridge.load_weights([model], "/path/to/Qwen2.5-0.5B")
     for hf_name, tensor in bridge.export_weights([model]): ...           # back to HF names
 
-or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
+MoE families load the same way (mbridge's Qwen3-MoE and Mixtral bridges set
+``moe_grouped_gemm``, so the experts are ``NPUGroupedMLP`` with TEGroupedMLP's names
+``mlp.experts.linear_fc1.weight{e}``, the names those bridges map). Per bridge instance,
+``use_npu_spec`` also fills ``rope_theta`` and ``head_dim`` where transformers >= 5 leaves them
+off the config, and matches the router's softmax form to the Hugging Face model's
+(``match_hf_routing``).
+
+Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
 ``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
 safetensors); importing ``mcore_npu`` never imports this module.
 """
@@ -63,7 +70,39 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
 
     bridge._get_transformer_layer_spec = layer_spec
     _expose_rope_theta(bridge.hf_config)
+    _expose_head_dim(bridge.hf_config)
+    match_hf_routing(bridge)
     return bridge
+
+
+# Hugging Face MoE families whose router is softmax -> top-k -> (renormalise the k weights?):
+# model_type -> whether the k weights are renormalised, from the HF config.
+_SOFTMAX_TOP_K_RENORMALISED = {
+    "mixtral": lambda hf_config: True,  # MixtralTopKRouter always divides by the top-k sum
+    "qwen2_moe": lambda hf_config: bool(getattr(hf_config, "norm_topk_prob", False)),
+    "qwen3_moe": lambda hf_config: bool(getattr(hf_config, "norm_topk_prob", False)),
+}
+
+
+def match_hf_routing(bridge) -> None:
+    """Make the bridge's MoE router compute the Hugging Face model's expert weights.
+
+    Megatron's softmax router has two forms (``moe_router_pre_softmax``): softmax over all
+    experts then top-k (weights not renormalised), or top-k of the logits then softmax over the
+    k (= the renormalised top-k of the full softmax; the experts chosen are the same). mbridge
+    0.15.1 hard-codes one form per family: ``True`` for Mixtral, whose Hugging Face router
+    always renormalises, and ``False`` for Qwen3-MoE, which renormalises only with
+    ``norm_topk_prob``. This sets ``moe_router_pre_softmax = not renormalised`` through
+    ``bridge.set_extra_args`` (this instance only) unless the caller set it already; families
+    with another router (sigmoid, grouped top-k) are left alone.
+    """
+    hf_config = getattr(bridge, "hf_config", None)
+    renormalised = _SOFTMAX_TOP_K_RENORMALISED.get(getattr(hf_config, "model_type", None))
+    if renormalised is None or "moe_router_pre_softmax" in bridge.extra_args:
+        return
+    pre_softmax = not renormalised(hf_config)
+    if bridge.config.moe_router_pre_softmax != pre_softmax:
+        bridge.set_extra_args(moe_router_pre_softmax=pre_softmax)
 
 
 def _expose_rope_theta(hf_config) -> None:
@@ -74,6 +113,14 @@ def _expose_rope_theta(hf_config) -> None:
     parameters = getattr(hf_config, "rope_parameters", None) or {}
     if "rope_theta" in parameters:
         hf_config.rope_theta = parameters["rope_theta"]
+
+
+def _expose_head_dim(hf_config) -> None:
+    """transformers >= 5 gives some configs (Mixtral) ``head_dim = None``, meaning
+    ``hidden_size // num_attention_heads``; mbridge 0.15.1 multiplies ``hf_config.head_dim``
+    when it merges q/k/v. Write the number the model uses onto this bridge's config object."""
+    if getattr(hf_config, "head_dim", 0) is None:
+        hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def npu_bridge(hf_path: str, *, kernel: str = "auto", dtype=torch.bfloat16, **bridge_kwargs):

@@ -23,6 +23,10 @@ gradient clipping (asserts            ``clip_grads_on_cpu``: the same scaling, n
 alltoall dispatcher's split sizes     ``splits_to_host``: CPU tensors become numpy arrays too
 (``maybe_move_tensor_to_cpu`` only    (``all_to_all_single`` takes lists, not tensors)
 converts CUDA tensors to numpy)
+uneven sequence-parallel gather       ``UnevenGatherOnGloo``: each rank's rows padded to the
+(the alltoall dispatcher under        longest, one even ``all_gather_into_tensor``, padding
+EP x TP: ``all_gather`` with          dropped (gloo's list ``all_gather`` refuses unequal
+``output_split_sizes``)               sizes; its uneven ``reduce_scatter`` works)
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -141,6 +145,32 @@ def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
+class UnevenGatherOnGloo:
+    """Megatron's ``mappings._gather_along_first_dim`` that also gathers unequal row counts.
+
+    Megatron gathers the alltoall dispatcher's tokens over the tensor-parallel group with
+    ``torch.distributed.all_gather`` into unequal chunks (``output_split_sizes``), which NCCL
+    and HCCL accept and gloo refuses. With unequal sizes this pads each rank's ``[n_r, ...]``
+    rows to ``[max n, ...]``, gathers them evenly and keeps the first ``n_r`` rows of each: the
+    same ``[sum n_r, ...]`` result, rank by rank. Every other call goes to Megatron's function.
+    """
+
+    def __init__(self, original) -> None:
+        self.original = original
+
+    def __call__(self, input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1:
+            return self.original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+        chunks = gathered.split(longest)
+        return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
+
+
 @dataclass
 class _Shims:
     """What ``apply()`` replaced, so ``revert()`` can put it back."""
@@ -183,6 +213,10 @@ def apply() -> None:
 
     originals["maybe_move_tensor_to_cpu"] = token_dispatcher.maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = splits_to_host
+    from megatron.core.tensor_parallel import mappings
+
+    originals["_gather_along_first_dim"] = mappings._gather_along_first_dim
+    mappings._gather_along_first_dim = UnevenGatherOnGloo(mappings._gather_along_first_dim)
 
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
@@ -219,6 +253,9 @@ def revert() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = originals["maybe_move_tensor_to_cpu"]
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = originals["_gather_along_first_dim"]
     _SHIMS.originals.clear()
     _SHIMS.mode = None
 

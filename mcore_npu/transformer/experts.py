@@ -17,7 +17,11 @@ Parameters (Megatron's linear layout ``[out, in]``), by ``param_layout``:
   ``local_experts.{e}.linear_fc2.weight`` ``[H, F]`` (``SequentialMLP``'s names: its state dict
   loads as is);
 - ``"te"``: ``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` (``TEGroupedMLP``'s names, which
-  the Hugging Face bridges map to).
+  the Hugging Face bridges map to), with TE's ``_extra_state`` entries: one per linear in
+  ``state_dict``, ``_extra_state`` / ``_extra_state{e}`` (e >= 1) per expert in
+  ``sharded_state_dict`` (empty; a TE checkpoint's FP8 metadata is ignored on load).
+
+Both layouts write ``SequentialMLP``'s checkpoint keys, so dist checkpoints move between them.
 
 With a gated linear unit a rank's fc1 rows are ``[gate shard; up shard]``, as in Megatron.
 Expert biases (``add_bias_linear``) are refused. With ``use_cpu_initialization`` every rank draws
@@ -35,7 +39,9 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from mcore_npu.ops import KERNELS, grouped_linear, swiglu
 from mcore_npu.transformer.backends import PARAM_LAYOUTS
+from mcore_npu.transformer.extra_state import EmptyExtraState
 from mcore_npu.transformer.mlp import is_plain_swiglu
+from mcore_npu.transformer.param_layout import EXTRA_STATE
 
 
 class _Weight(torch.nn.Module):
@@ -62,13 +68,25 @@ class _Expert(torch.nn.Module):
         self.linear_fc1, self.linear_fc2 = _Weight(fc1), _Weight(fc2)
 
 
-class _Grouped(torch.nn.Module):
-    """``weight0 .. weight{E-1}``: TE's GroupedLinear names."""
+class _Grouped(EmptyExtraState, torch.nn.Module):
+    """``weight0 .. weight{E-1}`` and one ``_extra_state``: the state-dict names of TE's
+    ``GroupedLinear`` (Megatron's ``TEGroupedLinear``).
+
+    ``NPUGroupedMLP.sharded_state_dict`` splits the entry per expert as ``TEGroupedLinear`` does
+    (``_extra_state``, ``_extra_state1`` .. ``_extra_state{E-1}``); a state dict loaded back from
+    such a checkpoint has those keys, which a pre-hook drops (TE merges them into its FP8
+    metadata; nothing here runs in FP8). A state dict without any entry loads too.
+    """
 
     def __init__(self, weights: list[torch.nn.Parameter]) -> None:
         super().__init__()
         for e, w in enumerate(weights):
             self.register_parameter(f"weight{e}", w)
+        self._register_load_state_dict_pre_hook(self._drop_split_extra_states)
+
+    def _drop_split_extra_states(self, state_dict, prefix, *_args) -> None:
+        for e in range(1, len(self._parameters)):
+            state_dict.pop(f"{prefix}{EXTRA_STATE}{e}", None)
 
 
 class NPUGroupedMLP(MegatronModule):
@@ -240,16 +258,31 @@ class NPUGroupedMLP(MegatronModule):
                 *[(len(offsets) + a, r, n) for a, r, n in axes],
                 replica_id=(0, 0, dp_rank), prepend_axis_num=len(offsets),
             )  # fmt: skip
-        if self.param_layout == "local":  # the linears' (empty) extra state, as SequentialMLP's
-            for e in range(self.num_local_experts):
-                for which in ("linear_fc1", "linear_fc2"):
-                    key, offsets = where(e, which)
-                    result[f"{prefix}local_experts.{e}.{which}._extra_state"] = (
-                        make_sharded_object_for_checkpoint(
-                            None, f"{key}._extra_state", offsets, replica_id=(0, tp_rank, dp_rank)
-                        )
-                    )
+        # the linears' (empty) extra state, one object per expert and linear, under the names
+        # of SequentialMLP ("local") or TEGroupedLinear ("te"; see _extra_state_name)
+        for e in range(self.num_local_experts):
+            for which in ("linear_fc1", "linear_fc2"):
+                key, offsets = where(e, which)
+                name = _extra_state_name(e, which, self.param_layout)
+                result[f"{prefix}{name}"] = make_sharded_object_for_checkpoint(
+                    None, f"{key}.{EXTRA_STATE}", offsets, replica_id=(0, tp_rank, dp_rank)
+                )
         return result
+
+
+def _extra_state_name(e: int, which: str, layout: str) -> str:
+    """The ``sharded_state_dict`` name of local expert ``e``'s extra state for ``which`` linear.
+
+    ``"local"``: ``local_experts.{e}.linear_fc1._extra_state`` (``SequentialMLP``). ``"te"``:
+    ``linear_fc1._extra_state`` for expert 0 and ``linear_fc1._extra_state{e}`` for the others,
+    as megatron-core 0.16.1's ``TEGroupedLinear._sharded_state_dict_grouped`` names them
+    (``megatron/core/extensions/transformer_engine.py``, ``f"{prefix}_extra_state{'' if
+    gemm_idx == 0 else gemm_idx}"``). Either way the object's key on disk is
+    ``experts.experts.{which}._extra_state`` with the global expert index as a sharded axis.
+    """
+    if layout == "local":
+        return f"local_experts.{e}.{which}.{EXTRA_STATE}"
+    return f"{which}.{EXTRA_STATE}{e or ''}"
 
 
 def _expert_of(name: str, layout: str) -> tuple[int, str]:

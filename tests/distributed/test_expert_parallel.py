@@ -1,11 +1,12 @@
 """Expert parallelism under torchrun (gloo on CPU) against one process, with the MoE demo model
 (configs/gpt_tiny_moe.yaml: 4 experts, top-2, NPUGroupedMLP on the grouped-matmul reference).
 
-EP=2 on 2 ranks with Megatron's alltoall and allgather token dispatchers, and EP=2 on 4 ranks
-(expert data parallel 2, dense data parallel 4). Every layout starts from the same weights
+EP=2 on 2 ranks with Megatron's alltoall and allgather token dispatchers, EP=2 on 4 ranks
+(expert data parallel 2, dense data parallel 4), and EP=2 x TP=2 on 4 ranks (sequence parallel,
+expert TP 2, alltoall dispatcher: its tensor-parallel token gather has unequal chunks, which gloo
+gathers through ``cpu_support.UnevenGatherOnGloo``). Every layout starts from the same weights
 without a checkpoint: NPUGroupedMLP draws all global experts' weights on every rank
-(``use_cpu_initialization``) and keeps its own. EP=2 x TP=2 is not run here: Megatron's
-sequence-parallel token gather sends uneven chunks, which gloo's allgather refuses.
+(``use_cpu_initialization``) and keeps its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ LAYOUTS = {  # name: (processes, overrides)
     "ep2_alltoall": (2, ["parallel.expert=2"]),
     "ep2_allgather": (2, ["parallel.expert=2", "model.moe_token_dispatcher_type=allgather"]),
     "ep2_dp2": (4, ["parallel.expert=2"]),
+    "ep2_tp2": (4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
 }
 
 

@@ -17,8 +17,11 @@ MOE = dict(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_lay
 
 
 def _model(layout, seed, **config):
+    """``layout`` "local" | "te" | "te-grouped" (moe_grouped_gemm: TEGroupedMLP's names)."""
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
+    if layout == "te-grouped":
+        layout, config = "te", {**config, "moe_grouped_gemm": True}
     config = tiny_config(**config)
     spec = get_gpt_decoder_block_npu_spec(config, kernel="reference", param_layout=layout,
                                           normalization=config.normalization)  # fmt: skip
@@ -26,17 +29,34 @@ def _model(layout, seed, **config):
 
 
 @pytest.mark.usefixtures("megatron_runtime")
-@pytest.mark.parametrize("saved, loaded", [("local", "te"), ("te", "local")])
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [("local", "te"), ("te", "local"), ("local", "te-grouped"), ("te-grouped", "te")],
+)
 def test_every_tensor_crosses_layouts_dense_and_moe(tmp_path, saved, loaded):
+    """Grouped experts write SequentialMLP's keys (TEGroupedMLP's promise), their per-expert
+    ``_extra_state{e}`` objects included, and load them back with ``strict=True``."""
     source, target = _model(saved, 1, **MOE), _model(loaded, 2, **MOE)
     path = checkpointing.save({"model": source.sharded_state_dict()}, tmp_path, 1)
     state = checkpointing.match_layout(target.sharded_state_dict(), path)
     target.load_state_dict(checkpointing.load({"model": state}, path)["model"])
     sources = dict(source.named_parameters())
     for name, param in target.named_parameters():  # each target tensor equals its source's
-        if name not in sources:  # a fused norm: the source's norm module, or the reverse
-            name = next(n for n in other_names(name) if n in sources)
+        if name not in sources:  # a fused norm, or a grouped expert's weight
+            name = next(n for n in [*other_names(name), _other_expert_name(name)] if n in sources)
         torch.testing.assert_close(param, sources[name], rtol=0, atol=0, msg=name)
+
+
+def _other_expert_name(name: str) -> str:
+    """``...experts.linear_fc1.weight3`` <-> ``...experts.local_experts.3.linear_fc1.weight``."""
+    head, sep, tail = name.partition(".experts.")
+    if not sep:
+        return name
+    if tail.startswith("local_experts."):
+        _, e, which, _ = tail.split(".")
+        return f"{head}.experts.{which}.weight{e}"
+    which, _, e = tail.partition(".weight")
+    return f"{head}.experts.local_experts.{e}.{which}.weight"
 
 
 @pytest.mark.usefixtures("megatron_runtime")

@@ -1,4 +1,5 @@
-"""The CPU shims the MoE alltoall dispatcher needs (no-op streams, numpy split sizes) are
+"""The CPU shims the MoE alltoall dispatcher needs (no-op streams, numpy split sizes, the uneven
+tensor-parallel gather, which tests/distributed/test_expert_parallel.py runs under EP x TP) are
 installed by ``cpu_support.apply()`` and removed by ``revert()``. Runs in a child process, so
 the session-wide shims of the other tests are not touched."""
 
@@ -14,10 +15,14 @@ pytestmark = pytest.mark.cpu_only
 
 SCRIPT = """
 import torch
+from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe import token_dispatcher
 from mcore_npu.training import cpu_support
 original_stream, original_move = torch.cuda.Stream, token_dispatcher.maybe_move_tensor_to_cpu
+original_gather = mappings._gather_along_first_dim
 cpu_support.apply()
+assert isinstance(mappings._gather_along_first_dim, cpu_support.UnevenGatherOnGloo)
+assert mappings._gather_along_first_dim.original is original_gather
 stream = torch.cuda.Stream()
 with torch.cuda.stream(stream):
     stream.wait_stream(torch.cuda.current_stream())
@@ -29,6 +34,7 @@ assert token_dispatcher.maybe_move_tensor_to_cpu(kept) is kept
 cpu_support.revert()
 assert torch.cuda.Stream is original_stream
 assert token_dispatcher.maybe_move_tensor_to_cpu is original_move
+assert mappings._gather_along_first_dim is original_gather
 print("ok")
 """
 

@@ -73,7 +73,7 @@ def twin_moe_models(config, **npu_kwargs):
 
 def local_to_te_names(names: dict) -> dict:
     """Values ``experts.local_experts.{e}.linear_fc1.weight`` -> ``experts.linear_fc1.weight{e}``
-    (their ``_extra_state`` entries dropped: TEGroupedMLP's twin keeps none)."""
+    (their per-expert ``_extra_state`` entries dropped: TEGroupedMLP keeps one per linear)."""
     renamed = {}
     for key, name in names.items():
         if ".experts.local_experts." in name:

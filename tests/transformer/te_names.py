@@ -1,12 +1,13 @@
 """The TE spec's names from specs/param_names_te.yaml, expanded for one model config.
 
-``config`` needs ``num_layers``, ``normalization``, ``qk_layernorm``, ``num_moe_experts`` and
-``moe_layer_freq`` (a Megatron ``TransformerConfig`` or a ``SimpleNamespace``).
+``config`` needs ``num_layers``, ``normalization``, ``qk_layernorm``, ``num_moe_experts``,
+``moe_grouped_gemm`` and ``moe_layer_freq`` (a Megatron ``TransformerConfig`` or a
+``SimpleNamespace``).
 """
 
 from __future__ import annotations
 
-import itertools
+import re
 from pathlib import Path
 
 import yaml
@@ -16,6 +17,7 @@ NAMES = yaml.safe_load((Path(__file__).parents[2] / "specs" / "param_names_te.ya
 
 def _applies(when: str, config, layer_is_moe: bool | None) -> bool:
     """Whether a group's ``when`` clause holds for ``config`` (and this layer)."""
+    grouped = bool(getattr(config, "moe_grouped_gemm", False))
     conditions = {
         "always": True,
         "every layer": True,
@@ -23,15 +25,23 @@ def _applies(when: str, config, layer_is_moe: bool | None) -> bool:
         "qk_layernorm": config.qk_layernorm,
         "dense layers": layer_is_moe is False,
         "MoE layers": layer_is_moe is True,
+        "sequential experts": not grouped,
+        "grouped experts": grouped,
     }
     return all(conditions[part.strip()] for part in when.split(","))
+
+
+def _experts(name: str, config) -> range:
+    """The local expert indices a name is expanded over: {e} all, {e1} all but 0."""
+    experts = config.num_moe_experts or 1
+    return range(1, experts) if "{e1}" in name else range(experts)
 
 
 def expected_names(config, kind: str) -> set[str]:
     """Names from the YAML: ``kind`` = parameters | state_dict | sharded."""
     fields = {"parameters": ("parameters",),
               "state_dict": ("parameters", "extra_state", "state_dict_only"),
-              "sharded": ("parameters", "extra_state")}[kind]  # fmt: skip
+              "sharded": ("parameters", "extra_state", "sharded_only")}[kind]  # fmt: skip
     moe_pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
     names = set()
     for group in NAMES["groups"].values():
@@ -42,15 +52,16 @@ def expected_names(config, kind: str) -> set[str]:
                 continue
             for field in fields:
                 for name in group.get(field, []):
-                    for e in range(config.num_moe_experts or 1):
-                        names.add((group["prefix"] + name).format(i=i, e=e))
+                    for e in _experts(name, config):
+                        names.add((group["prefix"] + name).format(i=i, e=e, e1=e))
     return names
 
 
 def disk_key(name: str, config) -> str:
+    """The name on disk of the sharded_state_dict value named ``name`` (the YAML's renames)."""
     for rename in NAMES["checkpoint_key_renames"]:
         if rename["when"] == "dense models" and config.num_moe_experts:
             continue
-        for i, e in itertools.product(range(config.num_layers), range(config.num_moe_experts or 1)):
-            name = name.replace(rename["from"].format(i=i, e=e), rename["to"])
+        pattern = rename["from"].replace("{i}", r"\d+").replace("{e}", r"\d*")
+        name = re.sub(pattern, rename["to"], name)
     return name

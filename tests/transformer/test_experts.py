@@ -32,12 +32,13 @@ class _Group:
         return self._size
 
 
-def _experts(ep=(0, 1), tp=(0, 1), num_experts=4, **overrides):
+def _experts(ep=(0, 1), tp=(0, 1), num_experts=4, param_layout="local", **overrides):
     fields = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32)
     config = tiny_config(**{**fields, **overrides})
     groups = SimpleNamespace(ep=_Group(*ep), expt_tp=_Group(*tp), expt_dp=_Group(0, 1))
     torch.manual_seed(11)
-    return NPUGroupedMLP(num_experts // ep[1], config, pg_collection=groups, kernel="reference")
+    return NPUGroupedMLP(num_experts // ep[1], config, pg_collection=groups, kernel="reference",
+                         param_layout=param_layout)  # fmt: skip
 
 
 def test_expert_parallel_ranks_hold_the_one_process_experts():
@@ -92,3 +93,27 @@ def test_refusals_name_the_setting():
                       param_layout="mcore")  # fmt: skip
     with pytest.raises(ValueError, match="moe_ffn_hidden_size"):
         _experts(tp=(0, 3))
+
+
+def test_te_layout_loads_transformer_engines_grouped_state_dicts():
+    """TEGroupedLinear's state dict (one ``_extra_state`` per linear: TE's byte tensor) and what
+    a dist-checkpoint load hands back for TEGroupedMLP (``_extra_state1`` .. ``_extra_state3``
+    besides) both load with ``strict=True``; the weights arrive, the FP8 metadata is ignored."""
+    source, target = _experts(param_layout="te"), _experts(param_layout="te", init_method_std=0.5)
+    weights = {n: t for n, t in source.state_dict().items() if "_extra_state" not in n}
+    assert set(source.state_dict()) - set(weights) == {
+        "linear_fc1._extra_state", "linear_fc2._extra_state"}  # fmt: skip
+    te_bytes = torch.frombuffer(bytearray(b"fp8 metadata"), dtype=torch.uint8)
+    torch_native = {**weights, "linear_fc1._extra_state": te_bytes,
+                    "linear_fc2._extra_state": torch.empty(0, dtype=torch.uint8)}  # fmt: skip
+    dist_ckpt = {**torch_native, **{f"linear_fc{k}._extra_state{e}": te_bytes
+                                    for k in (1, 2) for e in (1, 2, 3)}}  # fmt: skip
+    for state in (torch_native, dist_ckpt, weights):
+        target.load_state_dict(state, strict=True)
+        for name, tensor in weights.items():
+            assert torch.equal(target.state_dict()[name], tensor), name
+        assert target.state_dict()["linear_fc1._extra_state"] is None
+        with torch.no_grad():
+            target.linear_fc1.weight0.zero_()
+    with pytest.raises(RuntimeError, match="linear_fc1._extra_state4"):  # only E - 1 splits
+        target.load_state_dict({**dist_ckpt, "linear_fc1._extra_state4": te_bytes})

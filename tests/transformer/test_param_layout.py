@@ -17,8 +17,8 @@ MOE = dict(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64,
            moe_token_dispatcher_type="allgather")  # fmt: skip
 
 
-def _config(moe: bool, qk: bool, normalization: str):
-    extra = dict(MOE, moe_layer_freq=[0, 1]) if moe else {}
+def _config(moe: bool, qk: bool, normalization: str, grouped: bool = False):
+    extra = dict(MOE, moe_layer_freq=[0, 1], moe_grouped_gemm=grouped) if moe else {}
     return tiny_config(qk_layernorm=qk, normalization=normalization, **extra)
 
 
@@ -30,12 +30,17 @@ def _block(config, layout="te"):
     )
 
 
-CASES = list(itertools.product((False, True), (False, True), ("RMSNorm", "LayerNorm")))
+QK_NORM = list(itertools.product((False, True), ("RMSNorm", "LayerNorm")))
+CASES = [(False, *c, False) for c in QK_NORM] + [
+    (True, *c, g) for c in QK_NORM for g in (False, True)
+]
 
 
-@pytest.mark.parametrize("moe,qk,normalization", CASES)
-def test_te_layout_names_are_the_te_specs(moe, qk, normalization):
-    config = _config(moe, qk, normalization)
+@pytest.mark.parametrize("moe,qk,normalization,grouped", CASES)
+def test_te_layout_names_are_the_te_specs(moe, qk, normalization, grouped):
+    """Parameters, state_dict, sharded_state_dict and disk keys; grouped = moe_grouped_gemm
+    (NPUGroupedMLP with TEGroupedMLP's names, sequential = SequentialMLP's)."""
+    config = _config(moe, qk, normalization, grouped)
     model = gpt(config, _block(config))
     assert {n for n, _ in model.named_parameters()} == expected_names(config, "parameters")
     assert set(model.state_dict()) == expected_names(config, "state_dict")
