@@ -30,7 +30,7 @@ def report():
     lines = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("CASE", "STANDIN", "REFUSALS"):
+        if tag in ("CASE", "STANDIN", "REFUSALS", "THD_REFUSALS"):
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -71,3 +71,24 @@ def test_refusals_name_the_numbers_and_the_fix(report):
     assert "a2a+p2p" in found["a2a+p2p"] and "fix" in found["a2a+p2p"]
     assert "attention_bias" in found["attention_bias"] and "fix" in found["attention_bias"]
     assert "ExplicitMask" in found["dense_mask"] and "packing" in found["dense_mask"]
+
+
+def test_all_gather_packed_and_windows_match_one_process(report):
+    """thd (MHA and GQA causal over padded sequences, full, causal window) and sbhd windows."""
+    cases = [c for c in report["CASE"] if "layout" in c]
+    covered = {(c["layout"], c["groups"], c["mask"], tuple(c["window"] or ()), c.get("padded"))
+               for c in cases}  # fmt: skip
+    assert {("thd", 4, "causal", (), True), ("thd", 2, "causal", (), True)} <= covered
+    assert ("thd", 2, "no_mask", (), False) in covered
+    assert ("thd", 2, "causal", (3, 0), True) in covered
+    assert {("sbhd", 2, "causal", (5, 0), None), ("sbhd", 4, "no_mask", (3, 2), None)} <= covered
+    for case in cases:
+        assert case["comm"] == "all_gather"
+        assert max(case["max_abs_error"].values()) <= TOLERANCE, case
+
+
+def test_packed_refusals_name_the_cause_and_the_fix(report):
+    (found,) = report["THD_REFUSALS"]
+    assert "padded" in found["full_padded"] and "fix" in found["full_padded"]
+    assert "packed sequence 0 has padded length 6" in found["odd"]
+    assert "cu_seqlens_q_padded" in found["odd"] and "fix" in found["odd"]

@@ -129,12 +129,16 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0):
+def attention(
+    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
+    window=None,
+):  # fmt: skip
     """Ring attention, sbhd: ``[s_local, b, np, hn]`` in, ``[s_local, b, np * hn]`` out.
 
     Causal attention only, without dropout (the gradient operator cannot replay a dropout mask
     that the reference draws); both are checked by the caller.
     """
+    _refuse_thd_or_window(thd_ends, window)
     if not causal or keep_prob != 1.0:
         raise ValueError(
             "cp_comm_type='p2p' runs causal attention without dropout; got "
@@ -144,3 +148,12 @@ def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_pr
     return RingAttention.apply(
         query.flatten(2), key.flatten(2), value.flatten(2), group, heads, scale, kernel
     )
+
+
+def _refuse_thd_or_window(thd_ends, window) -> None:
+    if thd_ends is not None or window is not None:
+        raise NotImplementedError(
+            f"cp_comm_type='p2p' is built for sbhd without sliding windows (got "
+            f"{'packed (thd) sequences' if thd_ends is not None else f'window_size={window}'}); "
+            "fix: cp_comm_type='all_gather', or context_parallel_size=1"
+        )

@@ -69,9 +69,13 @@ def check_heads(heads: int, groups: int, cp_size: int) -> None:
             )
 
 
-def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0):
+def attention(
+    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
+    window=None,
+):  # fmt: skip
     """Context-parallel attention by all-to-all, sbhd: ``[s_local, b, np, hn]`` in and
     ``[s_local, b, np * hn]`` out."""
+    _refuse_thd_or_window(thd_ends, window)
     size = dist.get_world_size(group)
     check_heads(heads, key.shape[2], size)
     q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))  # [s, b, n/CP, hn]
@@ -82,3 +86,12 @@ def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_pr
                            **kwargs)  # fmt: skip
     out = HeadsToSeq.apply(out.unflatten(-1, (heads // size, -1)), group)  # [s_l, b, np, hn]
     return out.flatten(2)
+
+
+def _refuse_thd_or_window(thd_ends, window) -> None:
+    if thd_ends is not None or window is not None:
+        raise NotImplementedError(
+            f"cp_comm_type='a2a' is built for sbhd without sliding windows (got "
+            f"{'packed (thd) sequences' if thd_ends is not None else f'window_size={window}'}); "
+            "fix: cp_comm_type='all_gather', or context_parallel_size=1"
+        )
