@@ -498,6 +498,8 @@ def _validate_heads(cfg) -> None:
 
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+PACKED_CP_COMM_TYPES = ("all_gather",)  # comm types that split packed (thd) batches
+WINDOW_CP_COMM_TYPES = ("all_gather",)  # comm types that compute sliding windows exactly
 
 
 def _validate_context(cfg, p) -> None:
@@ -514,9 +516,12 @@ def _validate_context(cfg, p) -> None:
               f"= {2 * p.context} (Megatron cuts each sequence into 2*CP chunks)",
               f"use a multiple of {2 * p.context}")  # fmt: skip
     if cfg.data.pack_sequences:
-        _fail("data.pack_sequences", True, "packed (thd) batches are not split over "
-              "context-parallel ranks by this trainer yet", "use unpacked batches with "
-              "parallel.context > 1, or parallel.context=1 for packing")  # fmt: skip
+        _validate_packed_context(cfg, p)
+    if cfg.model.window_size is not None and p.cp_comm_type not in WINDOW_CP_COMM_TYPES:
+        _fail("model.window_size", list(cfg.model.window_size), f"is not computed under "
+              f"context parallelism by cp_comm_type={p.cp_comm_type}",
+              f"use parallel.cp_comm_type={' or '.join(WINDOW_CP_COMM_TYPES)}, or "
+              "parallel.context=1")  # fmt: skip
     if p.cp_comm_type == "p2p" and cfg.model.attention_dropout > 0:
         _fail("model.attention_dropout", cfg.model.attention_dropout, "the p2p ring's gradient "
               "operator cannot replay a dropout mask", "set it to 0, or parallel.cp_comm_type="
@@ -530,6 +535,17 @@ def _validate_context(cfg, p) -> None:
                 _fail(f"model.{name}", count, f"per tensor-parallel rank ({count // tp}) does "
                       f"not divide by parallel.context={p.context}, as cp_comm_type=a2a needs",
                       "use parallel.cp_comm_type=p2p or all_gather, or another CP size")  # fmt: skip
+
+
+def _validate_packed_context(cfg, p) -> None:
+    """Packed batches under CP: each packed sequence (one sample of ``train.seq_length`` tokens)
+    is cut into its own 2*CP chunks, so its length must divide by 2*CP (the train.seq_length
+    rule above covers it)."""
+    if p.cp_comm_type not in PACKED_CP_COMM_TYPES:
+        _fail("parallel.cp_comm_type", p.cp_comm_type, "does not split packed (thd) batches "
+              "over context-parallel ranks in this build",
+              f"use parallel.cp_comm_type={' or '.join(PACKED_CP_COMM_TYPES)} with "
+              "data.pack_sequences=true, or unpacked batches")  # fmt: skip
 
 
 def _validate_parallel(cfg, world_size: int) -> None:

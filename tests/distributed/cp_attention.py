@@ -228,6 +228,28 @@ def thd_refusals():
     return found
 
 
+def memo_conversions():
+    """Three layers sharing one memo, one step: cu_seqlens reach the host once per tensor
+    (real and padded: 2), not once per layer; told in advance (the trainer): no sync at all."""
+    from mcore_npu.masks import SeqLengthsMemo
+
+    found = {}
+    for told in (False, True):
+        memo = SeqLengthsMemo()
+        params = _packed_params(REAL, PADDED)
+        if told:
+            for cu in (params.cu_seqlens_q, params.cu_seqlens_q_padded):
+                memo.remember(cu, tuple(cu[1:].tolist()))
+        layers = [NPUFusionAttention(_config(4, 2, 2, "all_gather"), n, AttnMaskType.causal,
+                                     seq_lengths_memo=memo) for n in (1, 2, 3)]  # fmt: skip
+        q = torch.randn(sum(PADDED) // 2, 4, HEAD_DIM)
+        kv = torch.randn(sum(PADDED) // 2, 2, HEAD_DIM)
+        for layer in layers:
+            layer(q, kv, kv, None, packed_seq_params=params)
+        found["told" if told else "converted"] = memo.conversions
+    return found
+
+
 def main():
     rt = runtime.initialize(runtime.ParallelLayout(context=2), seed=0)
     results = []
@@ -237,6 +259,7 @@ def main():
         if comm != "p2p":
             results.append(check(comm, 4, 2, AttnMaskType.no_mask))
     results.extend(all_gather_thd_and_window_cases())
+    memo = memo_conversions()  # collectives: every rank runs it
     stand_in = RecordingTorchNpu()
     sys.modules["torch_npu"] = stand_in
     try:
@@ -250,6 +273,7 @@ def main():
                                        "grad": stand_in.grad_calls}), flush=True)  # fmt: skip
         print("REFUSALS " + json.dumps(refusals()), flush=True)
         print("THD_REFUSALS " + json.dumps(thd_refusals()), flush=True)
+        print("MEMO " + json.dumps(memo), flush=True)
     runtime.shutdown()
 
 

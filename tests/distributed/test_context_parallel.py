@@ -30,7 +30,7 @@ def report():
     lines = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("CASE", "STANDIN", "REFUSALS", "THD_REFUSALS"):
+        if tag in ("CASE", "STANDIN", "REFUSALS", "THD_REFUSALS", "MEMO"):
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -92,3 +92,8 @@ def test_packed_refusals_name_the_cause_and_the_fix(report):
     assert "padded" in found["full_padded"] and "fix" in found["full_padded"]
     assert "packed sequence 0 has padded length 6" in found["odd"]
     assert "cu_seqlens_q_padded" in found["odd"] and "fix" in found["odd"]
+
+
+def test_packed_offsets_reach_the_host_once_per_step_not_per_layer(report):
+    (memo,) = report["MEMO"]
+    assert memo == {"converted": 2, "told": 0}  # 3 layers: real and padded cu_seqlens once each

@@ -34,7 +34,15 @@ BAD = [
     (["parallel.context=2", "parallel.cp_comm_type=a2a+p2p"], "parallel.cp_comm_type"),
     (["parallel.context=2", "attention.backend=local"], "parallel.context"),
     (["parallel.context=2", "train.seq_length=126"], "train.seq_length"),
-    (["parallel.context=2", "data.pack_sequences=true"], "data.pack_sequences"),
+    (["parallel.context=2", "data.pack_sequences=true"], "parallel.cp_comm_type"),  # p2p: sbhd
+    (["parallel.context=2", "model.window_size=[4,0]"], "model.window_size"),  # p2p: no windows
+    (
+        [
+            "parallel.context=2", "parallel.cp_comm_type=all_gather", "data.pack_sequences=true",
+            "train.seq_length=126",
+        ],
+        "train.seq_length",
+    ),  # fmt: skip
     (["parallel.context=2", "model.attention_dropout=0.1"], "model.attention_dropout"),
     (
         ["parallel.context=2", "parallel.cp_comm_type=a2a", "model.num_query_groups=1"],
@@ -95,6 +103,15 @@ def test_suggestions_point_to_the_nearest_name():
         load_config(None, ["train.stesp=3"])
     with pytest.raises(ConfigError, match="did you mean 'train'"):
         load_config(None, ["trian.steps=3"])
+
+
+def test_packed_sequences_and_windows_validate_under_all_gather_context_parallelism():
+    overrides = ["parallel.context=2", "parallel.cp_comm_type=all_gather",
+                 "data.pack_sequences=true", "model.window_size=[16,0]"]  # fmt: skip
+    cfg = load_config(CONFIGS / "gpt_tiny.yaml", overrides, world_size=2)
+    assert cfg.parallel.context == 2 and cfg.data.pack_sequences
+    with pytest.raises(ConfigError, match="parallel.cp_comm_type=all_gather"):
+        load_config(CONFIGS / "gpt_tiny.yaml", overrides[:1] + overrides[2:3], world_size=2)
 
 
 def test_overrides_apply_on_top_of_yaml():
