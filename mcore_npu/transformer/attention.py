@@ -203,14 +203,12 @@ class NPUFusionAttention(MegatronModule):
                 f"packed sequences with different query and key lengths under {where}; CP "
                 "splits self-attention only. fix: context_parallel_size=1 for cross attention"
             )
-        causal = _cp_mask(mask.within, where)[0]
-        if not causal and real is not None and padded is not real:
-            if memo.actual_seq_lengths(real) != memo.actual_seq_lengths(padded):
-                raise NotImplementedError(
-                    f"non-causal packed attention under {where} with padded sequences (real "
-                    "lengths < padded lengths): padding keys would be attended. fix: a causal "
-                    "layer, sequences without padding, or context_parallel_size=1"
-                )
+        if not _cp_mask(mask.within, where)[0] and _has_padding(memo, real, padded):
+            raise NotImplementedError(
+                f"non-causal packed attention under {where} with padded sequences (real "
+                "lengths < padded lengths): padding keys would be attended. fix: a causal "
+                "layer, sequences without padding, or context_parallel_size=1"
+            )
         if ends and ends[-1] > t_local:
             raise ValueError(
                 f"packed_seq_params.cu_seqlens_q_padded: ends at {ends[-1] * cp_size} tokens, "
@@ -252,6 +250,17 @@ class NPUFusionAttention(MegatronModule):
         if keep_prob >= 1.0 or self.config.sequence_parallel:
             return contextlib.nullcontext()
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _has_padding(memo, real, padded) -> bool:
+    """Whether the padded offsets differ from the real ones (host ints from the memo).
+
+    Causal attention over the padded layout is exact for real tokens (padding sits at the end
+    of each sequence, so no real query sees it); full attention would see the padding keys.
+    """
+    if real is None or padded is real:
+        return False
+    return memo.actual_seq_lengths(real) != memo.actual_seq_lengths(padded)
 
 
 def _cp_mask(mask, where: str) -> tuple[bool, tuple[int, int] | None]:

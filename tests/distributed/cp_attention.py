@@ -140,7 +140,7 @@ def _real_positions(real, padded):
     return torch.cat([torch.arange(p) < r for r, p in zip(real, padded)])
 
 
-def check_thd(comm, heads, groups, mask_type, window=None, real=REAL):
+def check_thd(comm, heads, groups, mask_type, window=None, real=REAL, kernel="reference"):
     """Packed batch on 2 ranks (Megatron's thd split) against one process, same params.
 
     The upstream gradient is 0 at padding positions (their loss is masked), so padding tokens
@@ -158,7 +158,8 @@ def check_thd(comm, heads, groups, mask_type, window=None, real=REAL):
     rank = torch.distributed.get_rank()
     index = thd_get_partitioned_indices(params.cu_seqlens_q_padded, total, 2, rank)
     want = [t.index_select(0, index) for t in _run_thd(single, q, k, v, dy, mask_type, params)]
-    parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type)
+    parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type,
+                                  kernel=kernel)  # fmt: skip
     local = [t.index_select(0, index) for t in (q, k, v, dy)]
     got = _run_thd(parallel, *local, mask_type, params)
     real_rows = keep.index_select(0, index)
@@ -167,7 +168,7 @@ def check_thd(comm, heads, groups, mask_type, window=None, real=REAL):
         name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
     }
     return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
-            "kernel": "reference", "layout": "thd", "window": window,
+            "kernel": kernel, "layout": "thd", "window": window,
             "padded": real != PADDED, "max_abs_error": errors}  # fmt: skip
 
 
@@ -180,11 +181,6 @@ def _run_thd(module, q, k, v, dy, mask_type, params):
 
 def check_window(comm, heads, groups, mask_type, window):
     """sbhd with a sliding window on 2 ranks against one process."""
-    result = check_window_sbhd(comm, heads, groups, mask_type, window)
-    return {**result, "layout": "sbhd", "window": window}
-
-
-def check_window_sbhd(comm, heads, groups, mask_type, window):
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen)
     k, v = (torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=gen) for _ in range(2))
@@ -198,7 +194,8 @@ def check_window_sbhd(comm, heads, groups, mask_type, window):
         name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
     }
     return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
-            "kernel": "reference", "max_abs_error": errors}  # fmt: skip
+            "kernel": "reference", "layout": "sbhd", "window": window,
+            "max_abs_error": errors}  # fmt: skip
 
 
 def all_gather_thd_and_window_cases():
@@ -266,6 +263,12 @@ def main():
         results.append(check("p2p", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
     finally:
         del sys.modules["torch_npu"]
+    thd_stand_in = RecordingTorchNpu()  # the packed all_gather path: how many operator calls
+    sys.modules["torch_npu"] = thd_stand_in
+    try:
+        results.append(check_thd("all_gather", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
+    finally:
+        del sys.modules["torch_npu"]
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
@@ -274,6 +277,8 @@ def main():
         print("REFUSALS " + json.dumps(refusals()), flush=True)
         print("THD_REFUSALS " + json.dumps(thd_refusals()), flush=True)
         print("MEMO " + json.dumps(memo), flush=True)
+        print("STANDIN_THD " + json.dumps({"padded": PADDED, "forward": thd_stand_in.forward_calls}),
+              flush=True)  # fmt: skip
     runtime.shutdown()
 
 

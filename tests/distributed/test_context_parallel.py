@@ -7,6 +7,7 @@ MHA and GQA, causal (and full attention where supported), the ring through a sta
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -30,7 +31,7 @@ def report():
     lines = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("CASE", "STANDIN", "REFUSALS", "THD_REFUSALS", "MEMO"):
+        if tag in ("CASE", "STANDIN", "REFUSALS", "THD_REFUSALS", "MEMO", "STANDIN_THD"):
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -97,3 +98,19 @@ def test_packed_refusals_name_the_cause_and_the_fix(report):
 def test_packed_offsets_reach_the_host_once_per_step_not_per_layer(report):
     (memo,) = report["MEMO"]
     assert memo == {"converted": 2, "told": 0}  # 3 layers: real and padded cu_seqlens once each
+
+
+def test_packed_all_gather_is_one_tnd_call_per_layer_with_prefix_segments(report):
+    """Rank 0 holds chunks 0 and 3 of every sequence (CP=2): one TND call, mode 3, one
+    (query chunk, key prefix) segment pair per chunk, lengths as end offsets without a 0."""
+    (record,) = report["STANDIN_THD"]
+    (call,) = record["forward"]  # one operator call for all sequences, not one per sequence
+    assert call["layout"] == ["TND"] and call["kwargs"]["sparse_mode"] == 3
+    assert call["tensor_kwargs"] == {"atten_mask": [2048, 2048]}  # compressed, no S x S mask
+    q_lengths, kv_lengths = [], []
+    for length in record["padded"]:
+        chunk = length // 4
+        q_lengths += [chunk, chunk]
+        kv_lengths += [chunk, 4 * chunk]  # prefixes through chunk 0 and through chunk 3
+    assert call["kwargs"]["actual_seq_qlen"] == list(itertools.accumulate(q_lengths))
+    assert call["kwargs"]["actual_seq_kvlen"] == list(itertools.accumulate(kv_lengths))

@@ -38,7 +38,9 @@ BAD = [
     (["parallel.context=2", "model.window_size=[4,0]"], "model.window_size"),  # p2p: no windows
     (
         [
-            "parallel.context=2", "parallel.cp_comm_type=all_gather", "data.pack_sequences=true",
+            "parallel.context=2",
+            "parallel.cp_comm_type=all_gather",
+            "data.pack_sequences=true",
             "train.seq_length=126",
         ],
         "train.seq_length",

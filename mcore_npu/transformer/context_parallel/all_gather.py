@@ -105,7 +105,13 @@ def _sbhd(query, key, value, group, heads, causal, window, common):
         q_half = q[half * chunk : (half + 1) * chunk]
         outs.append(
             fusion_attention(
-                q_half, k[first:last], v[first:last], heads, "SBH", atten_mask=mask, **mode,
+                q_half,
+                k[first:last],
+                v[first:last],
+                heads,
+                "SBH",
+                atten_mask=mask,
+                **mode,
                 **common,
             )  # fmt: skip
         )
