@@ -103,18 +103,9 @@ def _sbhd(query, key, value, group, heads, causal, window, common):
         start, end = chunk_id * chunk, (chunk_id + 1) * chunk
         first, last, mode = _key_range(start, end, seq, window)
         q_half = q[half * chunk : (half + 1) * chunk]
-        outs.append(
-            fusion_attention(
-                q_half,
-                k[first:last],
-                v[first:last],
-                heads,
-                "SBH",
-                atten_mask=mask,
-                **mode,
-                **common,
-            )  # fmt: skip
-        )
+        keys, values = k[first:last], v[first:last]
+        outs.append(fusion_attention(q_half, keys, values, heads, "SBH", atten_mask=mask,
+                                     **mode, **common))  # fmt: skip
     return torch.cat(outs)
 
 
