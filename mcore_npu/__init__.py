@@ -41,6 +41,8 @@ _EXPORTS = {
     "build_npu_attention_mask": "mcore_npu.masks",
     "padding_to_packed": "mcore_npu.masks",
     "NPUFusionAttention": "mcore_npu.transformer.attention",
+    "thd_get_partitioned_indices": "mcore_npu.transformer.context_parallel.thd",
+    "get_thd_batch_on_this_cp_rank": "mcore_npu.transformer.context_parallel.thd",
     "NPUTopKRouter": "mcore_npu.transformer.router",
     "NPUGroupedMLP": "mcore_npu.transformer.experts",
     "NPUMLP": "mcore_npu.transformer.mlp",

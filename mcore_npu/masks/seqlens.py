@@ -51,6 +51,19 @@ def actual_seq_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     return tuple(values[1:])
 
 
+def _check_cp_divisible(ends: tuple[int, ...], cp_size: int) -> None:
+    start = 0
+    for i, end in enumerate(ends):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(
+                f"packed_seq_params.cu_seqlens_q_padded: packed sequence {i} has padded length "
+                f"{end - start}, which does not divide by 2 * context_parallel_size = "
+                f"{2 * cp_size}; fix: pad every sequence to a multiple of {2 * cp_size} and pass "
+                "those offsets as cu_seqlens_q_padded (Megatron's get_thd_batch_on_this_cp_rank)"
+            )
+        start = end
+
+
 def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
@@ -151,6 +164,26 @@ class SeqLengthsMemo:
             ends = actual_seq_lengths(cu_seqlens)
             self.conversions += 1
             self.remember(cu_seqlens, ends)
+        return ends
+
+    def context_parallel_ends(
+        self, cu_seqlens_padded: torch.Tensor, cp_size: int
+    ) -> tuple[int, ...]:
+        """One context-parallel rank's local padded ends (no leading 0), once per tensor.
+
+        Under CP every packed sequence is cut into 2·CP chunks and each rank keeps two of them,
+        so local sequence i ends at ``cu_seqlens_padded[i + 1] // cp_size``. Derived from the
+        memoised host offsets (the one sync, or none when :meth:`remember` was told them).
+
+        Raises:
+            ValueError: a padded length does not divide by ``2 * cp_size`` (names the sequence).
+        """
+        ends = self._lookup(cu_seqlens_padded, ("cp_ends", cp_size))
+        if ends is None:
+            global_ends = self.actual_seq_lengths(cu_seqlens_padded)
+            _check_cp_divisible(global_ends, cp_size)
+            ends = tuple(end // cp_size for end in global_ends)
+            self._store(cu_seqlens_padded, ("cp_ends", cp_size), ends)
         return ends
 
     def rows_expanded(self, mask: torch.Tensor, seq_q: int) -> torch.Tensor:

@@ -513,10 +513,13 @@ def _validate_context(cfg, p) -> None:
         _fail("train.seq_length", cfg.train.seq_length, f"does not divide by 2*parallel.context "
               f"= {2 * p.context} (Megatron cuts each sequence into 2*CP chunks)",
               f"use a multiple of {2 * p.context}")  # fmt: skip
-    if cfg.data.pack_sequences:
-        _fail("data.pack_sequences", True, "packed (thd) batches are not split over "
-              "context-parallel ranks by this trainer yet", "use unpacked batches with "
-              "parallel.context > 1, or parallel.context=1 for packing")  # fmt: skip
+    # Packed batches: each packed sequence (one sample of train.seq_length tokens) is cut into
+    # its own 2*CP chunks; the train.seq_length rule above covers that. Every comm type splits them.
+    if cfg.model.window_size is not None and p.cp_comm_type == "p2p" and cfg.data.pack_sequences:
+        _fail("model.window_size", list(cfg.model.window_size), "is not computed on packed "
+              "batches by the p2p ring (a ring block's band shifts by the chunk length, which "
+              "differs per packed sequence)", "use parallel.cp_comm_type=a2a or all_gather, "
+              "unpacked batches, or parallel.context=1")  # fmt: skip
     if p.cp_comm_type == "p2p" and cfg.model.attention_dropout > 0:
         _fail("model.attention_dropout", cfg.model.attention_dropout, "the p2p ring's gradient "
               "operator cannot replay a dropout mask", "set it to 0, or parallel.cp_comm_type="

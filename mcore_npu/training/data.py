@@ -73,7 +73,9 @@ def read_text_file(path: str) -> str:
 class MicroBatch:
     """One micro-batch, ``[b, s]`` each (packed: ``[1, b*s]`` plus segment boundaries).
 
-    ``cu_seqlens`` (packed only) is Megatron's convention: int32 ``[b + 1]`` with a leading 0.
+    ``cu_seqlens`` (packed only) is Megatron's convention: int32 ``[b + 1]`` with a leading 0;
+    ``seq_ends`` the same offsets as host ints without it (told to the attention memo, so no
+    layer syncs). Every packed row is full, so the real offsets are also the padded ones.
     """
 
     tokens: torch.Tensor
@@ -82,6 +84,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    seq_ends: tuple[int, ...] | None = None
 
     def to(self, device) -> MicroBatch:
         moved = {
@@ -89,7 +92,8 @@ class MicroBatch:
             for name in ("tokens", "labels", "loss_mask", "position_ids")
         }
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
-        return MicroBatch(**moved, cu_seqlens=cu, max_seqlen=self.max_seqlen)
+        return MicroBatch(**moved, cu_seqlens=cu, max_seqlen=self.max_seqlen,
+                          seq_ends=self.seq_ends)  # fmt: skip
 
 
 class ByteDataset:
@@ -151,4 +155,5 @@ def _packed(rows: torch.Tensor) -> MicroBatch:
         position_ids=dense.position_ids.reshape(1, -1),
         cu_seqlens=torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32),
         max_seqlen=seq,
+        seq_ends=tuple(range(seq, (batch + 1) * seq, seq)),
     )

@@ -112,6 +112,7 @@ class Trainer(ExpandableSegmentsMixin):
         self.config = transformer_config(cfg)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every tensor-parallel rank
         self.model = self._data_parallel(build_model(cfg, self.config))
+        self._memos = _seq_lengths_memos(self.model)
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler()
         self._connect_schedule()
@@ -305,6 +306,9 @@ class Trainer(ExpandableSegmentsMixin):
 
     def _forward_step(self, data_iterator, model):
         batch: MicroBatch = next(data_iterator)
+        if batch.seq_ends is not None:  # host offsets known: no attention layer syncs for them
+            for memo in self._memos:
+                memo.remember(batch.cu_seqlens, batch.seq_ends)
         output = model(
             batch.tokens,
             batch.position_ids,
@@ -425,26 +429,53 @@ def _packed_seq_params(batch: MicroBatch):
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    # the GLOBAL offsets, real and padded (the same here: every row is full), as Megatron's
+    # get_thd_batch_on_this_cp_rank passes them; under CP each layer derives its local ends
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=batch.cu_seqlens,
         cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=batch.cu_seqlens,
+        cu_seqlens_kv_padded=batch.cu_seqlens,
         max_seqlen_q=batch.max_seqlen,
         max_seqlen_kv=batch.max_seqlen,
     )
 
 
+def _seq_lengths_memos(model) -> list:
+    """The distinct ``SeqLengthsMemo`` objects of the model's NPU attention layers."""
+    from mcore_npu.transformer.attention import NPUFusionAttention
+
+    memos = {}
+    for module in model.modules():
+        if isinstance(module, NPUFusionAttention):
+            memos[id(module.seq_lengths_memo)] = module.seq_lengths_memo
+    return list(memos.values())
+
+
+_SPLIT = ("tokens", "labels", "loss_mask", "position_ids")
+
+
 def _on_this_cp_rank(batch: MicroBatch) -> MicroBatch:
     """This context-parallel rank's chunks (r and 2*CP-1-r) of a ``[b, s]`` batch, cut by
-    Megatron's ``get_batch_on_this_cp_rank``; the batch itself at CP = 1."""
+    Megatron's ``get_batch_on_this_cp_rank``; of a packed ``[1, T]`` batch, chunks r and
+    2*CP-1-r of every sequence (``get_thd_batch_on_this_cp_rank``, no Transformer Engine),
+    keeping the global cu_seqlens. The batch itself at CP = 1."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from mcore_npu.transformer.context_parallel import get_thd_batch_on_this_cp_rank
+
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    names = ("tokens", "labels", "loss_mask", "position_ids")
-    local = get_batch_on_this_cp_rank({name: getattr(batch, name) for name in names})
-    return MicroBatch(**local)
+    tensors = {name: getattr(batch, name) for name in _SPLIT}
+    if batch.cu_seqlens is None:
+        return MicroBatch(**get_batch_on_this_cp_rank(tensors))
+    local, _ = get_thd_batch_on_this_cp_rank(
+        tensors, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen
+    )
+    return MicroBatch(**local, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                      seq_ends=batch.seq_ends)  # fmt: skip
 
 
 def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: torch.Tensor):

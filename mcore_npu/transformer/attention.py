@@ -20,7 +20,9 @@ polarity (True = masked out) is the operator's, so explicit masks pass through u
 
 Under context parallelism (``context_parallel_size > 1``) the layer's ``cp_comm_type`` picks
 an algorithm of :mod:`mcore_npu.transformer.context_parallel` (p2p ring, all_gather, a2a) for
-causal or full sbhd attention; dense masks and ``attention_bias`` are refused there.
+causal or full attention, sbhd or packed thd (Megatron's global ``cu_seqlens_q_padded`` turned
+into local ends once per step through the memo), and sliding windows where the algorithm can
+compute them exactly; dense masks and ``attention_bias`` are refused there.
 
 Nothing here writes to ``config``, patches Megatron or keeps global state.
 """
@@ -39,6 +41,7 @@ from mcore_npu.masks import (
     FullAttention,
     Packed,
     SeqLengthsMemo,
+    SlidingWindow,
     TopLeftCausalMask,
     describe_mask,
 )
@@ -145,7 +148,9 @@ class NPUFusionAttention(MegatronModule):
         )
         keep_prob = 1.0 - self.dropout_p if self.training else 1.0
         if self.cp_group is not None:
-            return self._context_parallel(query, key, value, mask, attention_bias, keep_prob)
+            return self._context_parallel(
+                query, key, value, mask, attention_bias, keep_prob, packed_seq_params
+            )
         op_kwargs = mask.operator_args(query.device).as_kwargs()
         pse = self._bias(attention_bias, query, seq_q, seq_kv, packed)
         if pse is not None:
@@ -161,35 +166,58 @@ class NPUFusionAttention(MegatronModule):
             )  # fmt: skip
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
 
-    def _context_parallel(self, query, key, value, mask, attention_bias, keep_prob):
-        """sbhd under CP: ``[s/CP, b, np, hn]`` (chunks r, 2CP-1-r) -> ``[s/CP, b, np*hn]``."""
+    def _context_parallel(
+        self, query, key, value, mask, attention_bias, keep_prob, packed_seq_params
+    ):
+        """Under CP: sbhd ``[s/CP, b, np, hn]`` (chunks r, 2CP-1-r) -> ``[s/CP, b, np*hn]``;
+        thd ``[t/CP, np, hn]`` (chunks r, 2CP-1-r of every sequence) -> ``[t/CP, np*hn]``."""
         where = f"context parallelism (cp_comm_type={self.cp_comm_type!r})"
         if attention_bias is not None:
             raise NotImplementedError(
                 f"attention_bias under {where}: a bias over the whole sequence would have to "
                 "travel with every block; fix: context_parallel_size=1 for biased attention"
             )
+        thd_ends = None
         if isinstance(mask, Packed):
-            raise NotImplementedError(
-                f"packed (thd) sequences under {where} are not built yet; fix: unpacked (sbhd) "
-                "batches under CP, or context_parallel_size=1 for packed batches"
-            )
-        if isinstance(mask, FullAttention):
-            causal = False
-        elif isinstance(mask, (TopLeftCausalMask, BottomRightCausalMask)):
-            causal = True
-        else:
-            raise NotImplementedError(
-                f"{type(mask).__name__} under {where}: only causal and full attention are split "
-                "over CP ranks (a dense mask would be S x S per rank); fix: express padding by "
-                "packing sequences, or use context_parallel_size=1"
-            )
+            thd_ends = self._thd_ends(mask, packed_seq_params, query.shape[0], where)
+            mask = mask.within
+        causal, window = _cp_mask(mask, where)
         with self._dropout_rng(keep_prob):
             return context_parallel.attention(
                 self.cp_comm_type, query, key, value, self.cp_group,
                 heads=self.num_heads_per_partition, scale=self.softmax_scale, causal=causal,
-                kernel=self.kernel, keep_prob=keep_prob,
+                kernel=self.kernel, keep_prob=keep_prob, thd_ends=thd_ends, window=window,
             )  # fmt: skip
+
+    def _thd_ends(self, mask, params, t_local: int, where: str) -> tuple[int, ...]:
+        """This rank's local padded cumulative ends (no leading 0) from Megatron's GLOBAL
+        ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``): host ints, converted once per step."""
+        cp_size = self.config.context_parallel_size
+        padded = getattr(params, "cu_seqlens_q_padded", None)
+        real = params.cu_seqlens_q
+        padded = real if padded is None else padded
+        memo = self.seq_lengths_memo
+        ends = memo.context_parallel_ends(padded, cp_size)
+        if mask.lengths.q != mask.lengths.kv:
+            raise NotImplementedError(
+                f"packed sequences with different query and key lengths under {where}; CP "
+                "splits self-attention only. fix: context_parallel_size=1 for cross attention"
+            )
+        if not _cp_mask(mask.within, where)[0] and _has_padding(memo, real, padded):
+            raise NotImplementedError(
+                f"non-causal packed attention under {where} with padded sequences (real "
+                "lengths < padded lengths): padding keys would be attended. fix: a causal "
+                "layer, sequences without padding, or context_parallel_size=1"
+            )
+        if ends and ends[-1] > t_local:
+            raise ValueError(
+                f"packed_seq_params.cu_seqlens_q_padded: ends at {ends[-1] * cp_size} tokens, "
+                f"but this CP rank holds {t_local} (x {cp_size} ranks); pass the GLOBAL padded "
+                "offsets of the batch that get_thd_batch_on_this_cp_rank split"
+            )
+        if not ends or ends[-1] < t_local:  # a padding tail: one more sequence of its own
+            ends = (*ends, t_local)
+        return ends
 
     def _bias(self, attention_bias, query, seq_q, seq_kv, packed):
         """Megatron's ``attention_bias`` (added after scaling) as the operator's ``pse`` (added
@@ -222,6 +250,32 @@ class NPUFusionAttention(MegatronModule):
         if keep_prob >= 1.0 or self.config.sequence_parallel:
             return contextlib.nullcontext()
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _has_padding(memo, real, padded) -> bool:
+    """Whether the padded offsets differ from the real ones (host ints from the memo).
+
+    Causal attention over the padded layout is exact for real tokens (padding sits at the end
+    of each sequence, so no real query sees it); full attention would see the padding keys.
+    """
+    if real is None or padded is real:
+        return False
+    return memo.actual_seq_lengths(real) != memo.actual_seq_lengths(padded)
+
+
+def _cp_mask(mask, where: str) -> tuple[bool, tuple[int, int] | None]:
+    """``(causal, window)`` of a mask description that CP can split, else refuse."""
+    if isinstance(mask, FullAttention):
+        return False, None
+    if isinstance(mask, (TopLeftCausalMask, BottomRightCausalMask)):
+        return True, None
+    if isinstance(mask, SlidingWindow):
+        return mask.right == 0, (mask.left, mask.right)
+    raise NotImplementedError(
+        f"{type(mask).__name__} under {where}: only causal and full attention and sliding "
+        "windows are split over CP ranks (a dense mask would be S x S per rank); fix: express "
+        "padding by packing sequences, or use context_parallel_size=1"
+    )
 
 
 def _check_supported(config, kernel: str) -> None:

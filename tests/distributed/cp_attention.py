@@ -24,16 +24,17 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from mcore_npu.ops import reference
 from mcore_npu.training import runtime
 from mcore_npu.transformer.attention import NPUFusionAttention
+from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
 
-def _config(heads, groups, cp, comm):
+def _config(heads, groups, cp, comm, window=None):
     return TransformerConfig(
         num_layers=1, hidden_size=heads * HEAD_DIM, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=HEAD_DIM, attention_dropout=0.0,
         context_parallel_size=cp, cp_comm_type=comm if cp > 1 else None,
-        use_cpu_initialization=True,
+        use_cpu_initialization=True, window_size=window,
     )  # fmt: skip
 
 
@@ -137,6 +138,68 @@ def _grads(fn, q, k, v, dy):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
+# -- packed (thd) sequences and sliding windows (helper 13a: all_gather) ----------------------
+
+PADDED = (8, 16, 4, 12)  # every padded length divides by 2 * CP = 4
+REAL = (8, 13, 3, 12)  # two sequences with a padding tail
+
+
+def _packed_params(real, padded):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_real = torch.tensor([0, *torch.tensor(real).cumsum(0).tolist()], dtype=torch.int32)
+    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+        cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=max(padded), max_seqlen_kv=max(padded),
+    )  # fmt: skip
+
+
+def _real_positions(real, padded):
+    """``[T]`` bool: True at real tokens, False at each sequence's padding tail."""
+    return torch.cat([torch.arange(p) < r for r, p in zip(real, padded)])
+
+
+def check_thd(comm, heads, groups, mask_type, window=None, real=REAL, kernel="reference"):
+    """Packed batch on 2 ranks (Megatron's thd split) against one process, same params.
+
+    The upstream gradient is 0 at padding positions (their loss is masked), so padding tokens
+    never reach a real one: out is compared at real tokens, dQ/dK/dV everywhere.
+    """
+    gen = torch.Generator().manual_seed(5)
+    total = sum(PADDED)
+    q = torch.randn(total, heads, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(total, groups, HEAD_DIM, generator=gen) for _ in range(2))
+    keep = _real_positions(real, PADDED)
+    dy = torch.randn(total, heads * HEAD_DIM, generator=gen) * keep[:, None]
+    params = _packed_params(real, PADDED)
+    single = NPUFusionAttention(_config(heads, groups, 1, None, window), 1, mask_type,
+                                kernel="reference")  # fmt: skip
+    rank = torch.distributed.get_rank()
+    index = thd_get_partitioned_indices(params.cu_seqlens_q_padded, total, 2, rank)
+    want = [t.index_select(0, index) for t in _run_thd(single, q, k, v, dy, mask_type, params)]
+    parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type,
+                                  kernel=kernel)  # fmt: skip
+    local = [t.index_select(0, index) for t in (q, k, v, dy)]
+    got = _run_thd(parallel, *local, mask_type, params)
+    real_rows = keep.index_select(0, index)
+    got[0], want[0] = got[0][real_rows], want[0][real_rows]
+    errors = {
+        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
+    }
+    return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
+            "kernel": kernel, "layout": "thd", "window": window,
+            "padded": real != PADDED, "max_abs_error": errors}  # fmt: skip
+
+
+def _run_thd(module, q, k, v, dy, mask_type, params):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = module(*leaves, None, attn_mask_type=mask_type, packed_seq_params=params)
+    out.backward(dy)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
 def _errors(got, want):
     """Worst absolute error of out, dQ, dK, dV over both ranks (their blocks differ)."""
     names = ("out", "dq", "dk", "dv")
@@ -193,8 +256,9 @@ def check_packed(comm, heads, groups, *, causal=True, window=None, kernel="refer
             "kernel": kernel, "max_abs_error": _errors(got, want)}  # fmt: skip
 
 
-def check_window(comm, heads, groups, window):
-    """sbhd sliding window: 2 ranks (Megatron's chunks) against one SBH call."""
+def check_window_direct(comm, heads, groups, window):
+    """sbhd sliding window through ``ring`` / ``ulysses`` directly: 2 ranks (Megatron's
+    chunks) against one SBH call."""
     from mcore_npu.ops import fusion_attention
     from mcore_npu.transformer.context_parallel import ring, ulysses
 
@@ -233,8 +297,8 @@ def packed_and_window_cases():
     results.append(check_packed("a2a", 4, 2, causal=False))
     results.append(check_packed("a2a", 4, 2, window=WINDOWS[0]))
     for window in WINDOWS:
-        results.append(check_window("p2p", 4, 2, window))
-    results.append(check_window("a2a", 4, 2, WINDOWS[0]))
+        results.append(check_window_direct("p2p", 4, 2, window))
+    results.append(check_window_direct("a2a", 4, 2, WINDOWS[0]))
     stand_in = RecordingTorchNpu()
     sys.modules["torch_npu"] = stand_in
     try:
@@ -250,6 +314,79 @@ def packed_and_window_cases():
     return results, calls, {"p2p_thd_window": refused}
 
 
+def check_window(comm, heads, groups, mask_type, window):
+    """sbhd with a sliding window on 2 ranks against one process."""
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=gen) for _ in range(2))
+    dy = torch.randn(SEQ, BATCH, heads * HEAD_DIM, generator=gen)
+    single = NPUFusionAttention(_config(heads, groups, 1, None, window), 1, mask_type,
+                                kernel="reference")  # fmt: skip
+    want = [_local(t) for t in _run(single, q, k, v, dy, mask_type)]
+    parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type)
+    got = _run(parallel, *(_local(t) for t in (q, k, v, dy)), mask_type)
+    errors = {
+        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
+    }
+    return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
+            "kernel": "reference", "layout": "sbhd", "window": window,
+            "max_abs_error": errors}  # fmt: skip
+
+
+def module_thd_and_window_cases():
+    """Through ``NPUFusionAttention``'s dispatch: all_gather thd (causal MHA/GQA with padded
+    sequences, full, causal window) and sbhd windows; p2p and a2a thd and sbhd windows."""
+    causal, full = AttnMaskType.causal, AttnMaskType.no_mask
+    results = [check_thd("all_gather", 4, groups, causal) for groups in (4, 2)]
+    results.append(check_thd("all_gather", 4, 2, full, real=PADDED))
+    results.append(check_thd("all_gather", 4, 2, causal, window=(3, 0)))
+    results.append(check_window("all_gather", 4, 2, causal, (5, 0)))
+    results.append(check_window("all_gather", 4, 4, full, (3, 2)))
+    results.append(check_window("all_gather", 4, 2, full, (-1, 6)))
+    for comm in ("p2p", "a2a"):  # the same module dispatch into the ring and Ulysses
+        results.append(check_thd(comm, 4, 2, causal))
+        results.append(check_window(comm, 4, 2, causal, (5, 0)))
+    results.append(check_thd("a2a", 4, 2, causal, window=(3, 0)))
+    return results
+
+
+def thd_refusals():
+    """What packed CP refuses: non-causal attention over padded sequences, bad padding."""
+    found = {}
+    module = NPUFusionAttention(_config(4, 4, 2, "all_gather"), 1, AttnMaskType.no_mask)
+    x = torch.randn(sum(PADDED) // 2, 4, HEAD_DIM)
+    bad = _packed_params((6, 16, 4, 12), (6, 16, 4, 14))
+    for name, params in {"full_padded": _packed_params(REAL, PADDED), "odd": bad}.items():
+        try:
+            module(x, x, x, None, packed_seq_params=params)
+            found[name] = None
+        except (ValueError, NotImplementedError) as err:
+            found[name] = str(err)
+    return found
+
+
+def memo_conversions():
+    """Three layers sharing one memo, one step: cu_seqlens reach the host once per tensor
+    (real and padded: 2), not once per layer; told in advance (the trainer): no sync at all."""
+    from mcore_npu.masks import SeqLengthsMemo
+
+    found = {}
+    for told in (False, True):
+        memo = SeqLengthsMemo()
+        params = _packed_params(REAL, PADDED)
+        if told:
+            for cu in (params.cu_seqlens_q, params.cu_seqlens_q_padded):
+                memo.remember(cu, tuple(cu[1:].tolist()))
+        layers = [NPUFusionAttention(_config(4, 2, 2, "all_gather"), n, AttnMaskType.causal,
+                                     seq_lengths_memo=memo) for n in (1, 2, 3)]  # fmt: skip
+        q = torch.randn(sum(PADDED) // 2, 4, HEAD_DIM)
+        kv = torch.randn(sum(PADDED) // 2, 2, HEAD_DIM)
+        for layer in layers:
+            layer(q, kv, kv, None, packed_seq_params=params)
+        found["told" if told else "converted"] = memo.conversions
+    return found
+
+
 def main():
     rt = runtime.initialize(runtime.ParallelLayout(context=2), seed=0)
     results = []
@@ -258,6 +395,8 @@ def main():
             results.append(check(comm, heads, groups, AttnMaskType.causal))
         if comm != "p2p":
             results.append(check(comm, 4, 2, AttnMaskType.no_mask))
+    results.extend(module_thd_and_window_cases())
+    memo = memo_conversions()  # collectives: every rank runs it
     stand_in = RecordingTorchNpu()
     sys.modules["torch_npu"] = stand_in
     try:
@@ -266,6 +405,13 @@ def main():
         del sys.modules["torch_npu"]
     packed_results, packed_calls, packed_refusals = packed_and_window_cases()
     results += packed_results
+
+    thd_stand_in = RecordingTorchNpu()  # the packed all_gather path: how many operator calls
+    sys.modules["torch_npu"] = thd_stand_in
+    try:
+        results.append(check_thd("all_gather", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
+    finally:
+        del sys.modules["torch_npu"]
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
@@ -274,6 +420,11 @@ def main():
         print("REFUSALS " + json.dumps(refusals()), flush=True)
         print("STANDIN_THD " + json.dumps(packed_calls), flush=True)
         print("REFUSALS_THD " + json.dumps(packed_refusals), flush=True)
+
+        print("THD_REFUSALS " + json.dumps(thd_refusals()), flush=True)
+        print("MEMO " + json.dumps(memo), flush=True)
+        print("STANDIN_THD_GATHER " + json.dumps({"padded": PADDED, "forward": thd_stand_in.forward_calls}),
+              flush=True)  # fmt: skip
     runtime.shutdown()
 
 

@@ -7,6 +7,7 @@ MHA and GQA, causal (and full attention where supported), the ring through a sta
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -30,7 +31,8 @@ def report():
     lines = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("CASE", "STANDIN", "REFUSALS", "STANDIN_THD", "REFUSALS_THD"):
+        if tag in ("CASE", "STANDIN", "REFUSALS", "REFUSALS_THD", "THD_REFUSALS", "MEMO",
+                   "STANDIN_THD", "STANDIN_THD_GATHER"):  # fmt: skip
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -118,3 +120,51 @@ def test_packed_ring_calls_the_operators_with_their_exact_arguments(report):
     (refused,) = report["REFUSALS_THD"]
     assert "window_size=(5, 0)" in refused["p2p_thd_window"]
     assert "'a2a'" in refused["p2p_thd_window"] and "fix" in refused["p2p_thd_window"]
+
+
+def test_module_packed_and_windows_match_one_process(report):
+    """Through the module: all_gather thd (MHA and GQA causal over padded sequences, full,
+    causal window) and sbhd windows; p2p and a2a thd causal and sbhd windows."""
+    cases = [c for c in report["CASE"] if "layout" in c]
+    covered = {(c["comm"], c["layout"], c["groups"], c["mask"], tuple(c["window"] or ()),
+                c.get("padded")) for c in cases}  # fmt: skip
+    gather = {("thd", 4, "causal", (), True), ("thd", 2, "causal", (), True),
+              ("thd", 2, "no_mask", (), False), ("thd", 2, "causal", (3, 0), True),
+              ("sbhd", 2, "causal", (5, 0), None), ("sbhd", 4, "no_mask", (3, 2), None)}  # fmt: skip
+    assert {("all_gather", *case) for case in gather} <= covered
+    for comm in ("p2p", "a2a"):
+        assert {
+            (comm, "thd", 2, "causal", (), True),
+            (comm, "sbhd", 2, "causal", (5, 0), None),
+        } <= covered
+    assert ("a2a", "thd", 2, "causal", (3, 0), True) in covered
+    for case in cases:
+        assert max(case["max_abs_error"].values()) <= TOLERANCE, case
+
+
+def test_packed_refusals_name_the_cause_and_the_fix(report):
+    (found,) = report["THD_REFUSALS"]
+    assert "padded" in found["full_padded"] and "fix" in found["full_padded"]
+    assert "packed sequence 0 has padded length 6" in found["odd"]
+    assert "cu_seqlens_q_padded" in found["odd"] and "fix" in found["odd"]
+
+
+def test_packed_offsets_reach_the_host_once_per_step_not_per_layer(report):
+    (memo,) = report["MEMO"]
+    assert memo == {"converted": 2, "told": 0}  # 3 layers: real and padded cu_seqlens once each
+
+
+def test_packed_all_gather_is_one_tnd_call_per_layer_with_prefix_segments(report):
+    """Rank 0 holds chunks 0 and 3 of every sequence (CP=2): one TND call, mode 3, one
+    (query chunk, key prefix) segment pair per chunk, lengths as end offsets without a 0."""
+    (record,) = report["STANDIN_THD_GATHER"]
+    (call,) = record["forward"]  # one operator call for all sequences, not one per sequence
+    assert call["layout"] == ["TND"] and call["kwargs"]["sparse_mode"] == 3
+    assert call["tensor_kwargs"] == {"atten_mask": [2048, 2048]}  # compressed, no S x S mask
+    q_lengths, kv_lengths = [], []
+    for length in record["padded"]:
+        chunk = length // 4
+        q_lengths += [chunk, chunk]
+        kv_lengths += [chunk, 4 * chunk]  # prefixes through chunk 0 and through chunk 3
+    assert call["kwargs"]["actual_seq_qlen"] == list(itertools.accumulate(q_lengths))
+    assert call["kwargs"]["actual_seq_kvlen"] == list(itertools.accumulate(kv_lengths))

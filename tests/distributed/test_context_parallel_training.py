@@ -1,8 +1,8 @@
 """``mcore-npu train`` with context parallelism under torchrun (gloo) against one process.
 
 Every run starts from the same step-0 checkpoint; 5 steps of 2 samples of 128 tokens, micro-
-batches of 1. Each CP=2 comm type, CP=2 x TP=2 (4 ranks), and a CP=2 checkpoint resumed in one
-process must reproduce the one-process losses within 1e-5.
+batches of 1. Each CP=2 comm type, CP=2 x TP=2 (4 ranks), CP=2 with packed sequences, and a
+CP=2 checkpoint resumed in one process must reproduce the one-process losses within 1e-5.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ LAYOUTS = {
     "cp2_all_gather": (2, ["parallel.cp_comm_type=all_gather"]),
     "cp2_a2a": (2, ["parallel.cp_comm_type=a2a"]),
     "cp2_tp2": (4, ["parallel.tensor=2"]),
+    # packed (thd) rows split per sequence; every row is a full sequence, so the one-process
+    # packed run is the unpacked one (bit-identical when measured): `single` is its reference
+    "cp2_packed_p2p": (2, ["parallel.cp_comm_type=p2p", "data.pack_sequences=true"]),
 }
 
 

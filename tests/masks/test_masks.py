@@ -991,3 +991,16 @@ def test_memo_converts_again_after_an_in_place_update():
     cu.copy_(torch.tensor([0, 2, 8], dtype=torch.int32))  # a static buffer refilled for a new step
     assert memo.actual_seq_lengths(cu) == (2, 8)
     assert memo.conversions == 2
+
+
+def test_context_parallel_ends_convert_once_per_tensor_and_check_divisibility():
+    memo = SeqLengthsMemo()
+    cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+    for _ in range(5):  # every layer of a step asks
+        assert memo.context_parallel_ends(cu, 2) == (4, 6, 12)
+    assert memo.conversions == 1
+    told = SeqLengthsMemo()
+    told.remember(cu, (8, 12, 24))  # the trainer knows the offsets on the host
+    assert told.context_parallel_ends(cu, 2) == (4, 6, 12) and told.conversions == 0
+    with pytest.raises(ValueError, match="packed sequence 1 has padded length 4.*fix"):
+        memo.context_parallel_ends(cu, 4)

@@ -34,7 +34,19 @@ BAD = [
     (["parallel.context=2", "parallel.cp_comm_type=a2a+p2p"], "parallel.cp_comm_type"),
     (["parallel.context=2", "attention.backend=local"], "parallel.context"),
     (["parallel.context=2", "train.seq_length=126"], "train.seq_length"),
-    (["parallel.context=2", "data.pack_sequences=true"], "data.pack_sequences"),
+    (
+        ["parallel.context=2", "data.pack_sequences=true", "model.window_size=[4,0]"],
+        "model.window_size",
+    ),  # p2p: no sliding windows on packed batches
+    (
+        [
+            "parallel.context=2",
+            "parallel.cp_comm_type=all_gather",
+            "data.pack_sequences=true",
+            "train.seq_length=126",
+        ],
+        "train.seq_length",
+    ),  # fmt: skip
     (["parallel.context=2", "model.attention_dropout=0.1"], "model.attention_dropout"),
     (
         ["parallel.context=2", "parallel.cp_comm_type=a2a", "model.num_query_groups=1"],
@@ -95,6 +107,21 @@ def test_suggestions_point_to_the_nearest_name():
         load_config(None, ["train.stesp=3"])
     with pytest.raises(ConfigError, match="did you mean 'train'"):
         load_config(None, ["trian.steps=3"])
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_packed_sequences_and_windows_validate_under_context_parallelism(comm):
+    overrides = ["parallel.context=2", f"parallel.cp_comm_type={comm}", "data.pack_sequences=true"]
+    window = ["model.window_size=[16,0]"]
+    cfg = load_config(CONFIGS / "gpt_tiny.yaml", overrides, world_size=2)
+    assert cfg.parallel.context == 2 and cfg.data.pack_sequences
+    if comm == "p2p":  # the ring computes windows on unpacked batches only
+        load_config(CONFIGS / "gpt_tiny.yaml", [*overrides[:2], *window], world_size=2)
+        with pytest.raises(ConfigError, match="parallel.cp_comm_type=a2a or all_gather"):
+            load_config(CONFIGS / "gpt_tiny.yaml", [*overrides, *window], world_size=2)
+    else:
+        cfg = load_config(CONFIGS / "gpt_tiny.yaml", [*overrides, *window], world_size=2)
+        assert list(cfg.model.window_size) == [16, 0]
 
 
 def test_overrides_apply_on_top_of_yaml():

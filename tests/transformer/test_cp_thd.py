@@ -64,3 +64,29 @@ def test_check_names_the_sequence_and_the_fix():
     check_thd_partitionable(torch.tensor([0, 8, 12]), 2)
     with pytest.raises(ValueError, match=r"sequence 1 has padded length 6.*multiple of 4"):
         check_thd_partitionable(torch.tensor([0, 8, 14]), 2)
+
+
+def test_get_thd_batch_splits_every_packed_tensor_and_keeps_the_global_offsets():
+    from mcore_npu import get_thd_batch_on_this_cp_rank
+
+    lengths = [8, 4, 12]
+    cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+    tokens = torch.arange(24).reshape(1, 24)
+    batch = {"tokens": tokens, "labels": tokens + 100, "cu_seqlens": cu}
+    for rank in range(2):
+        local, params = get_thd_batch_on_this_cp_rank(batch, cu, cu, 12, cp_size=2, cp_rank=rank)
+        assert local["tokens"].tolist() == [_by_chunks(lengths, 2, rank)]
+        assert local["labels"].tolist() == [[t + 100 for t in _by_chunks(lengths, 2, rank)]]
+        assert local["cu_seqlens"] is cu  # offsets stay global, as Megatron passes them
+        assert params.qkv_format == "thd" and params.cu_seqlens_q_padded is cu
+        assert params.max_seqlen_q == 12
+
+
+def test_get_thd_batch_refuses_a_tensor_that_is_not_packed():
+    from mcore_npu import get_thd_batch_on_this_cp_rank
+
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        get_thd_batch_on_this_cp_rank(
+            {"tokens": torch.zeros(1, 8), "labels": torch.zeros(1, 4)}, cu, cu, 8, 2, 0
+        )

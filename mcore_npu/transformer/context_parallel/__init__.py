@@ -10,18 +10,35 @@ comm type      what travels                                 module
 =============  ===========================================  ==============================
 
 Inputs are Megatron's: each CP rank holds chunks r and 2·CP-1-r of every sequence
-(``get_batch_on_this_cp_rank``), sbhd ``[s/CP, b, n, hn]``. The CP group comes from
-``pg_collection.cp``, falling back to ``parallel_state``.
+(``get_batch_on_this_cp_rank``), sbhd ``[s/CP, b, n, hn]``, or packed thd ``[t/CP, n, hn]``
+where every packed sequence is cut into its own 2·CP chunks (:mod:`.thd`,
+``get_thd_batch_on_this_cp_rank``). The CP group comes from ``pg_collection.cp``, falling back
+to ``parallel_state``.
 """
 
 from __future__ import annotations
 
 from mcore_npu.transformer.context_parallel import all_gather, ring, ulysses
+from mcore_npu.transformer.context_parallel.thd import (
+    check_thd_partitionable,
+    get_thd_batch_on_this_cp_rank,
+    local_cu_seqlens,
+    thd_get_partitioned_indices,
+)
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _ALGORITHMS = {"p2p": ring, "all_gather": all_gather, "a2a": ulysses}
 
-__all__ = ["COMM_TYPES", "attention", "context_parallel_group", "layer_comm_type"]
+__all__ = [
+    "COMM_TYPES",
+    "attention",
+    "check_thd_partitionable",
+    "context_parallel_group",
+    "get_thd_batch_on_this_cp_rank",
+    "layer_comm_type",
+    "local_cu_seqlens",
+    "thd_get_partitioned_indices",
+]
 
 
 def layer_comm_type(config, layer_number: int, given: str | None) -> str:
@@ -59,8 +76,12 @@ def context_parallel_group(pg_collection):
 
 
 def attention(comm_type, query, key, value, group, **kwargs):
-    """Run ``comm_type``'s algorithm: ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``.
+    """Run ``comm_type``'s algorithm: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``,
+    thd ``[t_local, np, hn]`` -> ``[t_local, np * hn]``.
 
-    Keyword arguments: ``heads`` (np), ``scale``, ``causal``, ``kernel``, ``keep_prob``.
+    Keyword arguments: ``heads`` (np), ``scale``, ``causal``, ``kernel``, ``keep_prob``,
+    ``thd_ends`` (packed: the local padded cumulative ends without the leading 0, host ints;
+    None for sbhd) and ``window`` (``(left, right)``, -1 = unbounded; None = no window). An
+    algorithm that cannot do a case raises ``NotImplementedError`` naming it and the fix.
     """
     return _ALGORITHMS[comm_type].attention(query, key, value, group, **kwargs)

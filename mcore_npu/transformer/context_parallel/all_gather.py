@@ -1,18 +1,36 @@
 """``cp_comm_type="all_gather"``: all-gather K/V, each local query chunk attends to its prefix.
 
-Per rank: the local queries (chunks r and 2·CP-1-r), the whole K/V in natural token order.
-Query chunk c attends to ``K/V[: (c + 1) * chunk]`` with sparse mode 3 (bottom-right causal,
-the compressed mask: no S×S mask). The gather is an autograd function whose backward puts the
-K/V gradients back in rank order and reduce-scatters them to their owners.
+Per rank: the local queries (chunks r and 2·CP-1-r of every sequence), the whole K/V in
+natural token order. The gather is an autograd function whose backward reduce-scatters the K/V
+gradients to their owners. No S×S mask anywhere: every call uses the compressed mask.
+
+=====================  ============================================  ===========================
+case                   keys of query chunk c (positions in its seq)  operator calls per layer
+=====================  ============================================  ===========================
+sbhd causal            ``[0, (c+1)·chunk)``                          2, SBH, mode 3 (bottom-right)
+sbhd full              all                                           1, SBH, no mask
+sbhd window (l, r)     ``[start - l, end + r)`` clipped              2, SBH, mode 4 (band)
+thd causal             the prefix of its own sequence                1, TND, mode 3
+thd full               its whole sequence (real == padded lengths)   1, TND, no mask
+thd window (l, 0)      ``[start - l, end)`` within its sequence      1, TND, mode 4
+=====================  ============================================  ===========================
+
+For thd the key/value segment of every query chunk is laid out by one ``index_select`` of the
+gathered (rank-ordered) tokens: overlapping prefixes are copied, so the TND call sees one
+``(query segment, key segment)`` pair per chunk, bottom-right aligned. Autograd's backward of
+``index_select`` adds the overlapping gradients back before the reduce-scatter. The index is a
+pure function of the host offsets and is built once per distinct batch layout (a small LRU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
 from mcore_npu.masks import compressed_causal_mask
-from mcore_npu.ops import fusion_attention
+from mcore_npu.ops import INT32_MAX, fusion_attention
 from mcore_npu.transformer.context_parallel import chunks
 
 
@@ -33,33 +51,171 @@ class GatherSequence(torch.autograd.Function):
         return chunks.reduce_scatter_seq(ranked, ctx.group), None
 
 
-def attention(query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0):
-    """Context-parallel attention by all-gather, sbhd.
+class GatherTokens(torch.autograd.Function):
+    """``[t_local, ...]`` -> ``[CP * t_local, ...]`` in rank order; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return chunks.all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return chunks.reduce_scatter_seq(grad, ctx.group), None
+
+
+def attention(
+    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
+    window=None,
+):  # fmt: skip
+    """Context-parallel attention by all-gather.
 
     Args:
-        query: ``[s_local, b, np, hn]``, key/value ``[s_local, b, ng, hn]`` (local chunks).
-        group: the CP process group; heads: np; causal: top-left causal over the whole
-            sequence (else full attention).
+        query: sbhd ``[s_local, b, np, hn]`` or thd ``[t_local, np, hn]`` (local chunks);
+            key/value the same with ``ng`` groups.
+        group: the CP process group; heads: np; causal: causal over each whole sequence
+            (else full attention, or the window alone).
+        thd_ends: thd only: the local padded cumulative ends without the leading 0 (host ints),
+            local sequence i spanning ``[ends[i-1], ends[i])``, first half chunk r, second half
+            chunk 2·CP-1-r.
+        window: ``(left, right)`` sliding window (-1 = unbounded), or None.
 
     Returns:
-        ``[s_local, b, np * hn]``.
+        sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
     """
+    common = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
+    if thd_ends is not None:
+        return _thd(query, key, value, group, heads, causal, tuple(thd_ends), window, common)
+    return _sbhd(query, key, value, group, heads, causal, window, common)
+
+
+def _sbhd(query, key, value, group, heads, causal, window, common):
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     k = GatherSequence.apply(key, group).flatten(2)  # [s, b, ng*hn], natural order
     v = GatherSequence.apply(value, group).flatten(2)
     q = query.flatten(2)
-    common = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
-    if not causal:
+    if not causal and window is None:
         return fusion_attention(q, k, v, heads, "SBH", **common)
-    chunk = query.shape[0] // 2
+    chunk, seq = query.shape[0] // 2, k.shape[0]
     mask = compressed_causal_mask(query.device)
     outs = []
     for half, chunk_id in enumerate(chunks.chunk_ids(rank, size)):
-        end = (chunk_id + 1) * chunk  # keys this chunk may see: [0, end), bottom-right causal
+        start, end = chunk_id * chunk, (chunk_id + 1) * chunk
+        first, last, mode = _key_range(start, end, seq, window)
         q_half = q[half * chunk : (half + 1) * chunk]
-        outs.append(
-            fusion_attention(
-                q_half, k[:end], v[:end], heads, "SBH", atten_mask=mask, sparse_mode=3, **common
-            )  # fmt: skip
-        )
+        keys, values = k[first:last], v[first:last]
+        outs.append(fusion_attention(q_half, keys, values, heads, "SBH", atten_mask=mask,
+                                     **mode, **common))  # fmt: skip
     return torch.cat(outs)
+
+
+def _key_range(start: int, end: int, seq: int, window) -> tuple[int, int, dict]:
+    """Keys ``[first, last)`` of the queries at positions ``[start, end)`` of a sequence of
+    ``seq`` tokens, and the sparse-mode arguments that make the call exact there.
+
+    Causal: the prefix, mode 3. Window ``(l, r)``: keep ``-l <= key - query <= r``; with
+    ``e = last - end`` extra keys after the chunk, mode 4's band (origin bottom-right, shifted
+    by ``e``) is ``pre = l + e``, ``next = r - e`` (slicing off keys before ``first`` does not
+    move a bottom-right origin).
+    """
+    if window is None:
+        return 0, end, {"sparse_mode": 3}
+    left, right = window
+    first = 0 if left == -1 else max(0, start - left)
+    last = seq if right == -1 else min(seq, end + right)
+    extra = last - end
+    pre = INT32_MAX if left == -1 else left + extra
+    nxt = INT32_MAX if right == -1 else right - extra
+    return first, last, {"sparse_mode": 4, "pre_tockens": pre, "next_tockens": nxt}
+
+
+def _thd(query, key, value, group, heads, causal, ends, window, common):
+    """Packed: q ``[t_local, np, hn]``, k/v ``[t_local, ng, hn]`` -> ``[t_local, np * hn]``."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    t_local = query.shape[0]
+    if window is not None and window[1] != 0:
+        raise NotImplementedError(
+            f"cp_comm_type='all_gather' with packed (thd) sequences takes causal sliding windows "
+            f"(left, 0) only, got window_size={tuple(window)}; fix: unpacked (sbhd) batches for "
+            "look-ahead windows under CP, or context_parallel_size=1"
+        )
+    if not causal and window is not None:
+        raise NotImplementedError(
+            "cp_comm_type='all_gather' with packed (thd) sequences: a sliding window on a "
+            "non-causal layer is not split over CP ranks; fix: a causal layer, sbhd batches, "
+            "or context_parallel_size=1"
+        )
+    left = None if window is None or window[0] == -1 else window[0]
+    index, q_ends, kv_ends = thd_layout(ends, size, rank, causal, left, query.device)
+    k = GatherTokens.apply(key, group).index_select(0, index)  # [Tk, ng, hn]
+    v = GatherTokens.apply(value, group).index_select(0, index)
+    kwargs = dict(actual_seq_qlen=list(q_ends), actual_seq_kvlen=list(kv_ends), **common)
+    if left is not None:
+        kwargs.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=4,
+                      pre_tockens=left, next_tockens=0)  # fmt: skip
+    elif causal:
+        kwargs.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=3)
+    out = fusion_attention(query, k, v, heads, "TND", **kwargs)
+    return out.reshape(t_local, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _thd_layout_host(ends: tuple[int, ...], size: int, rank: int, causal: bool, left):
+    """Host part of :func:`thd_layout` (cached: the same batch layout serves every layer)."""
+    t_local = ends[-1] if ends else 0
+    pieces, q_ends, kv_ends = [], [], []
+    start_local = 0
+    for end_local in ends:
+        length = end_local - start_local  # 2 * c: this rank's two chunks of the sequence
+        chunk = length // 2
+        if chunk:
+            if causal:  # one segment per query chunk, its keys the (windowed) prefix
+                for chunk_id in chunks.chunk_ids(rank, size):
+                    first = 0 if left is None else max(0, chunk_id * chunk - left)
+                    pos = torch.arange(first, (chunk_id + 1) * chunk)
+                    pieces.append(_gathered_index(pos, chunk, start_local, size, t_local))
+                    q_ends.append((q_ends[-1] if q_ends else 0) + chunk)
+                    kv_ends.append((kv_ends[-1] if kv_ends else 0) + pos.numel())
+            else:  # full: both chunks as one segment, its keys the whole sequence
+                pos = torch.arange(2 * size * chunk)
+                pieces.append(_gathered_index(pos, chunk, start_local, size, t_local))
+                q_ends.append((q_ends[-1] if q_ends else 0) + length)
+                kv_ends.append((kv_ends[-1] if kv_ends else 0) + pos.numel())
+        start_local = end_local
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return index, tuple(q_ends), tuple(kv_ends)
+
+
+def _gathered_index(pos, chunk, start_local, size, t_local):
+    """Where positions ``pos`` of one sequence (``2·CP`` chunks of ``chunk`` tokens, local
+    offset ``start_local`` on every rank) lie in the rank-ordered gather ``[CP * t_local]``."""
+    chunk_id = pos // chunk
+    late = chunk_id >= size
+    owner = torch.where(late, 2 * size - 1 - chunk_id, chunk_id)
+    return owner * t_local + start_local + late.long() * chunk + pos % chunk
+
+
+def thd_layout(ends, size: int, rank: int, causal: bool, left, device):
+    """The gather index and TND lengths of one rank's packed attention.
+
+    Args:
+        ends: local padded cumulative ends (no leading 0), host ints; size/rank: CP.
+        causal: one (query chunk, prefix) segment per chunk; else one (both chunks, whole
+            sequence) segment per sequence. left: a causal window's left width, or None.
+
+    Returns:
+        ``(index [Tk] int64 into the rank-ordered gather, q_ends, kv_ends)``; q_ends/kv_ends are
+        the ``actual_seq_qlen`` / ``actual_seq_kvlen`` of the TND call.
+    """
+    index, q_ends, kv_ends = _thd_layout_host(tuple(ends), size, rank, causal, left)
+    return _on_device(index, device), q_ends, kv_ends
+
+
+@functools.lru_cache(maxsize=16)
+def _on_device_cached(index, device):
+    return index.to(device)
+
+
+def _on_device(index, device):
+    """One host-to-device copy per distinct index and device (the index object is cached)."""
+    return index if index.device == device else _on_device_cached(index, device)

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_thd_partitionable", "local_cu_seqlens", "thd_get_partitioned_indices"]
+__all__ = [
+    "check_thd_partitionable",
+    "get_thd_batch_on_this_cp_rank",
+    "local_cu_seqlens",
+    "thd_get_partitioned_indices",
+]
+
+_NOT_SPLIT = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"})
 
 
 def thd_get_partitioned_indices(
@@ -49,6 +56,61 @@ def thd_get_partitioned_indices(
     within = token - start  # position among this rank's 2·c_i tokens of sequence i
     chunk = torch.where(within < half, rank, 2 * world_size - 2 - rank)  # late: skip chunk 0's c_i
     return start * world_size + chunk * half + within
+
+
+def get_thd_batch_on_this_cp_rank(
+    batch: dict,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    max_seqlen,
+    cp_size: int | None = None,
+    cp_rank: int | None = None,
+):
+    """Megatron's ``get_thd_batch_on_this_cp_rank`` without Transformer Engine.
+
+    Args:
+        batch: name -> ``[1, T, ...]`` packed tensors (token axis = dim 1), e.g. tokens,
+            labels, loss_mask, position_ids; ``attention_mask``, ``cu_seqlens``,
+            ``cu_seqlens_padded`` and ``max_seqlen`` entries pass through unsplit, as in Megatron.
+        cu_seqlens: ``[B + 1]`` real cumulative lengths (leading 0), kept global.
+        cu_seqlens_padded: ``[B + 1]`` padded cumulative lengths; each length divides by 2·CP.
+        max_seqlen: the longest sequence, an int (no host sync) or Megatron's ``[1]`` tensor.
+        cp_size, cp_rank: default to Megatron's ``parallel_state``.
+
+    Returns:
+        ``(batch, packed_seq_params)``: the batch with every split tensor ``[1, T / CP, ...]``
+        (this rank's chunks r and 2·CP-1-r of every sequence, sequence after sequence), and
+        ``PackedSeqParams(qkv_format="thd")`` carrying the GLOBAL cu_seqlens (real and padded),
+        which is what ``NPUFusionAttention`` under CP expects.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if isinstance(max_seqlen, torch.Tensor):
+        max_seqlen = int(max_seqlen.reshape(-1)[0].item())
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )  # fmt: skip
+    cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+    cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
+    if cp_size == 1:
+        return dict(batch), params
+    split = {k: v for k, v in batch.items() if k not in _NOT_SPLIT and v is not None}
+    if not split:
+        raise ValueError(f"batch: no tensor to split among {sorted(batch)}")
+    total = next(iter(split.values())).shape[1]
+    index = thd_get_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank)
+    local = dict(batch)
+    for key, data in split.items():
+        if data.dim() < 2 or data.shape[1] != total:
+            raise ValueError(
+                f"batch[{key!r}]: expected a packed [1, {total}, ...] tensor (tokens on dim 1), "
+                f"got shape {list(data.shape)}"
+            )
+        local[key] = data.index_select(1, index.to(data.device))
+    return local, params
 
 
 def local_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor:
