@@ -1,4 +1,4 @@
-"""``mcore-npu bench {mask,attention} --quick`` end to end, each in its own interpreter.
+"""``mcore-npu bench {mask,attention,step,cp} --quick`` end to end, each in its own interpreter.
 
 The command exits 0 only when every memory goal of the result is met (time goals are judged
 in full runs), writes ``<out>/<name>.json``

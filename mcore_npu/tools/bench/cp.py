@@ -73,9 +73,10 @@ def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **sha
 
 def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
     """Run the worker on 2 gloo ranks; return its ``CPBENCH`` record (every rank's results)."""
+    shape = [f"--{key.replace('_', '-')}={value}" for key, value in SHAPE.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "mcore_npu.tools.bench.cp_worker", f"--seq={seq}", f"--layers={LAYERS}",
-           f"--sync-seq={SYNC_SEQ}", f"--repeats={repeats}", *(f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items())]  # fmt: skip
+           f"--sync-seq={SYNC_SEQ}", f"--repeats={repeats}", *shape]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)  # fmt: skip
