@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/mcore-npu bench attention --out bench-out
 	$(BIN)/mcore-npu bench mask --out bench-out
 	$(BIN)/mcore-npu bench step --out bench-out
+	$(BIN)/mcore-npu bench cp --out bench-out
 
 clean-venv:
 	rm -rf $(VENV) $(VERL_VENV)

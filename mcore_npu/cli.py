@@ -20,7 +20,10 @@ _SUBCOMMANDS = {
         "mcore_npu.training.train",
         "train a GPT from a YAML config (CPU by default, NPU unchanged)",
     ),
-    "bench": ("mcore_npu.tools.bench", "measure attention, masks and a training step"),
+    "bench": (
+        "mcore_npu.tools.bench",
+        "measure attention, masks, a training step, context parallelism",
+    ),
     "doctor": (
         "mcore_npu.tools.doctor",
         "report on the environment: torch, megatron, torch_npu, CANN",

@@ -1,4 +1,4 @@
-"""``mcore-npu bench {mask,attention} --quick`` end to end, each in its own interpreter.
+"""``mcore-npu bench {mask,attention,step,cp} --quick`` end to end, each in its own interpreter.
 
 The command exits 0 only when every memory goal of the result is met (time goals are judged
 in full runs), writes ``<out>/<name>.json``
@@ -48,3 +48,48 @@ def test_quick_benchmark_writes_json_and_png(which, tmp_path):
     assert png.stat().st_size > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal met" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quick_cp_benchmark_is_consistent(tmp_path):
+    """``bench cp --quick``: one launch of 2 gloo ranks; figures checked against each other.
+
+    Bytes sent per rank equal the closed-form theory exactly (gloo's all-reduce standing in for
+    the reduce-scatter), both ranks send the same, peaks hold at least the tensors a pass must
+    return, no host sync outside the CPU reference kernel while the counter does see a planted
+    ``.item()`` and ``.tolist()``.
+    """
+    from mcore_npu.tools.bench import cp
+
+    done = run_command(
+        [sys.executable, "-m", "mcore_npu.tools.bench", "cp", "--quick", "--out", str(tmp_path)],
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    result = json.loads((tmp_path / "cp.json").read_text())
+    assert (tmp_path / "cp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["sync_check"]["positive_control_syncs"] == [2, 2]
+    rows = {row["comm"]: row for row in result["rows"]}
+    assert set(rows) == {None, *cp.COMM_TYPES}
+    shape, seq = result["shape"], result["shape"]["S"]
+    for comm, row in rows.items():
+        local = seq // row["cp"]
+        out_bytes = local * shape["batch"] * shape["heads"] * shape["head_dim"] * 4
+        kv_bytes = local * shape["batch"] * shape["groups"] * shape["head_dim"] * 4
+        fwd, bwd = row["forward"], row["backward"]
+        assert fwd["peak_bytes"] >= out_bytes and fwd["retained_bytes"] >= out_bytes, row
+        assert bwd["peak_bytes"] >= out_bytes + 2 * kv_bytes, row  # dq, dk, dv
+        assert fwd["resident_peak_bytes"] == fwd["peak_bytes"] + out_bytes + 2 * kv_bytes  # + q/k/v
+        assert row["sync"]["per_layer_outside_reference_kernel"] == 0, row["sync"]
+        for phase in (fwd, bwd):
+            assert len(phase["bytes_sent_values"]) == 1, phase  # every rank and repeat
+            assert not any(name.startswith("unknown") for name in phase["calls"]), phase
+        if comm is None:
+            assert fwd["bytes_sent"] == bwd["bytes_sent"] == 0 and not fwd["calls"]
+            continue
+        theory = cp.theory_bytes(comm, seq)
+        assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (theory["forward"], theory["backward"])
+    assert rows["p2p"]["forward"]["calls"] == {"c10d.send": 1, "c10d.recv_": 1}
+    assert rows["a2a"]["backward"]["calls"] == {"c10d.alltoall_base_": 4}
+    assert rows["all_gather"]["backward"]["calls"] == {"c10d.allreduce_": 2}
+    assert "goal met: host syncs per layer" in done.stdout

@@ -169,6 +169,29 @@ def test_ascend_example_validates_for_its_cluster():
     assert cfg.train.seq_length == 32768 and cfg.memory.expandable_segments
 
 
+def test_ascend_128k_variant_validates_with_context_parallelism():
+    """The 128k variant: the 32k config's model and TP x PP, CP=4 ring (32k tokens per rank)."""
+    from mcore_npu.training.model import transformer_config
+
+    base = load_config(CONFIGS / "ascend_llama_8b_32k.yaml", world_size=16)
+    cfg = load_config(CONFIGS / "ascend_llama_8b_128k.yaml", world_size=64)
+    assert cfg.train.seq_length == 131072 == cfg.model.max_sequence_length
+    assert (cfg.parallel.context, cfg.parallel.cp_comm_type) == (4, "p2p")
+    assert cfg.train.seq_length // cfg.parallel.context == base.train.seq_length
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (
+        base.parallel.tensor,
+        base.parallel.pipeline,
+    )
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"):
+        assert getattr(cfg.model, key) == getattr(base.model, key), key
+    assert cfg.train.dtype == "bf16" and cfg.memory.expandable_segments
+    config = transformer_config(cfg)
+    assert config.context_parallel_size == 4 and config.cp_comm_type == "p2p"
+    with pytest.raises(ConfigError, match="model.num_query_groups"):  # 1 KV group per TP rank
+        load_config(CONFIGS / "ascend_llama_8b_128k.yaml", ["parallel.cp_comm_type=a2a"],
+                    world_size=64)  # fmt: skip
+
+
 # ---------------------------------------------------------------- MoE, expert parallel, fused ops
 
 MOE_BAD = [

@@ -12,7 +12,8 @@ are the same on every run of the same code with the same inputs.
 
 ``peak_bytes`` is the highest number of bytes allocated inside the block and still alive at some
 moment (memory that was already allocated before the block is not counted); ``allocated_bytes``
-is the sum of all allocations made inside the block.
+is the sum of all allocations made inside the block; ``live_bytes`` is what the block allocated
+and had not freed when it ended (negative if it freed more than it allocated).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class AllocationUsage:
     """``sizes``: the byte size of every allocation, in order (to spot one tensor's shape)."""
 
     peak_bytes: int = 0
+    live_bytes: int = 0
     allocated_bytes: int = 0
     allocations: int = 0
     sizes: list[int] = field(default_factory=list)
@@ -58,6 +60,7 @@ def track_allocations():
             usage.allocated_bytes += size
             usage.allocations += 1
             usage.sizes.append(size)
+    usage.live_bytes = live
 
 
 @contextlib.contextmanager
