@@ -69,10 +69,17 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
         )
 
     bridge._get_transformer_layer_spec = layer_spec
-    _expose_rope_theta(bridge.hf_config)
-    _expose_head_dim(bridge.hf_config)
+    expose_hf_config_fields(bridge.hf_config)
     match_hf_routing(bridge)
     return bridge
+
+
+def expose_hf_config_fields(hf_config) -> None:
+    """Write onto ``hf_config`` the fields mbridge 0.15.1 reads and transformers >= 5 leaves off:
+    ``rope_theta`` (from ``rope_parameters``) and ``head_dim`` (where it is None). The values are
+    the ones transformers itself uses, so the Hugging Face model does not change."""
+    _expose_rope_theta(hf_config)
+    _expose_head_dim(hf_config)
 
 
 # Hugging Face MoE families whose router is softmax -> top-k -> (renormalise the k weights?):

@@ -85,8 +85,12 @@ def cpu_runtime():
             cpu_support.revert()
 
 
-def training_worker_config(model_path: str, *, remove_padding: bool = False):
+def training_worker_config(
+    model_path: str, *, remove_padding: bool = False, override_transformer_config=None
+):
     """verl's ``TrainingWorkerConfig`` for the tiny model: Megatron + vanilla mbridge, bf16.
+
+    ``override_transformer_config``: verl's user-facing overrides of the TransformerConfig.
 
     bf16 because verl's ``McoreEngineConfig`` accepts only bfloat16 / float16
     (``verl/workers/config/engine.py``, ``__post_init__``).
@@ -105,7 +109,11 @@ def training_worker_config(model_path: str, *, remove_padding: bool = False):
             path=model_path, load_tokenizer=remove_padding, use_remove_padding=remove_padding
         ),
         engine_config=McoreEngineConfig(
-            strategy="megatron", dtype="bfloat16", use_mbridge=True, vanilla_mbridge=True
+            strategy="megatron",
+            dtype="bfloat16",
+            use_mbridge=True,
+            vanilla_mbridge=True,
+            override_transformer_config=dict(override_transformer_config or {}),
         ),
         optimizer_config=McoreOptimizerConfig(lr=1e-3),
         checkpoint_config=CheckpointConfig(),

@@ -13,7 +13,10 @@ change three things, nothing else:
    unchanged. The spec goes in through the
    bridge's own hook, on this engine's bridge object only: mbridge's
    ``_get_transformer_layer_spec`` (an instance attribute) or Megatron-Bridge's
-   ``provider.transformer_layer_spec``. The bridge modules are not patched.
+   ``provider.transformer_layer_spec``. The bridge modules are not patched. With mbridge the
+   engine also applies ``use_npu_spec``'s config fixes (``rope_theta``, ``head_dim``, the
+   router's softmax form of the Hugging Face model: ``match_hf_routing``) to the bridge and to
+   ``self.tf_config``; an explicit ``override_transformer_config`` value wins.
 2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
    causal attention no real query ever sees a padded key; the model gets
    ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
@@ -44,6 +47,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+from mcore_npu.integrations.hf import expose_hf_config_fields, match_hf_routing
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
 __all__ = [
@@ -122,6 +126,30 @@ class _NPUEngineMixin:
     def _build_tf_config(self):
         super()._build_tf_config()
         self._install_npu_layer_spec()
+        if self.provider is None:
+            self._match_hf_config()
+
+    def _match_hf_config(self) -> None:
+        """The Hugging Face config fixes of :func:`mcore_npu.integrations.hf.use_npu_spec`, on
+        this engine's mbridge bridge, so ``self.tf_config`` and ``bridge.config`` carry them.
+
+        Runs after verl's ``_build_tf_config``, before the model is built and before any weight
+        is loaded (mbridge merges q/k/v with ``hf_config.head_dim``). ``bridge.hf_config`` is
+        verl's ``model_config.hf_config`` (the object verl itself gives ``rope_theta`` in
+        ``make_megatron_module``); the values written are the ones transformers uses.
+
+        The router form goes through ``match_hf_routing`` (``bridge.set_extra_args``, so a rebuilt
+        ``bridge.config`` keeps it and Megatron validates it), which leaves a value the user set
+        in ``override_transformer_config`` alone. ``set_extra_args`` builds a new config object;
+        the field is copied onto verl's (``self.tf_config``, which holds verl's own edits: fp16 /
+        bf16, the value head's untied embeddings, routing replay) and the bridge is pointed back
+        at it, so the two stay one object, as verl built them.
+        """
+        bridge, tf_config = self.bridge, self.tf_config
+        expose_hf_config_fields(bridge.hf_config)
+        match_hf_routing(bridge)
+        tf_config.moe_router_pre_softmax = bridge.config.moe_router_pre_softmax
+        bridge.config = tf_config
 
     def _install_npu_layer_spec(self) -> None:
         """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
