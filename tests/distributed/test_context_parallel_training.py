@@ -1,7 +1,7 @@
 """``mcore-npu train`` with context parallelism under torchrun (gloo) against one process.
 
-Every run starts from the same step-0 checkpoint; 5 steps of 2 samples of 128 tokens, micro-
-batches of 1. Each CP=2 comm type, CP=2 x TP=2 (4 ranks), CP=2 with packed sequences, and a
+Every run starts from the shared step-0 checkpoint and is compared with the shared one-process
+run (tests/distributed/runs.py: 6 steps of 4 samples of 128 tokens). Each CP=2 comm type, CP=2 x TP=2 (4 ranks), CP=2 with packed sequences, and a
 CP=2 checkpoint resumed in one process must reproduce the one-process losses within 1e-5.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.runs import BATCH, STEPS
 from tests.launch import assert_ok, max_abs_diff, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 5
-BATCH = ["train.micro_batch_size=1", "train.global_batch_size=2", f"train.steps={STEPS}"]
 LAYOUTS = {
     "cp2_p2p": (2, ["parallel.cp_comm_type=p2p"]),
     "cp2_all_gather": (2, ["parallel.cp_comm_type=all_gather"]),
@@ -29,19 +28,6 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("cp")
-
-
-@pytest.fixture(scope="module")
-def initial(workdir):
-    assert_ok(train(["train.steps=0", f"train.checkpoint_dir={workdir / 'init'}"]))
-    return workdir / "init"
-
-
-@pytest.fixture(scope="module")
-def single(workdir, initial):
-    return assert_ok(
-        train([*BATCH, f"train.init_from={initial}"], metrics=workdir / "single.jsonl")
-    )
 
 
 @pytest.fixture(scope="module")

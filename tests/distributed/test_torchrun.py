@@ -1,10 +1,8 @@
 """Tensor, sequence, pipeline and data parallelism under torchrun (gloo on CPU) against one
 process; resharding a tensor-parallel checkpoint into one process; failures that must not hang.
 
-Every parallel run starts from the same step-0 checkpoint (``train.init_from``): Megatron
-initialises each pipeline stage from the seed independently, so a 2-stage model does not start
-from the weights of a 1-stage one unless both load them. Batches: 4 samples of 128 tokens per
-step in micro-batches of 1, i.e. 4 micro-batches in one process, 2 per rank under DP=2.
+Runs, batches and the shared step-0 checkpoint / one-process run: tests/distributed/runs.py and
+conftest.py.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import time
 
 import pytest
 
+from tests.distributed.runs import BATCH, STEPS
 from tests.launch import (
     HANG_TIMEOUT_S,
     ROOT,
@@ -26,8 +25,6 @@ from tests.launch import (
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 6
-BATCH = ["train.micro_batch_size=1", "train.global_batch_size=4", f"train.steps={STEPS}"]
 LAYOUTS = {
     "tp2": ["parallel.tensor=2"],
     "tp2_sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
@@ -39,20 +36,6 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("torchrun")
-
-
-@pytest.fixture(scope="module")
-def initial(workdir):
-    """A step-0 checkpoint every run of this module starts from."""
-    assert_ok(train(["train.steps=0", f"train.checkpoint_dir={workdir / 'init'}"]))
-    return workdir / "init"
-
-
-@pytest.fixture(scope="module")
-def single(workdir, initial):
-    return assert_ok(
-        train([*BATCH, f"train.init_from={initial}"], metrics=workdir / "single.jsonl")
-    )
 
 
 @pytest.fixture(scope="module")

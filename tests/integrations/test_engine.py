@@ -86,6 +86,25 @@ def test_listed_by_name_it_loads():
     assert result.stdout.strip().splitlines()[-1] == "True True"  # verl lower-cases the list
 
 
+_ENGINE_FIRST = (
+    "import sys\n"
+    "import mcore_npu.integrations.verl.engine\n"  # before verl: verl loads the plugin mid-import
+    "from verl.workers.engine import EngineRegistry\n"
+    "print(('npu', 'huawei') in EngineRegistry._engines['language_model']['megatron'])\n"
+)
+
+
+@pytest.mark.parametrize(("plugins", "registered"), [("auto", "True"), ("none", "False")])
+def test_engine_module_imported_before_verl_still_registers_once_verl_loads_the_plugin(
+    plugins, registered
+):
+    """engine.py imports verl, whose plugin loading imports engine.py half built: the plugin
+    defers, and the engine module registers at its end; unless verl was told to load nothing."""
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": plugins, "PYTHONWARNINGS": "ignore"}
+    result = run_command([sys.executable, "-c", _ENGINE_FIRST], env=env, check=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == registered
+
+
 # ---------------------------------------------------------------------------------------------
 # the model and one step, through a TrainingWorker with the plugin's engine
 # ---------------------------------------------------------------------------------------------

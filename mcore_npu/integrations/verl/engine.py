@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from functools import partial
 
 import torch
@@ -276,3 +277,13 @@ def register() -> tuple[type, type]:
             engine
         )
     return NPUMegatronEngineWithLMHead, NPUMegatronEngineWithValueHead
+
+
+def _register_deferred() -> None:
+    """The plugin could not register this module half built (see ``plugin.deferred``)."""
+    plugin = sys.modules.get("mcore_npu.integrations.verl.plugin")
+    if plugin is not None and plugin.deferred:
+        register()
+
+
+_register_deferred()

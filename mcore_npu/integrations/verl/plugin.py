@@ -20,17 +20,26 @@ Harmless where it does not apply:
   before;
 - without megatron-core nothing is registered (``registered`` is an empty tuple);
 - a failure while registering is logged as a warning (verl itself would only log it at debug
-  level) and leaves verl's registry as it was.
+  level) and leaves verl's registry as it was;
+- imported before verl, ``mcore_npu.integrations.verl.engine`` imports verl, which loads this
+  plugin while the engine module is half built: the plugin then leaves the registration to the
+  engine module's last line (``registered`` stays empty, the engines are registered all the same).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["register", "registered"]
+
+_ENGINE = "mcore_npu.integrations.verl.engine"
+# True when verl loaded this plugin while ``engine`` itself was importing verl (user code imported
+# the engine module before verl): that half-built module registers itself when its body ends.
+deferred = False
 
 
 def register() -> tuple[type, ...]:
@@ -41,6 +50,11 @@ def register() -> tuple[type, ...]:
     """
     if importlib.util.find_spec("megatron") is None:
         logger.info("mcore_npu verl plugin: megatron-core is not installed; nothing registered")
+        return ()
+    half_built = sys.modules.get(_ENGINE)
+    if half_built is not None and not hasattr(half_built, "register"):
+        global deferred
+        deferred = True  # the engine module is importing verl right now; it registers at its end
         return ()
     try:
         from mcore_npu.integrations.verl import engine
