@@ -13,10 +13,18 @@ from one score block per group of query rows, with the flops of the fused kernel
     softmax_sum = 1 / rowmax(P)       P at the argmax is exp(0) / sum
     out = P @ V                       one GEMM
 
-Blocks are ``BLOCK_ROWS`` query rows of as many KV heads (with their GQA query heads) as fit
-``BLOCK_BYTES`` of scores; one score buffer is reused by every block, so the memory beyond the
-output and the statistics is that buffer. The output is allocated in the query's memory order,
-so turning it back into the call's layout (SBH, BSH, ...) is a view, not a copy.
+Blocks are ``BLOCK_ROWS`` query rows of as many KV heads (with their GQA query heads) as fit the
+score budget (``BLOCK_BYTES``, at most half the output's size); score buffers are reused by every
+block, so the memory beyond the output and the statistics is that budget. The output is
+allocated in the query's memory order, so turning it back into the call's layout (SBH, BSH, ...)
+is a view, not a copy.
+
+On the CPU, large problems share their blocks among ``torch.get_num_threads()`` worker threads,
+each running single-threaded operators with its own buffers (the budget split among them). One
+fused kernel waits at one barrier per call; a few hundred small multi-threaded operators wait at
+a few hundred, and on a machine shared with other processes each barrier can cost a scheduler
+time slice: measured on the 2-core machine under load, 4-13x SDPA's time inline, about 1.3x with
+the workers.
 
 Covers full attention and top-left causal attention (sparse modes 0/1 without a mask, 2, and 3/4
 where they reduce to it), without ``pse`` and without dropout, for any layout, GQA, Dv <= D, on
@@ -26,12 +34,18 @@ takes another path when autograd must record the output.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 BLOCK_ROWS = 128
 """Query rows per block (per query head)."""
 BLOCK_BYTES = 4 * 2**20
-"""Score buffer size: KV heads are grouped per block while their scores fit in it."""
+"""Most bytes of score buffers (all workers together); also at most half the output's size,
+and at least ``MIN_BLOCK_BYTES``."""
+MIN_BLOCK_BYTES = 256 * 2**10
+PARALLEL_MIN_SCORES = 2**20
+"""Problems with fewer score elements than this run on the calling thread alone."""
 
 
 @torch.no_grad()
@@ -52,25 +66,21 @@ def attention_with_statistics(q, k, v, causal: bool, scale: float):
     batch, heads_q, seq_q, _ = q.shape
     heads_kv, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = heads_q // heads_kv
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    width = min(seq_q, seq_kv) if causal else seq_kv  # widest score row of any block
-    heads, rows = _block_shape(heads_kv, group, seq_q, width, compute.itemsize)
     out = _empty_like_layout(q, head_dim_v)
-    row_max = q.new_empty(batch, heads_kv, group, seq_q, dtype=compute)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = (t.to(compute) for t in (q, k, v))  # no copy for float32 / float64 inputs
+    width = min(seq_q, seq_kv) if causal else seq_kv  # widest score row of any block
+    workers = _workers(q, batch * heads_q * seq_q * width)
+    budget = min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, out.numel() * out.element_size() // 2))
+    heads, rows = _block_shape(heads_kv, group, seq_q, width, compute.itemsize, budget // workers)
+    row_max = q.new_empty(batch, heads_kv, group, seq_q)
     inv_sum = torch.empty_like(row_max)
-    buffer = q.new_empty(heads * group * rows * width, dtype=compute)
-    diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)  # True = masked
-    out5 = out.view(batch, heads_kv, group, seq_q, head_dim_v)
-    for b in range(batch):
-        for h0 in range(0, heads_kv, heads):
-            h1 = min(heads_kv, h0 + heads)
-            keys_h, values_h = k[b, h0:h1].to(compute), v[b, h0:h1].to(compute)
-            for start in range(0, seq_q, rows):
-                at = (b, slice(h0, h1), slice(None), slice(start, min(seq_q, start + rows)))
-                q_block = q[b, h0 * group : h1 * group, at[3]].to(compute)  # [h*G, r, D]
-                _attend_block(q_block, keys_h, values_h, buffer, start, causal, scale, diagonal,
-                              (out5[at], row_max[at], inv_sum[at]))  # fmt: skip
-    del buffer  # the score blocks are freed before the statistics are expanded
+    task = _Task(q, k, v, causal, scale, (heads, rows, width),
+                 (out.view(batch, heads_kv, group, seq_q, head_dim_v), row_max, inv_sum))  # fmt: skip
+    blocks = [(b, h0, min(heads_kv, h0 + heads), start)
+              for b in range(batch) for h0 in range(0, heads_kv, heads)
+              for start in range(0, seq_q, rows)]  # fmt: skip
+    _run_blocks(task, blocks, [task.workspace() for _ in range(min(workers, len(blocks)))])
     expand = (batch, heads_q, seq_q, 8)
     return (
         out,
@@ -80,51 +90,115 @@ def attention_with_statistics(q, k, v, causal: bool, scale: float):
     )  # fmt: skip
 
 
-def _attend_block(q_block, keys_h, values_h, buffer, start, causal, scale, diagonal, outs):
-    """One block: ``outs = (out [h, G, r, Dv], max [h, G, r], 1 / sum [h, G, r])`` filled."""
+class _Task:
+    """One call: inputs in the compute dtype, the block shape ``(kv heads, rows, widest row)``,
+    and the results ``outs = (out [B, Nkv, G, Sq, Dv], max [B, Nkv, G, Sq], 1/sum [B, Nkv, G,
+    Sq])``, which the workers fill in disjoint blocks.
+    """
+
+    def __init__(self, q, k, v, causal, scale, shape, outs):
+        self.q, self.k, self.v, self.causal, self.scale, self.outs = q, k, v, causal, scale, outs
+        self.heads, self.rows, self.width = shape
+        self.group = q.shape[1] // k.shape[1]
+        self.diagonal = torch.ones(self.rows, self.rows, dtype=torch.bool, device=q.device)
+        self.diagonal.triu_(1)  # True = masked: key j > row i of the diagonal square
+        self.zero = q.new_zeros(())
+
+    def workspace(self):
+        """One worker's buffers (allocated by the caller, so allocation trackers see them):
+        scores ``[h*G*r*width]``, the GQA query copy ``[h*G*r*D]`` (None for MHA), the block
+        output ``[h*G*r*Dv]``."""
+        n = self.heads * self.group * self.rows
+        q_copy = self.q.new_empty(n * self.q.shape[-1]) if self.group > 1 else None
+        return self.q.new_empty(n * self.width), q_copy, self.q.new_empty(n * self.v.shape[-1])
+
+    def run(self, blocks, workspace) -> None:
+        """Compute ``blocks`` ``(b, h0, h1, start)`` in order, in ``workspace``."""
+        g, rows = self.group, self.rows
+        for b, h0, h1, start in blocks:
+            at = (b, slice(h0, h1), slice(None), slice(start, start + rows))
+            q_block = self.q[b, h0 * g : h1 * g, at[3]]  # [h*G, r, D]
+            _attend_block(self, q_block, self.k[b, h0:h1], self.v[b, h0:h1], start, workspace,
+                          tuple(x[at] for x in self.outs))  # fmt: skip
+
+
+def _workers(q: torch.Tensor, scores: int) -> int:
+    """Threads to share the blocks: the caller's intra-op thread count for large CPU problems."""
+    if q.device.type != "cpu" or scores < PARALLEL_MIN_SCORES:
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def _run_blocks(task: _Task, blocks: list, workspaces: list) -> None:
+    """Run the blocks on one thread per workspace (block i on worker i % workers), or inline.
+
+    Each worker runs single-threaded operators (``torch.set_num_threads(1)`` in that thread,
+    the caller's count restored when it ends), so no operator waits at a barrier for a thread
+    that the OS has descheduled: the blocks are many small operators, and on a loaded machine
+    such barriers cost more than the work. Grad mode is thread-local: each worker disables it.
+    """
+    if len(workspaces) <= 1:
+        task.run(blocks, workspaces[0])
+        return
+    caller_threads = torch.get_num_threads()
+
+    def work(w):
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                task.run(blocks[w :: len(workspaces)], workspaces[w])
+        finally:
+            torch.set_num_threads(caller_threads)
+
+    with ThreadPoolExecutor(len(workspaces), thread_name_prefix="mcore-npu-attention") as pool:
+        for future in [pool.submit(work, w) for w in range(len(workspaces))]:
+            future.result()
+
+
+def _attend_block(task, q_block, keys_h, values_h, start, workspace, outs) -> None:
+    """One block: ``outs = (out [h, G, r, Dv], max [h, G, r], 1 / sum [h, G, r])`` filled.
+
+    q_block ``[h*G, r, D]``, keys_h / values_h ``[h, Skv, D|Dv]`` (compute dtype).
+    """
     out, max_out, inv_sum_out = outs
-    probs = _scores_and_max(q_block, keys_h, buffer, start, causal, scale, diagonal, max_out)
-    torch.amax(probs, -1, out=inv_sum_out)
-    o = torch.bmm(probs.flatten(1, 2), values_h[:, : probs.shape[-1]])  # [h, G*r, Dv]
+    scores_buf, q_buf, o_buf = workspace
+    heads, group, rows = keys_h.shape[0], task.group, q_block.shape[1]
+    keys = min(start + rows, keys_h.shape[1]) if task.causal else keys_h.shape[1]
+    if group > 1:  # [h*G, r, D] -> [h, G*r, D]: rows of one KV head's query heads stacked
+        q_flat = q_buf[: q_block.numel()].view(heads, group, rows, -1)
+        q_block = q_flat.copy_(q_block.view(heads, group, rows, -1))
+    q_block = q_block.view(heads, group * rows, -1)
+    scores = scores_buf[: heads * group * rows * keys].view(heads, group * rows, keys)
+    torch.baddbmm(task.zero, q_block, keys_h[:, :keys].mT, beta=0.0, alpha=task.scale, out=scores)
+    scores = scores.view(heads, group, rows, keys)
+    if task.causal and start < keys:  # the diagonal square: rows start.., keys start..keys
+        scores[..., start:keys].masked_fill_(task.diagonal[:rows, : keys - start], float("-inf"))
+    torch.amax(scores, -1, out=max_out)
+    probs = _softmax_in_place(scores)
+    torch.amax(probs, -1, out=inv_sum_out)  # exp(0) / sum at the argmax
+    o = o_buf[: heads * group * rows * out.shape[-1]].view(heads, group * rows, -1)
+    torch.bmm(probs.view(heads, group * rows, keys), values_h[:, :keys], out=o)
     out.copy_(o.view(out.shape))
 
 
-def _scores_and_max(q_block, keys_h, buffer, start, causal, scale, diagonal, max_out):
-    """Softmax probabilities of one block, in ``buffer``; the row max goes to ``max_out``.
-
-    Args:
-        q_block: ``[h*G, r, D]`` (query heads of h KV heads, rows start:start+r);
-        keys_h: ``[h, Skv, D]``; max_out: ``[h, G, r]``.
-
-    Returns:
-        ``[h, G, r, keys]`` probabilities (keys = start + r clipped to Skv when causal, else Skv).
-    """
-    heads, seq_kv = keys_h.shape[0], keys_h.shape[1]
-    group, rows = q_block.shape[0] // heads, q_block.shape[1]
-    keys = min(start + rows, seq_kv) if causal else seq_kv
-    scores = buffer[: heads * group * rows * keys].view(heads, group * rows, keys)
-    zero = scores.new_zeros(())
-    q_flat = q_block.reshape(heads, group * rows, -1)  # a view for MHA, a small copy for GQA
-    torch.baddbmm(zero, q_flat, keys_h[:, :keys].mT, beta=0.0, alpha=scale, out=scores)
-    scores = scores.view(heads, group, rows, keys)
-    if causal and start < keys:  # the diagonal square: rows start.., keys start..keys
-        scores[..., start:keys].masked_fill_(diagonal[:rows, : keys - start], float("-inf"))
-    torch.amax(scores, -1, out=max_out)
-    if scores.device.type == "cpu":  # the row-wise CPU kernel may write over its input
+def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, written over ``scores`` on the CPU (its row-wise kernel reads
+    each row before writing it); a new tensor elsewhere."""
+    if scores.device.type == "cpu":
         return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     return torch.softmax(scores, -1)
 
 
-def _block_shape(heads_kv: int, group: int, seq_q: int, width: int, itemsize: int):
-    """``(kv heads, rows)`` per block: BLOCK_ROWS rows of as many heads as fit BLOCK_BYTES.
+def _block_shape(heads_kv: int, group: int, seq_q: int, width: int, itemsize: int, cap: int):
+    """``(kv heads, rows)`` per block: BLOCK_ROWS rows of as many heads as fit ``cap`` bytes.
 
     Where one KV head's BLOCK_ROWS rows do not fit, fewer rows (at least one).
     """
     rows = max(1, min(seq_q, BLOCK_ROWS))
     per_head = group * rows * max(width, 1) * itemsize
-    if per_head > BLOCK_BYTES:
-        return 1, max(1, min(rows, BLOCK_BYTES // (group * max(width, 1) * itemsize)))
-    return max(1, min(heads_kv, BLOCK_BYTES // per_head)), rows
+    if per_head > cap:
+        return 1, max(1, min(rows, cap // (group * max(width, 1) * itemsize)))
+    return max(1, min(heads_kv, cap // per_head)), rows
 
 
 def _empty_like_layout(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:

@@ -17,17 +17,19 @@ from mcore_npu.ops import reference as ref
 from mcore_npu.tools.bench.memory import track_allocations
 
 
-@pytest.fixture
-def tiny_blocks(monkeypatch):
-    """Blocks of 4 rows and two KV heads (scores of 2 heads x G x 4 rows x Skv, float32)."""
+@pytest.fixture(params=[1, 3], ids=["inline", "3-workers"])
+def tiny_blocks(monkeypatch, request):
+    """Blocks of 4 rows and two KV heads per worker, run inline or shared by 3 worker threads."""
     monkeypatch.setattr(blocked_attention, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(blocked_attention, "MIN_BLOCK_BYTES", 0)
+    monkeypatch.setattr(blocked_attention, "_workers", lambda q, scores: request.param)
     calls = []
     kernel = blocked_attention.attention_with_statistics
 
     def counted(q, k, v, *args):
         calls.append(q.shape)
-        monkeypatch.setattr(blocked_attention, "BLOCK_BYTES", 2 * (q.shape[1] // k.shape[1])
-                            * 4 * k.shape[2] * 4)  # fmt: skip
+        scores = request.param * 2 * (q.shape[1] // k.shape[1]) * 4 * k.shape[2] * 4
+        monkeypatch.setattr(blocked_attention, "BLOCK_BYTES", scores)
         return kernel(q, k, v, *args)
 
     monkeypatch.setattr(ref, "attention_with_statistics", counted)
@@ -122,9 +124,10 @@ def test_recording_autograd_takes_the_differentiable_path(tiny_blocks):
     assert tiny_blocks == [] and out.requires_grad
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
-    with torch.no_grad():
+    threads = torch.get_num_threads()
+    with torch.no_grad():  # grad mode is thread-local: the workers must disable it themselves
         blocked = fusion_attention_with_stats(q, k, v, 2, "SBH", **kwargs)
-    assert len(tiny_blocks) == 1
+    assert len(tiny_blocks) == 1 and torch.get_num_threads() == threads
     torch.testing.assert_close(blocked[0], out)
     torch.testing.assert_close(blocked[1], smax)
     torch.testing.assert_close(blocked[2], ssum)
