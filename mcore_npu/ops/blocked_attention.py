@@ -34,6 +34,7 @@ takes another path when autograd must record the output.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -77,9 +78,9 @@ def attention_with_statistics(q, k, v, causal: bool, scale: float):
     inv_sum = torch.empty_like(row_max)
     task = _Task(q, k, v, causal, scale, (heads, rows, width),
                  (out.view(batch, heads_kv, group, seq_q, head_dim_v), row_max, inv_sum))  # fmt: skip
-    blocks = [(b, h0, min(heads_kv, h0 + heads), start)
+    blocks = [(b, h0, min(heads_kv, h0 + heads), start)  # the widest (causal: last) rows first
               for b in range(batch) for h0 in range(0, heads_kv, heads)
-              for start in range(0, seq_q, rows)]  # fmt: skip
+              for start in reversed(range(0, seq_q, rows))]  # fmt: skip
     _run_blocks(task, blocks, [task.workspace() for _ in range(min(workers, len(blocks)))])
     expand = (batch, heads_q, seq_q, 8)
     return (
@@ -114,12 +115,20 @@ class _Task:
 
     def run(self, blocks, workspace) -> None:
         """Compute ``blocks`` ``(b, h0, h1, start)`` in order, in ``workspace``."""
-        g, rows = self.group, self.rows
+        key, views = None, None
         for b, h0, h1, start in blocks:
-            at = (b, slice(h0, h1), slice(None), slice(start, start + rows))
-            q_block = self.q[b, h0 * g : h1 * g, at[3]]  # [h*G, r, D]
-            _attend_block(self, q_block, self.k[b, h0:h1], self.v[b, h0:h1], start, workspace,
-                          tuple(x[at] for x in self.outs))  # fmt: skip
+            if key != (b, h0):  # one head group's views, made once per group
+                key, views = (b, h0), self._group_views(b, h0, h1)
+            q_h, k_h, v_h, out_h, max_h, inv_sum_h = views
+            stop = start + self.rows
+            outs = (out_h[:, :, start:stop], max_h[..., start:stop], inv_sum_h[..., start:stop])
+            _attend_block(self, q_h[:, start:stop], k_h, v_h, start, workspace, outs)
+
+    def _group_views(self, b, h0, h1):
+        """q ``[h*G, Sq, D]``, k / v ``[h, Skv, D|Dv]`` and the results of KV heads h0:h1."""
+        g = self.group
+        return (self.q[b, h0 * g : h1 * g], self.k[b, h0:h1], self.v[b, h0:h1],
+                *(x[b, h0:h1] for x in self.outs))  # fmt: skip
 
 
 def _workers(q: torch.Tensor, scores: int) -> int:
@@ -130,28 +139,38 @@ def _workers(q: torch.Tensor, scores: int) -> int:
 
 
 def _run_blocks(task: _Task, blocks: list, workspaces: list) -> None:
-    """Run the blocks on one thread per workspace (block i on worker i % workers), or inline.
+    """Run the blocks on one thread per workspace, each taking the next block when it is free.
 
     Each worker runs single-threaded operators (``torch.set_num_threads(1)`` in that thread,
     the caller's count restored when it ends), so no operator waits at a barrier for a thread
     that the OS has descheduled: the blocks are many small operators, and on a loaded machine
-    such barriers cost more than the work. Grad mode is thread-local: each worker disables it.
+    such barriers cost more than the work; a worker that gets less CPU simply takes fewer
+    blocks. Grad mode is thread-local: each worker disables it. One workspace: inline.
     """
     if len(workspaces) <= 1:
         task.run(blocks, workspaces[0])
         return
     caller_threads = torch.get_num_threads()
+    pending, lock = iter(blocks), threading.Lock()
 
-    def work(w):
+    def take():
+        while True:
+            with lock:
+                block = next(pending, None)
+            if block is None:
+                return
+            yield block
+
+    def work(workspace):
         torch.set_num_threads(1)
         try:
             with torch.no_grad():
-                task.run(blocks[w :: len(workspaces)], workspaces[w])
+                task.run(take(), workspace)
         finally:
             torch.set_num_threads(caller_threads)
 
     with ThreadPoolExecutor(len(workspaces), thread_name_prefix="mcore-npu-attention") as pool:
-        for future in [pool.submit(work, w) for w in range(len(workspaces))]:
+        for future in [pool.submit(work, w) for w in workspaces]:
             future.result()
 
 
