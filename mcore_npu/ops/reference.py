@@ -29,7 +29,7 @@ Rows whose every key is masked ("invalid rows") give output 0, ``softmax_max`` =
 
 The softmax statistics (outputs 1 and 2) are returned detached. Full and causal attention
 without ``pse`` or dropout compute output and statistics together in one blocked pass
-(:mod:`mcore_npu.ops.blocked_attention`: the flops of one fused call, one score block of
+(:mod:`mcore_npu.ops.blocked_attention`: the flops of one fused call, score buffers of at most
 ``BLOCK_BYTES`` beyond the results), unless autograd records the call: then the fused CPU kernel
 gives the output (differentiable) and the log-sum-exp, and a blocked row-max pass the max. Every
 other case runs SDPA and computes the statistics in row chunks of at most ``STATS_CHUNK_BYTES``
