@@ -81,7 +81,7 @@ def attention_with_statistics(q, k, v, causal: bool, scale: float):
     blocks = [(b, h0, min(heads_kv, h0 + heads), start)  # the widest (causal: last) rows first
               for b in range(batch) for h0 in range(0, heads_kv, heads)
               for start in reversed(range(0, seq_q, rows))]  # fmt: skip
-    _run_blocks(task, blocks, [task.workspace() for _ in range(min(workers, len(blocks)))])
+    _run_blocks(task, blocks, [task.workspace() for _ in range(max(1, min(workers, len(blocks))))])
     expand = (batch, heads_q, seq_q, 8)
     return (
         out,

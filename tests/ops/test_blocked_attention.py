@@ -76,6 +76,7 @@ CASES = [  # layout, (Sq, Skv), (Nq, Nkv), D, Dv, sparse mode (None: no mask, fu
     ("BNSD", (13, 9), (6, 3), 8, 8, 2),
     ("BNSD", (10, 10), (2, 2), 8, 5, 3),
     ("BSND", (7, 12), (4, 2), 8, 8, None),
+    ("BNSD", (0, 5), (2, 2), 8, 8, None),  # no query rows: empty results of the right shape
 ]
 
 
