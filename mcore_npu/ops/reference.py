@@ -27,9 +27,13 @@ Measured, not assumed: on the CPU by ``mcore-npu bench attention``; on an H200 (
 Rows whose every key is masked ("invalid rows") give output 0, ``softmax_max`` = float32 min,
 ``softmax_sum`` = float32 max, and zero gradients.
 
-The softmax statistics (outputs 1 and 2) are computed in row chunks of at most
-``STATS_CHUNK_BYTES`` of scores, under ``no_grad`` (returned detached). :func:`mcore_npu.ops.
-fusion_attention`, which returns the output only, skips them.
+The softmax statistics (outputs 1 and 2) are returned detached. Full and causal attention
+without ``pse`` or dropout compute output and statistics together in one blocked pass
+(:mod:`mcore_npu.ops.blocked_attention`: the flops of one fused call, score buffers of at most
+``BLOCK_BYTES`` beyond the results), unless autograd records the call: then the fused CPU kernel
+gives the output (differentiable) and the log-sum-exp, and a blocked row-max pass the max. Every
+other case runs SDPA and computes the statistics in row chunks of at most ``STATS_CHUNK_BYTES``
+of scores. :func:`mcore_npu.ops.fusion_attention`, which returns the output only, skips them.
 
 Dropout (``keep_prob < 1``) is ordinary PyTorch dropout, not the NPU's Philox stream; outputs 4
 and 5 (seed, offset) are returned as 0.
@@ -43,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_npu.ops import contract as C
+from mcore_npu.ops.blocked_attention import attention_with_statistics
 from mcore_npu.ops.contract import AttentionProblem
 from mcore_npu.ops.grouped_matmul import npu_grouped_matmul  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.rms_norm import npu_rms_norm  # noqa: F401  (torch_npu name)
@@ -248,6 +253,8 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     if seq_kv == 0:  # no key at all: every row is invalid
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         return (out, *_invalid_statistics(q)) if need_stats else (out, None, None)
+    if need_stats and _blocked_statistics_apply(q, k, v, keep, options, pse):
+        return attention_with_statistics(q, k, v, keep.causal, options.scale)
     if need_stats and _fast_statistics_apply(q, keep, options, pse):
         return _attend_with_statistics(q, k, v, keep, options.scale)
     mask = keep.mask
@@ -280,8 +287,23 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     return (out, *_statistics(q, k, keep, options.scale, pse))
 
 
+def _blocked_statistics_apply(q, k, v, keep: _Keep, options, pse) -> bool:
+    """The one-pass blocked kernel: full or causal, no bias, no dropout, nothing for autograd."""
+    records_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (
+        not records_grad
+        and keep.mask is None
+        and pse is None
+        and options.keep_prob == 1.0
+        and q.shape[-1] > 0
+    )
+
+
 def _fast_statistics_apply(q, keep: _Keep, options, pse) -> bool:
-    """The fused CPU kernel returns the log-sum-exp: full or causal, no bias, no dropout."""
+    """The fused CPU kernel returns the log-sum-exp: full or causal, no bias, no dropout.
+
+    Reached when autograd records the call (the blocked kernel has no backward).
+    """
     return (
         q.device.type == "cpu"
         and keep.mask is None
