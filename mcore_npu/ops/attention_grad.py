@@ -13,9 +13,9 @@ With ``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), th
     dQ = scale * dS K             dK = scale * dS^T Q    dV = P^T dY    dpse = scale * dS
 
 Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is recomputed per
-block, and without ``attention_in`` the output comes from the forward reference. Computed in float32 (float64 for float64
-inputs), in blocks of query rows of at most ``GRAD_BLOCK_BYTES`` of scores; GQA gradients of a
-KV head sum over its query heads. The reference has no replayable dropout stream, so
+block, and without ``attention_in`` the output comes from the forward reference. Computed in
+float32 (float64 for float64 inputs), in blocks of query rows of at most ``GRAD_BLOCK_BYTES``
+of scores, updated in place; GQA gradients of a KV head sum over its query heads. The reference has no replayable dropout stream, so
 ``keep_prob`` must be 1.0.
 """
 
@@ -34,8 +34,9 @@ from mcore_npu.ops.reference import (
 )
 from mcore_npu.ops.validation import split_q_band_segment, validate_call
 
-GRAD_BLOCK_BYTES = 16 * 2**20
-"""Largest score block (``[B, Nq, rows, Skv]`` in the compute dtype) of one backward step."""
+GRAD_BLOCK_BYTES = 8 * 2**20
+"""Largest score block (``[B, Nq, rows, Skv]`` in the compute dtype) of one backward step; a
+step holds two (probabilities and score gradients)."""
 
 __all__ = ["npu_fusion_attention_grad"]
 
@@ -166,7 +167,11 @@ def _stats_shape(problem) -> tuple[int, ...]:
 
 
 def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
-    """BSH/SBH/BSND/BNSD: one block of ``[B, N, S, D]`` tensors."""
+    """BSH/SBH/BSND/BNSD: one block of ``[B, N, S, D]`` tensors.
+
+    The gradients are written through ``[B, N, S, D]`` views straight into buffers of the
+    inputs' layouts (no final layout copy) when the inputs already have the compute dtype.
+    """
     layout = problem.layout
     q = _to_bnsd(query, layout, problem.heads_q)
     k, v = (_to_bnsd(t, layout, problem.heads_kv) for t in (key, value))
@@ -176,8 +181,17 @@ def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
         dense_keep = torch.logical_not(options.atten_mask)  # True = kept
     keep = _plan(options, problem.seq_q, problem.seq_kv, dense_keep, options.prefix, q.device)
     lse = None if smax is None else _lse(smax[..., 0], ssum[..., 0])  # [B, Nq, Sq]
-    dq, dk, dv, dpse = _block_grad(q, k, v, g, o, lse, keep, options.scale, options.pse)
+    targets = None
+    if all(t.dtype == _compute_dtype(query) for t in (query, key, value)):
+        grads = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        heads = (problem.heads_q, problem.heads_kv, problem.heads_kv)
+        targets = [_to_bnsd(t, layout, n) for t, n in zip(grads, heads)]
+    with torch.no_grad():
+        dq, dk, dv, dpse = _block_grad(q, k, v, g, o, lse, keep, options.scale, options.pse,
+                                       targets)  # fmt: skip
     dpse = query.new_empty(0) if dpse is None else dpse.to(options.pse.dtype)
+    if targets is not None:
+        return (*grads, dpse)
     return (
         _from_bnsd(dq.to(query.dtype), layout),
         _from_bnsd(dk.to(key.dtype), layout),
@@ -186,35 +200,43 @@ def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
     )
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _lse(smax: torch.Tensor, ssum: torch.Tensor) -> torch.Tensor:
     """``max + log(sum)``; invalid rows (float32 min / max) give -inf, hence P = 0."""
     lse = smax.double() + torch.log(ssum.double())
     return lse.masked_fill(smax <= torch.finfo(torch.float32).min, float("inf"))
 
 
-def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse):
-    """Gradients of one ``[B, N, S, D]`` block, in row blocks.
+def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse, targets=None):
+    """Gradients of one ``[B, N, S, D]`` block, in row blocks, score buffers updated in place
+    (two ``[B, Nq, rows, Skv]`` buffers per row block at most).
 
     Args:
         q, g, o: ``[B, Nq, Sq, D|Dv]``; k, v: ``[B, Nkv, Skv, D|Dv]``; lse: ``[B, Nq, Sq]``
             (+inf on invalid rows, so that ``exp(s - lse) = 0``), or None: computed here in the
             compute dtype.
+        targets: ``[dq, dk, dv]`` in the compute dtype and the shapes of q, k, v (dk, dv zero),
+            possibly strided views, to write into; None = allocated here.
 
     Returns:
         ``(dq, dk, dv, dpse)`` in the compute dtype; dpse reduced to pse's shape, or None.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(q)
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    qc, gc, oc = (t.to(compute) for t in (q, g, o))
-    kc = k.to(compute).unsqueeze(2)  # [B, Nkv, 1, Skv, D]
-    vc = v.to(compute).unsqueeze(2)
-    delta = (gc * oc).sum(-1)  # [B, Nq, Sq]
+    kc, vc = k.to(compute), v.to(compute)  # [B, Nkv, Skv, D|Dv]
     lse = None if lse is None else lse.to(compute)
-    dq = torch.zeros_like(qc)
-    dk = torch.zeros(batch, heads_kv, seq_kv, head_dim, dtype=compute, device=q.device)
-    dv = torch.zeros(batch, heads_kv, seq_kv, v.shape[-1], dtype=compute, device=q.device)
+    if targets is None:
+        targets = [
+            torch.empty(batch, heads_q, seq_q, head_dim, dtype=compute, device=q.device),
+            torch.zeros(batch, heads_kv, seq_kv, head_dim, dtype=compute, device=q.device),
+            torch.zeros(batch, heads_kv, seq_kv, v.shape[-1], dtype=compute, device=q.device),
+        ]
+    dq, dk, dv = targets
     dpse = None if pse is None else torch.zeros(pse.shape, dtype=compute, device=q.device)
     itemsize = torch.finfo(compute).bits // 8
     rows = max(1, GRAD_BLOCK_BYTES // max(1, itemsize * batch * heads_q * seq_kv))
@@ -222,43 +244,64 @@ def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse):
         stop = min(seq_q, start + rows)
 
         def grouped(t, start=start, stop=stop):  # [B, Nq, r, X] -> [B, Nkv, G, r, X]
-            return t[:, :, start:stop].reshape(batch, heads_kv, group, stop - start, -1)
+            return t[:, :, start:stop].to(compute).reshape(batch, heads_kv, group, stop - start, -1)
 
-        q_r, g_r = grouped(qc), grouped(gc)
-        scores = torch.matmul(q_r, kc.mT)  # [B, Nkv, G, r, Skv]
-        if pse is not None:
-            bias = pse[..., start:stop, :] if pse.shape[-2] != 1 else pse
-            scores = scores + bias.to(compute).reshape(
-                bias.shape[0], heads_kv, group, bias.shape[-2], seq_kv
-            )
-        scores = scores * scale
-        keep_rows = keep.rows(start, stop, seq_kv, q.device)
-        if keep_rows is not None:
-            keep_rows = _grouped_mask(keep_rows, heads_kv, group)
-            scores = scores.masked_fill(~keep_rows, float("-inf"))
-        if lse is None:
-            lse_r = torch.logsumexp(scores, -1, keepdim=True)  # [B, Nkv, G, r, 1]
-            lse_r = lse_r.masked_fill(torch.isneginf(lse_r), float("inf"))  # invalid rows
-        else:
-            lse_r = grouped(lse.unsqueeze(-1))  # [B, Nkv, G, r, 1]
-        prob = torch.exp(scores - lse_r)
-        dprob = torch.matmul(g_r, vc.mT)  # [B, Nkv, G, r, Skv]
-        dscore = prob * (dprob - grouped(delta.unsqueeze(-1)))
-        dq[:, :, start:stop] = (scale * torch.matmul(dscore, kc)).flatten(1, 2)
-        dk += scale * torch.matmul(dscore.mT, q_r).sum(2)
-        dv += torch.matmul(prob.mT, g_r).sum(2)
+        q_r, g_r = grouped(q), grouped(g)
+        delta = (g_r * grouped(o)).sum(-1, keepdim=True)  # [B, Nkv, G, r, 1]
+        prob = _probabilities(q_r, kc, lse, keep, scale, pse, (start, stop), q.device)
+        dscore = _grouped_matmul(g_r, vc.mT).sub_(delta).mul_(prob)  # [B, Nkv, G, r, Skv]
+        # dK, dV sum over the group's query heads and the rows in one GEMM each (G*r inner
+        # dimension), so no [B, Nkv, G, Skv, D] partial is materialised
+        dv += torch.matmul(prob.flatten(2, 3).mT, g_r.flatten(2, 3))
+        del prob
+        dq[:, :, start:stop] = _grouped_matmul(dscore, kc).mul_(scale).flatten(1, 2)
+        dk.add_(torch.matmul(dscore.flatten(2, 3).mT, q_r.flatten(2, 3)), alpha=scale)
         if dpse is not None:
-            contribution = (scale * dscore).flatten(1, 2)  # [B, Nq, r, Skv]
-            if pse.shape[-2] == 1:
-                contribution = contribution.sum(-2, keepdim=True)
-                if pse.shape[0] == 1:
-                    contribution = contribution.sum(0, keepdim=True)
-                dpse += contribution
-            else:
-                if pse.shape[0] == 1:
-                    contribution = contribution.sum(0, keepdim=True)
-                dpse[..., start:stop, :] += contribution
+            _add_dpse(dpse, scale * dscore.flatten(1, 2), pse, start, stop)
     return dq, dk, dv, dpse
+
+
+def _probabilities(q_r, kc, lse, keep: _Keep, scale, pse, span, device):
+    """``P = exp(scale * (Q K^T + pse) - lse)`` of query rows ``span``, masked, in one buffer
+    ``[B, Nkv, G, r, Skv]`` (q_r ``[B, Nkv, G, r, D]``, kc ``[B, Nkv, Skv, D]``; ``lse`` None:
+    the rows' own log-sum-exp)."""
+    batch, heads_kv, group = q_r.shape[:3]
+    start, stop = span
+    seq_kv = kc.shape[-2]
+    scores = _grouped_matmul(q_r, kc.mT)  # [B, Nkv, G, r, Skv]
+    if pse is not None:
+        bias = pse[..., start:stop, :] if pse.shape[-2] != 1 else pse
+        scores += bias.to(scores.dtype).reshape(bias.shape[0], heads_kv, group, bias.shape[-2],
+                                                seq_kv)  # fmt: skip
+    scores.mul_(scale)
+    keep_rows = keep.rows(start, stop, seq_kv, device)
+    if keep_rows is not None:
+        scores.masked_fill_(~_grouped_mask(keep_rows, heads_kv, group), float("-inf"))
+    if lse is None:
+        lse_r = torch.logsumexp(scores, -1, keepdim=True)  # [B, Nkv, G, r, 1]
+        lse_r = lse_r.masked_fill(torch.isneginf(lse_r), float("inf"))  # invalid rows
+    else:
+        lse_r = lse[:, :, start:stop].reshape(batch, heads_kv, group, stop - start, 1)
+    return scores.sub_(lse_r).exp_()
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [B, Nkv, G, r, X] @ b [B, Nkv, X, Y] -> [B, Nkv, G, r, Y]``: one GEMM per KV head over
+    ``G*r`` rows (``torch.matmul`` would copy a broadcast ``b`` G times first)."""
+    return torch.matmul(a.flatten(2, 3), b).unflatten(2, a.shape[2:4])
+
+
+def _add_dpse(dpse, contribution, pse, start: int, stop: int) -> None:
+    """Add ``[B, Nq, r, Skv]`` score gradients of rows ``start:stop`` to ``dpse`` (pse's shape)."""
+    if pse.shape[-2] == 1:
+        contribution = contribution.sum(-2, keepdim=True)
+        if pse.shape[0] == 1:
+            contribution = contribution.sum(0, keepdim=True)
+        dpse += contribution
+        return
+    if pse.shape[0] == 1:
+        contribution = contribution.sum(0, keepdim=True)
+    dpse[..., start:stop, :] += contribution
 
 
 def _grouped_mask(keep_rows: torch.Tensor, heads_kv: int, group: int) -> torch.Tensor:

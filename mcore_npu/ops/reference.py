@@ -149,19 +149,23 @@ class AttentionOptions:
 class _Keep:
     """Which scores one attention block keeps. Polarity: True = kept (SDPA's, not the op's).
 
-    Neither ``causal`` nor ``mask``: full attention. ``causal``: top-left causal, left to SDPA's
-    ``is_causal``. ``mask``: an explicit keep mask broadcastable to ``[B, N, Sq, Skv]``.
+    Neither ``causal`` nor ``mask``: full attention. ``causal``: causal attention, row i keeps
+    keys ``j <= i + offset``: ``offset`` 0 is top-left (left to SDPA's ``is_causal``), ``offset
+    = Skv - Sq > 0`` bottom-right (mode 3 of a wide block, computed without a mask). ``mask``: an
+    explicit keep mask broadcastable to ``[B, N, Sq, Skv]``.
     """
 
     causal: bool = False
     mask: torch.Tensor | None = None
+    offset: int = 0
 
     def rows(self, start: int, stop: int, seq_kv: int, device) -> torch.Tensor | None:
         """The keep mask of query rows ``start:stop`` (``[.., rows, Skv]``), or None if full."""
         if self.mask is not None:
             return self.mask[..., start:stop, :]
         if self.causal:
-            return causal_keep(stop, seq_kv, bottom_right=False, rows=(start, stop), device=device)
+            return band_keep(stop, seq_kv, C.INT32_MAX, 0, offset=self.offset, rows=(start, stop),
+                             device=device)  # fmt: skip
         return None
 
     def dense(self, seq_q: int, seq_kv: int, device) -> torch.Tensor | None:
@@ -229,6 +233,8 @@ def _plan(options, seq_q, seq_kv, dense_keep, prefix, device, mode=None) -> _Kee
         return _Keep(mask=dense_keep)
     if mode == 2 or (mode == 3 and offset == 0):
         return _Keep(causal=True)
+    if mode == 3 and offset > 0:  # wide block: every row keeps at least one key
+        return _Keep(causal=True, offset=offset)
     if mode == 3:
         return _Keep(mask=causal_keep(seq_q, seq_kv, bottom_right=True, device=device))
     if mode == 4:
@@ -253,6 +259,11 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     if seq_kv == 0:  # no key at all: every row is invalid
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         return (out, *_invalid_statistics(q)) if need_stats else (out, None, None)
+    if keep.offset and pse is None:
+        out = _attend_bottom_right(q, k, v, keep.offset, options)
+        return (
+            (out, *_statistics(q, k, keep, options.scale, pse)) if need_stats else (out, None, None)
+        )
     if need_stats and _blocked_statistics_apply(q, k, v, keep, options, pse):
         return attention_with_statistics(q, k, v, keep.causal, options.scale)
     if need_stats and _fast_statistics_apply(q, keep, options, pse):
@@ -287,12 +298,33 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     return (out, *_statistics(q, k, keep, options.scale, pse))
 
 
+def _attend_bottom_right(q, k, v, offset: int, options) -> torch.Tensor:
+    """Bottom-right causal attention of a wide block (``offset = Skv - Sq > 0``: row i keeps keys
+    ``j <= i + offset``) without a mask: SDPA's top-left causal over the queries preceded by
+    ``offset`` zero rows, whose outputs are dropped. The kept rows see exactly their keys; the
+    dropped rows take no gradient. Costs ``[B, N, Skv, D]`` queries instead of an Sq x Skv mask
+    (which SDPA would also expand to float).
+
+    q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D|Dv]`` -> ``[B, Nq, Sq, Dv]``.
+    """
+    padded = torch.cat([q.new_zeros(*q.shape[:2], offset, q.shape[-1]), q], dim=2)
+    out = F.scaled_dot_product_attention(
+        padded, k, v,
+        dropout_p=1.0 - options.keep_prob,
+        is_causal=True,
+        scale=options.scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out[:, :, offset:]
+
+
 def _blocked_statistics_apply(q, k, v, keep: _Keep, options, pse) -> bool:
     """The one-pass blocked kernel: full or causal, no bias, no dropout, nothing for autograd."""
     records_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (
         not records_grad
         and keep.mask is None
+        and keep.offset == 0
         and pse is None
         and options.keep_prob == 1.0
         and q.shape[-1] > 0
@@ -307,6 +339,7 @@ def _fast_statistics_apply(q, keep: _Keep, options, pse) -> bool:
     return (
         q.device.type == "cpu"
         and keep.mask is None
+        and keep.offset == 0
         and pse is None
         and options.keep_prob == 1.0
         and options.scale > 0

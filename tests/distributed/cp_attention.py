@@ -12,6 +12,7 @@ arguments, so the ring is seen calling the real operators' API.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import types
@@ -73,14 +74,34 @@ class RecordingTorchNpu(types.ModuleType):
     def __init__(self):
         super().__init__("torch_npu")
         self.forward_calls, self.grad_calls = [], []
+        self.events = []  # "forward" / "grad" / "transfer", in the order they were issued
 
     def npu_fusion_attention(self, *args, **kwargs):
         self.forward_calls.append(_describe(args, kwargs))
+        self.events.append("forward")
         return reference.npu_fusion_attention(*args, **kwargs)
 
     def npu_fusion_attention_grad(self, *args, **kwargs):
         self.grad_calls.append(_describe(args, kwargs))
+        self.events.append("grad")
         return reference.npu_fusion_attention_grad(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def transfers_recorded(stand_in: RecordingTorchNpu):
+    """Log each batch of point-to-point messages (the real ``batch_isend_irecv``, which still
+    sends) into the stand-in's ``events``, to see when the ring issues its transfers."""
+    real = torch.distributed.batch_isend_irecv
+
+    def recorded(ops):
+        stand_in.events.append("transfer")
+        return real(ops)
+
+    torch.distributed.batch_isend_irecv = recorded
+    try:
+        yield
+    finally:
+        torch.distributed.batch_isend_irecv = real
 
 
 def _describe(args, kwargs):
@@ -400,7 +421,8 @@ def main():
     stand_in = RecordingTorchNpu()
     sys.modules["torch_npu"] = stand_in
     try:
-        results.append(check("p2p", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
+        with transfers_recorded(stand_in):
+            results.append(check("p2p", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
     finally:
         del sys.modules["torch_npu"]
     packed_results, packed_calls, packed_refusals = packed_and_window_cases()
@@ -416,7 +438,8 @@ def main():
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
         print("STANDIN " + json.dumps({"forward": stand_in.forward_calls,
-                                       "grad": stand_in.grad_calls}), flush=True)  # fmt: skip
+                                       "grad": stand_in.grad_calls,
+                                       "events": stand_in.events}), flush=True)  # fmt: skip
         print("REFUSALS " + json.dumps(refusals()), flush=True)
         print("STANDIN_THD " + json.dumps(packed_calls), flush=True)
         print("REFUSALS_THD " + json.dumps(packed_refusals), flush=True)

@@ -67,6 +67,16 @@ def test_ring_calls_the_operators_with_their_exact_arguments(report):
         assert call["tensor_kwargs"]["attention_in"] == call["shapes"][0]
 
 
+def test_ring_sends_the_next_block_before_computing_the_current_one(report):
+    """Overlap: each step's K/V transfer is issued before that step's operator call and waited
+    for after it (CP=2, rank 0). Backward: dK/dV go home after the last block, one batch."""
+    (calls,) = report["STANDIN"]
+    assert calls["events"] == [
+        "transfer", "forward", "forward",  # K/V to the next rank while the diagonal is computed
+        "transfer", "grad", "transfer", "grad", "transfer",  # K/V; dK/dV after each step
+    ]  # fmt: skip
+
+
 def test_refusals_name_the_numbers_and_the_fix(report):
     (found,) = report["REFUSALS"]
     assert "1 KV groups" in found["a2a_mqa"] and "context_parallel_size=2" in found["a2a_mqa"]

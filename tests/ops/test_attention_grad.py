@@ -114,3 +114,24 @@ def test_empty_key_gives_zero_output_and_documented_statistics():
     assert smax.shape == ssum.shape == (2, 4, 3, 8)
     assert (smax == torch.finfo(torch.float32).min).all()
     assert (ssum == torch.finfo(torch.float32).max).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["SBH", "BSND"])
+def test_grad_in_the_input_dtype_and_layout(layout, dtype):
+    """float32 inputs are written through [B, N, S, D] views into buffers of their own layout;
+    bfloat16/float16 are computed in float32 and converted. Both equal the float64 result to
+    the input dtype's precision, in the input's dtype and shape."""
+    case = next(c for c in CASES if c.layout == layout and c.mode.sparse_mode == 2)
+    inputs = make_inputs(case, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (t.to(dtype) for t in (inputs.query, inputs.key, inputs.value))
+    dy = torch.randn(q.shape, generator=gen).to(dtype)  # Dv = D: the output has q's shape
+    want = npu_fusion_attention_grad(
+        *(t.double() for t in (q, k, v, dy)), inputs.head_num, layout, **_grad_kwargs(inputs)
+    )
+    got = npu_fusion_attention_grad(q, k, v, dy, inputs.head_num, layout, **_grad_kwargs(inputs))
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for name, w, g, x in zip(("dq", "dk", "dv"), want, got, (q, k, v)):
+        assert g.dtype == dtype and g.shape == x.shape, name
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol, msg=name)

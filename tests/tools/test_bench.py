@@ -89,7 +89,11 @@ def test_quick_cp_benchmark_is_consistent(tmp_path):
             continue
         theory = cp.theory_bytes(comm, seq)
         assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (theory["forward"], theory["backward"])
-    assert rows["p2p"]["forward"]["calls"] == {"c10d.send": 1, "c10d.recv_": 1}
-    assert rows["a2a"]["backward"]["calls"] == {"c10d.alltoall_base_": 4}
+    # CP=2 ring: K and V as two messages, one hop forward; backward K/V once, dK/dV twice
+    assert rows["p2p"]["forward"]["calls"] == {"c10d.send": 2, "c10d.recv_": 2}
+    assert rows["p2p"]["backward"]["calls"] == {"c10d.send": 6, "c10d.recv_": 6}
+    # sbhd Ulysses, point to point: 4 exchanges per pass (q, k, v, out), 2 chunks each
+    for phase in ("forward", "backward"):
+        assert rows["a2a"][phase]["calls"] == {"c10d.send": 8, "c10d.recv_": 8}
     assert rows["all_gather"]["backward"]["calls"] == {"c10d.allreduce_": 2}
     assert "goal met: host syncs per layer" in done.stdout

@@ -21,6 +21,7 @@ TITLES = {
     "attention": "Attention kernel (forward, CPU fp32, b=1, 16 heads, d=64, causal)",
     "mask": "Mask construction (peak bytes allocated per call; B=4 solid, B=1 dashed in the plot)",
     "step": "One training step: NPU spec (reference kernel) vs Megatron's local spec",
+    "cp": "Context parallelism: one attention layer per rank (2 gloo ranks, CPU fp32, S=16384)",
 }
 
 

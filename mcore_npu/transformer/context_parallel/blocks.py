@@ -113,8 +113,9 @@ class DenseLayout:
         return out.float().unflatten(-1, (self.heads, -1))
 
     def stats_rows(self, stat: torch.Tensor, part: str) -> torch.Tensor:
-        """``[B, N, r, 8]`` -> ``[r, B, N, 1]`` (one copy of the repeated value)."""
-        return stat[..., 0].permute(2, 0, 1).unsqueeze(-1)
+        """``[B, N, r, 8]`` -> ``[r, B, N, 1]``: a copy of the repeated value, so that the
+        operator's 8-wide output is freed."""
+        return stat[..., 0].permute(2, 0, 1).unsqueeze(-1).contiguous()
 
     def stats_op(self, stat: torch.Tensor, part: str) -> torch.Tensor:
         """``[r, B, N, 1]`` -> ``[B, N, r, 8]``, the operator's layout."""

@@ -8,6 +8,8 @@ the chunks in *rank order* ``[0, 3, 1, 2]``; :func:`natural_index` undoes that.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -71,17 +73,28 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
-    """Send ``x`` to the next CP rank, receive the previous rank's tensor of the same shape."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_to = dist.get_global_rank(group, (rank + 1) % size)
-    recv_from = dist.get_global_rank(group, (rank - 1) % size)
-    x = x.contiguous()
-    received = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, send_to, group),
-        dist.P2POp(dist.irecv, received, recv_from, group),
-    ]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+def ring_exchange(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
+    """Send each of ``tensors`` to the next CP rank; receive the previous rank's tensors of the
+    same shapes. One message per tensor, all in one batch (no stacking copy)."""
+    return RingTransfer(tensors, group).wait()
+
+
+class RingTransfer:
+    """:func:`ring_exchange` started now and finished by :meth:`wait`, so that the transfer of
+    the next K/V block overlaps the attention of the current one. The sent tensors must stay
+    unchanged until :meth:`wait` returns."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group) -> None:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        send_to = dist.get_global_rank(group, (rank + 1) % size)
+        recv_from = dist.get_global_rank(group, (rank - 1) % size)
+        sent = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, send_to, group) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in self.received]
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        return self.received

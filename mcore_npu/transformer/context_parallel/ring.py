@@ -1,6 +1,7 @@
 """``cp_comm_type="p2p"``: ring attention on Megatron's load-balanced layout, sbhd and thd.
 
-K/V blocks travel around the CP ring. Rank r holds query chunks (r, 2·CP-1-r) of every
+K/V blocks travel around the CP ring, the next block's transfer overlapping the current
+block's attention (:class:`.chunks.RingTransfer`). Rank r holds query chunks (r, 2·CP-1-r) of every
 sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the calls of
 :func:`.blocks.schedule` (one per step; up to four with a sliding window):
 
@@ -49,13 +50,32 @@ _F32_MIN = torch.finfo(torch.float32).min
 
 def _merge(acc, rows, out_b, m_b, l_b):
     """Merge a block's ``(out [r, ..., n, d] fp32, m, l [r, ..., n, 1])`` into ``acc`` at
-    ``rows`` (a slice or an index tensor of dim 0)."""
-    out_a, m_a, l_a = acc[0][rows], acc[1][rows], acc[2][rows]
+    ``rows`` (a slice or an index tensor of dim 0), in place.
+
+    ``out_b`` is the operator's fresh output and is overwritten: besides it, only the rows of an
+    index tensor are copied (a slice is a view), so a merge holds one block output at most.
+    """
+    m_a, l_a = acc[1][rows], acc[2][rows]
     m = torch.maximum(m_a, m_b)
     w_a, w_b = l_a * torch.exp(m_a - m), l_b * torch.exp(m_b - m)
     total = w_a + w_b
-    acc[0][rows] = (out_a * w_a + out_b * w_b) / total
+    out_a = acc[0][rows]
+    out_a.mul_(w_a / total).add_(out_b.mul_(w_b / total))
+    if not isinstance(rows, slice):
+        acc[0][rows] = out_a  # an index tensor gathered a copy
     acc[1][rows], acc[2][rows] = m, total
+
+
+def _add_rows(total, part, rows, grad, tokens: int):
+    """``total[rows] += grad`` in float32. ``total`` None: the first gradient, kept as it is
+    when it covers every row (``part`` BOTH), else zeros of ``tokens`` rows first."""
+    grad = grad.float()
+    if total is None:
+        if part == BOTH:
+            return grad
+        total = grad.new_zeros(tokens, *grad.shape[1:])
+    total[rows] += grad
+    return total
 
 
 def _empty_acc(tokens: int, out_b, m_b):
@@ -77,8 +97,9 @@ class RingAttention(torch.autograd.Function):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         tokens = q.shape[0]
         acc = None
-        kv = torch.stack([k, v])  # one message per hop
+        kv = [k, v]  # two messages per hop
         for step in range(size):
+            transfer = chunks.RingTransfer(kv, group) if step + 1 < size else None
             for block in schedule(rank, size, step, left=left, chunk=tokens // 2):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 out_b, m_b, l_b = fusion_attention_with_stats(
@@ -93,8 +114,8 @@ class RingAttention(torch.autograd.Function):
                 if acc is None:
                     acc = _empty_acc(tokens, out_b, m_b)
                 _merge(acc, rows, out_b, m_b, l_b)
-            if step + 1 < size:
-                kv = chunks.ring_exchange(kv, group)
+            if transfer is not None:  # the next block arrived while this one was computed
+                kv = transfer.wait()
         out = layout.output(acc[0]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc[1], acc[2])
         ctx.group, ctx.layout, ctx.left, ctx.kernel, ctx.scale = group, layout, left, kernel, scale
@@ -106,11 +127,12 @@ class RingAttention(torch.autograd.Function):
         group, layout = ctx.group, ctx.layout
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        tokens = q.shape[0]
+        dq = dk = dv = None
+        kv = [k, v]
         for step in range(size):
-            for block in schedule(rank, size, step, left=ctx.left, chunk=q.shape[0] // 2):
+            transfer = chunks.RingTransfer(kv, group) if step + 1 < size else None
+            for block in schedule(rank, size, step, left=ctx.left, chunk=tokens // 2):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 dq_b, dk_b, dv_b, _ = fusion_attention_grad(
                     q[rows], kv[0][keys], kv[1][keys], dout[rows], layout.heads,
@@ -119,14 +141,21 @@ class RingAttention(torch.autograd.Function):
                     softmax_sum=layout.stats_op(ssum[rows], block.rows),
                     attention_in=out[rows], **layout.mask_kwargs(block),
                 )  # fmt: skip
-                dq[rows] += dq_b.float()
-                dkv[0][keys] += dk_b.float()
-                dkv[1][keys] += dv_b.float()
-            if step + 1 < size:
-                kv = chunks.ring_exchange(kv, group)
-            dkv = chunks.ring_exchange(dkv, group)  # travels with its block; the last hop: home
-        grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+                dq = _add_rows(dq, block.rows, rows, dq_b, tokens)
+                dk = _add_rows(dk, block.keys, keys, dk_b, tokens)
+                dv = _add_rows(dv, block.keys, keys, dv_b, tokens)
+            if transfer is not None:
+                kv = transfer.wait()
+            # dK/dV travel with their block; the last hop brings them home
+            dk, dv = chunks.ring_exchange([_or_zeros(g, t) for g, t in ((dk, k), (dv, v))], group)
+        dq = _or_zeros(dq, q)
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return *grads, None, None, None, None, None
+
+
+def _or_zeros(grad, like: torch.Tensor) -> torch.Tensor:
+    """A gradient no block touched (a window that misses a whole step) is float32 zeros."""
+    return torch.zeros_like(like, dtype=torch.float32) if grad is None else grad
 
 
 def attention(

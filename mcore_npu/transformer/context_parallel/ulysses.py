@@ -1,6 +1,7 @@
 """``cp_comm_type="a2a"`` (Ulysses): trade the sequence split for a head split.
 
-An all-to-all turns the local chunks (sbhd ``[s/CP, b, np, hn]``, thd ``[t/CP, np, hn]``)
+An all-to-all (sbhd: the same exchange as point-to-point messages that land each chunk at its
+natural rows, without a reordering copy) turns the local chunks (sbhd ``[s/CP, b, np, hn]``, thd ``[t/CP, np, hn]``)
 into the whole sequence with 1/CP of the heads (``[s, b, np/CP, hn]``, ``[t, np/CP, hn]``),
 the load-balanced chunk order is undone, attention runs as without CP, and a second
 all-to-all brings the output back. Query heads and KV groups must divide by CP.
@@ -68,21 +69,89 @@ def _packed_order(ends: tuple[int, ...], size: int, device: torch.device):
 
 def _seq_to_heads(x, group, order: _Order):
     """``[t_local, *batch, n, d]`` -> ``[t, *batch, n/CP, d]``, natural token order."""
+    if not order.packed:
+        return _dense_seq_to_heads(x, group)
     size = dist.get_world_size(group)
     t_local, *batch, n, d = x.shape
     parts = x.reshape(t_local, *batch, size, n // size, d).movedim(-3, 0)  # [CP, t_l, ..., n/CP, d]
     received = chunks.all_to_all(parts, group)  # [CP (source rank), t_l, ..., n/CP, d]
+    del parts
     return order.to_natural(received.reshape(size * t_local, *batch, n // size, d))
 
 
 def _heads_to_seq(x, group, order: _Order):
     """``[t, *batch, n/CP, d]`` (natural order) -> ``[t_local, *batch, n, d]``: the inverse."""
+    if not order.packed:
+        return _dense_heads_to_seq(x, group)
     size = dist.get_world_size(group)
     t, *batch, n_local, d = x.shape
     ranked = order.to_ranked(x)
     received = chunks.all_to_all(ranked.reshape(size, t // size, *batch, n_local, d), group)
+    del ranked
     # [CP (head group), t_l, ..., n/CP, d] -> [t_l, ..., CP, n/CP, d] -> [t_l, ..., n, d]
     return received.movedim(0, -3).reshape(t // size, *batch, size * n_local, d)
+
+
+def _dense_seq_to_heads(x, group):
+    """sbhd ``[s_l, b, n, d]`` (chunks r, 2CP-1-r) -> ``[CP*s_l, b, n/CP, d]`` in natural order.
+
+    Point-to-point messages land every peer's two chunks straight at their natural rows, so
+    besides the output only the heads sent to peers are copied ((CP-1)/CP of ``x``); an
+    all-to-all would add a receive buffer and a reordering copy of the whole output.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_l, b, n, d = x.shape
+    c, nl = s_l // 2, n // size
+    out = x.new_empty(size * s_l, b, nl, d)
+    ops = []
+    for peer in range(size):
+        heads = x[:, :, peer * nl : (peer + 1) * nl]
+        if peer == rank:
+            for half, chunk in zip((heads[:c], heads[c:]), chunks.chunk_ids(rank, size)):
+                out[chunk * c : (chunk + 1) * c].copy_(half)
+            continue
+        send = heads.contiguous()
+        ops += _halves_ops(group, peer, (send[:c], send[c:]),
+                           [out[k * c : (k + 1) * c] for k in chunks.chunk_ids(peer, size)])  # fmt: skip
+    _run(ops)
+    return out
+
+
+def _dense_heads_to_seq(x, group):
+    """The inverse: ``[CP*s_l, b, n/CP, d]`` natural order -> ``[s_l, b, n, d]`` (chunks r,
+    2CP-1-r). The chunks a peer needs are row ranges of ``x`` (sent without a copy); what a
+    peer sends back is received into one ``[s_l, b, n/CP, d]`` buffer per peer."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    s, b, nl, d = x.shape
+    s_l = s // size
+    c = s_l // 2
+    out = x.new_empty(s_l, b, size * nl, d)
+    ops, received = [], {}
+    for peer in range(size):
+        theirs = [x[k * c : (k + 1) * c] for k in chunks.chunk_ids(peer, size)]
+        if peer == rank:
+            for half, rows in zip(theirs, (slice(0, c), slice(c, s_l))):
+                out[rows, :, rank * nl : (rank + 1) * nl].copy_(half)
+            continue
+        received[peer] = x.new_empty(s_l, b, nl, d)
+        ops += _halves_ops(group, peer, theirs, (received[peer][:c], received[peer][c:]))
+    _run(ops)
+    for peer, buffer in received.items():
+        out[:, :, peer * nl : (peer + 1) * nl].copy_(buffer)
+    return out
+
+
+def _halves_ops(group, peer: int, sends, recvs) -> list:
+    """Two sends and two receives with ``peer`` (group rank), tagged 0 (early) and 1 (late)."""
+    to = dist.get_global_rank(group, peer)
+    ops = [dist.P2POp(dist.isend, t, to, group, tag) for tag, t in enumerate(sends)]
+    return ops + [dist.P2POp(dist.irecv, t, to, group, tag) for tag, t in enumerate(recvs)]
+
+
+def _run(ops: list) -> None:
+    for request in dist.batch_isend_irecv(ops) if ops else ():
+        request.wait()
 
 
 class SeqToHeads(torch.autograd.Function):
