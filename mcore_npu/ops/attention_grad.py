@@ -15,8 +15,8 @@ With ``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), th
 Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is recomputed per
 block, and without ``attention_in`` the output comes from the forward reference. Computed in
 float32 (float64 for float64 inputs), in blocks of query rows of at most ``GRAD_BLOCK_BYTES``
-of scores, updated in place; GQA gradients of a KV head sum over its query heads. The reference has no replayable dropout stream, so
-``keep_prob`` must be 1.0.
+of scores, updated in place; GQA gradients of a KV head sum over its query heads. The
+reference has no replayable dropout stream, so ``keep_prob`` must be 1.0.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``cp_comm_type="p2p"``: ring attention on Megatron's load-balanced layout, sbhd and thd.
 
 K/V blocks travel around the CP ring, the next block's transfer overlapping the current
-block's attention (:class:`.chunks.RingTransfer`). Rank r holds query chunks (r, 2·CP-1-r) of every
-sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the calls of
-:func:`.blocks.schedule` (one per step; up to four with a sliding window):
+block's attention (:class:`.chunks.RingTransfer`). Rank r holds query chunks (r, 2·CP-1-r) of
+every sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the
+calls of :func:`.blocks.schedule` (one per step; up to four with a sliding window):
 
 ================  =========================================  ===========================
 step              queries -> keys                            operator call

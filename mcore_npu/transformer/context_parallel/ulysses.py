@@ -1,10 +1,10 @@
 """``cp_comm_type="a2a"`` (Ulysses): trade the sequence split for a head split.
 
 An all-to-all (sbhd: the same exchange as point-to-point messages that land each chunk at its
-natural rows, without a reordering copy) turns the local chunks (sbhd ``[s/CP, b, np, hn]``, thd ``[t/CP, np, hn]``)
-into the whole sequence with 1/CP of the heads (``[s, b, np/CP, hn]``, ``[t, np/CP, hn]``),
-the load-balanced chunk order is undone, attention runs as without CP, and a second
-all-to-all brings the output back. Query heads and KV groups must divide by CP.
+natural rows, without a reordering copy) turns the local chunks (sbhd ``[s/CP, b, np, hn]``,
+thd ``[t/CP, np, hn]``) into the whole sequence with 1/CP of the heads (``[s, b, np/CP, hn]``,
+``[t, np/CP, hn]``), the load-balanced chunk order is undone, attention runs as without CP,
+and a second all-to-all brings the output back. Query heads and KV groups must divide by CP.
 
 Order after the exchange: the ranks' local tokens one after another. sbhd: the chunks
 ``[0, 2CP-1, 1, 2CP-2, ...]`` (:func:`.chunks.natural_index` undoes that). thd: every rank
