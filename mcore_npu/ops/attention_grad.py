@@ -14,8 +14,9 @@ With ``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), th
 
 Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is recomputed per
 block, and without ``attention_in`` the output comes from the forward reference. Computed in
-float32 (float64 for float64 inputs), in blocks of query rows of at most ``GRAD_BLOCK_BYTES``
-of scores, updated in place; GQA gradients of a KV head sum over its query heads. The
+float32 (float64 for float64 inputs), in tiles of query rows x ``KEY_BLOCK`` keys of at most
+``GRAD_BLOCK_BYTES`` of scores, updated in place (a causal block skips the tiles above its
+diagonal); GQA gradients of a KV head sum over its query heads. The
 reference has no replayable dropout stream, so ``keep_prob`` must be 1.0.
 """
 
@@ -34,9 +35,12 @@ from mcore_npu.ops.reference import (
 )
 from mcore_npu.ops.validation import split_q_band_segment, validate_call
 
-GRAD_BLOCK_BYTES = 8 * 2**20
-"""Largest score block (``[B, Nq, rows, Skv]`` in the compute dtype) of one backward step; a
+GRAD_BLOCK_BYTES = 2 * 2**20
+"""Largest score tile (``[B, Nq, rows, keys]`` in the compute dtype) of one backward step; a
 step holds two (probabilities and score gradients)."""
+KEY_BLOCK = 1024
+"""Keys of one tile: with query rows and keys both tiled, the work space does not grow with
+the sequence, and a causal block skips the tiles above its diagonal."""
 
 __all__ = ["npu_fusion_attention_grad"]
 
@@ -211,8 +215,9 @@ def _lse(smax: torch.Tensor, ssum: torch.Tensor) -> torch.Tensor:
 
 
 def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse, targets=None):
-    """Gradients of one ``[B, N, S, D]`` block, in row blocks, score buffers updated in place
-    (two ``[B, Nq, rows, Skv]`` buffers per row block at most).
+    """Gradients of one ``[B, N, S, D]`` block in tiles of query rows x keys (two
+    ``[B, Nq, rows, keys]`` score buffers per tile at most; tiles a causal block masks whole
+    are skipped).
 
     Args:
         q, g, o: ``[B, Nq, Sq, D|Dv]``; k, v: ``[B, Nkv, Skv, D|Dv]``; lse: ``[B, Nq, Sq]``
@@ -238,51 +243,96 @@ def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse, targets=None):
         ]
     dq, dk, dv = targets
     dpse = None if pse is None else torch.zeros(pse.shape, dtype=compute, device=q.device)
-    itemsize = torch.finfo(compute).bits // 8
-    rows = max(1, GRAD_BLOCK_BYTES // max(1, itemsize * batch * heads_q * seq_kv))
-    for start in range(0, seq_q, rows):
-        stop = min(seq_q, start + rows)
+    tiles = _Tiles(keep, seq_q, seq_kv, torch.finfo(compute).bits // 8 * batch * heads_q)
+    for start, stop in tiles.row_blocks():
 
         def grouped(t, start=start, stop=stop):  # [B, Nq, r, X] -> [B, Nkv, G, r, X]
             return t[:, :, start:stop].to(compute).reshape(batch, heads_kv, group, stop - start, -1)
 
         q_r, g_r = grouped(q), grouped(g)
         delta = (g_r * grouped(o)).sum(-1, keepdim=True)  # [B, Nkv, G, r, 1]
-        prob = _probabilities(q_r, kc, lse, keep, scale, pse, (start, stop), q.device)
-        dscore = _grouped_matmul(g_r, vc.mT).sub_(delta).mul_(prob)  # [B, Nkv, G, r, Skv]
-        # dK, dV sum over the group's query heads and the rows in one GEMM each (G*r inner
-        # dimension), so no [B, Nkv, G, Skv, D] partial is materialised
-        dv += torch.matmul(prob.flatten(2, 3).mT, g_r.flatten(2, 3))
-        del prob
-        dq[:, :, start:stop] = _grouped_matmul(dscore, kc).mul_(scale).flatten(1, 2)
-        dk.add_(torch.matmul(dscore.flatten(2, 3).mT, q_r.flatten(2, 3)), alpha=scale)
-        if dpse is not None:
-            _add_dpse(dpse, scale * dscore.flatten(1, 2), pse, start, stop)
+        keep_rows = keep.rows(start, stop, seq_kv, q.device)  # [.., r, Skv] or None (all kept)
+        if lse is None:
+            lse_r = _rows_lse(q_r, kc, keep_rows, scale, pse, tiles, (start, stop))
+        else:
+            lse_r = lse[:, :, start:stop].reshape(batch, heads_kv, group, stop - start, 1)
+        dq_r = torch.zeros_like(q_r)  # [B, Nkv, G, r, D]
+        for k0, k1, mask in tiles.key_blocks(start, stop, keep_rows):
+            span = (start, stop, k0, k1)
+            prob = _probabilities(q_r, kc[:, :, k0:k1], lse_r, mask, scale, pse, span)
+            # dK, dV sum over the group's query heads and the rows in one GEMM each (G*r inner
+            # dimension), so no [B, Nkv, G, keys, D] partial is materialised
+            dv[:, :, k0:k1] += torch.matmul(prob.flatten(2, 3).mT, g_r.flatten(2, 3))
+            dscore = _grouped_matmul(g_r, vc[:, :, k0:k1].mT).sub_(delta).mul_(prob)
+            del prob
+            dq_r += _grouped_matmul(dscore, kc[:, :, k0:k1])
+            dk[:, :, k0:k1].add_(torch.matmul(dscore.flatten(2, 3).mT, q_r.flatten(2, 3)),
+                                 alpha=scale)  # fmt: skip
+            if dpse is not None:
+                _add_dpse(dpse, scale * dscore.flatten(1, 2), pse, span)
+        dq[:, :, start:stop] = dq_r.mul_(scale).flatten(1, 2)
     return dq, dk, dv, dpse
 
 
-def _probabilities(q_r, kc, lse, keep: _Keep, scale, pse, span, device):
-    """``P = exp(scale * (Q K^T + pse) - lse)`` of query rows ``span``, masked, in one buffer
-    ``[B, Nkv, G, r, Skv]`` (q_r ``[B, Nkv, G, r, D]``, kc ``[B, Nkv, Skv, D]``; ``lse`` None:
-    the rows' own log-sum-exp)."""
-    batch, heads_kv, group = q_r.shape[:3]
-    start, stop = span
-    seq_kv = kc.shape[-2]
-    scores = _grouped_matmul(q_r, kc.mT)  # [B, Nkv, G, r, Skv]
+class _Tiles:
+    """The tiles of one gradient block: row blocks of at most ``GRAD_BLOCK_BYTES`` of scores
+    over ``KEY_BLOCK`` keys, and per row block the key blocks with their keep masks."""
+
+    def __init__(self, keep: _Keep, seq_q: int, seq_kv: int, row_bytes: int) -> None:
+        self.keep, self.seq_q, self.seq_kv = keep, seq_q, seq_kv
+        self.keys = max(1, min(seq_kv, KEY_BLOCK))
+        self.rows = max(1, GRAD_BLOCK_BYTES // max(1, row_bytes * self.keys))
+
+    def row_blocks(self):
+        for start in range(0, self.seq_q, self.rows):
+            yield start, min(self.seq_q, start + self.rows)
+
+    def key_blocks(self, start: int, stop: int, keep_rows):
+        """``(k0, k1, mask)`` per key block of rows ``start:stop``: ``mask`` the keep mask
+        ``[.., r, k1 - k0]`` (True = kept), None where every pair is kept; a block of a causal
+        plan that keeps nothing is left out (its probabilities are 0)."""
+        causal = self.keep.causal and self.keep.mask is None
+        for k0 in range(0, self.seq_kv, self.keys):
+            k1 = min(self.seq_kv, k0 + self.keys)
+            if causal and k0 > stop - 1 + self.keep.offset:
+                return  # this block and the later ones lie above the diagonal
+            if keep_rows is None or (causal and k1 - 1 <= start + self.keep.offset):
+                yield k0, k1, None  # below the diagonal: all kept
+            else:
+                yield k0, k1, keep_rows[..., k0:k1]
+
+
+def _rows_lse(q_r, kc, keep_rows, scale, pse, tiles: _Tiles, rows) -> torch.Tensor:
+    """The log-sum-exp ``[B, Nkv, G, r, 1]`` of query rows ``rows``, over the key blocks
+    (+inf on rows that keep no key, so that their probabilities are 0)."""
+    start, stop = rows
+    lse = q_r.new_full((*q_r.shape[:-1], 1), float("-inf"))
+    for k0, k1, mask in tiles.key_blocks(start, stop, keep_rows):
+        scores = _scores(q_r, kc[:, :, k0:k1], mask, scale, pse, (start, stop, k0, k1))
+        lse = torch.logaddexp(lse, torch.logsumexp(scores, -1, keepdim=True))
+    return lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def _scores(q_r, kc, mask, scale, pse, span):
+    """``scale * (Q K^T + pse)`` of one tile, masked with -inf, ``[B, Nkv, G, r, keys]`` (q_r
+    ``[B, Nkv, G, r, D]``, kc ``[B, Nkv, keys, D]``, span ``(start, stop, k0, k1)``)."""
+    heads_kv, group = q_r.shape[1:3]
+    start, stop, k0, k1 = span
+    scores = _grouped_matmul(q_r, kc.mT)
     if pse is not None:
-        bias = pse[..., start:stop, :] if pse.shape[-2] != 1 else pse
+        bias = pse[..., start:stop, k0:k1] if pse.shape[-2] != 1 else pse[..., k0:k1]
         scores += bias.to(scores.dtype).reshape(bias.shape[0], heads_kv, group, bias.shape[-2],
-                                                seq_kv)  # fmt: skip
+                                                k1 - k0)  # fmt: skip
     scores.mul_(scale)
-    keep_rows = keep.rows(start, stop, seq_kv, device)
-    if keep_rows is not None:
-        scores.masked_fill_(~_grouped_mask(keep_rows, heads_kv, group), float("-inf"))
-    if lse is None:
-        lse_r = torch.logsumexp(scores, -1, keepdim=True)  # [B, Nkv, G, r, 1]
-        lse_r = lse_r.masked_fill(torch.isneginf(lse_r), float("inf"))  # invalid rows
-    else:
-        lse_r = lse[:, :, start:stop].reshape(batch, heads_kv, group, stop - start, 1)
-    return scores.sub_(lse_r).exp_()
+    if mask is not None:
+        scores.masked_fill_(~_grouped_mask(mask, heads_kv, group), float("-inf"))
+    return scores
+
+
+def _probabilities(q_r, kc, lse_r, mask, scale, pse, span):
+    """``P = exp(scale * (Q K^T + pse) - lse)`` of one tile, masked, in one buffer
+    ``[B, Nkv, G, r, keys]`` (``lse_r`` ``[B, Nkv, G, r, 1]``)."""
+    return _scores(q_r, kc, mask, scale, pse, span).sub_(lse_r).exp_()
 
 
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -291,17 +341,16 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.flatten(2, 3), b).unflatten(2, a.shape[2:4])
 
 
-def _add_dpse(dpse, contribution, pse, start: int, stop: int) -> None:
-    """Add ``[B, Nq, r, Skv]`` score gradients of rows ``start:stop`` to ``dpse`` (pse's shape)."""
-    if pse.shape[-2] == 1:
-        contribution = contribution.sum(-2, keepdim=True)
-        if pse.shape[0] == 1:
-            contribution = contribution.sum(0, keepdim=True)
-        dpse += contribution
-        return
+def _add_dpse(dpse, contribution, pse, span) -> None:
+    """Add ``[B, Nq, r, keys]`` score gradients of the tile ``span = (start, stop, k0, k1)`` to
+    ``dpse`` (pse's shape)."""
+    start, stop, k0, k1 = span
     if pse.shape[0] == 1:
         contribution = contribution.sum(0, keepdim=True)
-    dpse[..., start:stop, :] += contribution
+    if pse.shape[-2] == 1:
+        dpse[..., k0:k1] += contribution.sum(-2, keepdim=True)
+        return
+    dpse[..., start:stop, k0:k1] += contribution
 
 
 def _grouped_mask(keep_rows: torch.Tensor, heads_kv: int, group: int) -> torch.Tensor:

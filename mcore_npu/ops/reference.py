@@ -300,13 +300,17 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
 
 def _attend_bottom_right(q, k, v, offset: int, options) -> torch.Tensor:
     """Bottom-right causal attention of a wide block (``offset = Skv - Sq > 0``: row i keeps keys
-    ``j <= i + offset``) without a mask: SDPA's top-left causal over the queries preceded by
-    ``offset`` zero rows, whose outputs are dropped. The kept rows see exactly their keys; the
-    dropped rows take no gradient. Costs ``[B, N, Skv, D]`` queries instead of an Sq x Skv mask
-    (which SDPA would also expand to float).
+    ``j <= i + offset``) without an Sq x Skv mask (which SDPA would also expand to float).
+
+    On the CPU without dropout: :class:`_BottomRightCausal` (two fused calls, nothing padded).
+    Elsewhere: SDPA's top-left causal over the queries preceded by ``offset`` zero rows, whose
+    outputs are dropped (the kept rows see exactly their keys; the dropped rows take no
+    gradient), at the cost of ``[B, N, Skv, D]`` queries.
 
     q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D|Dv]`` -> ``[B, Nq, Sq, Dv]``.
     """
+    if _BottomRightCausal.applies(q, v, options):
+        return _BottomRightCausal.apply(q, k, v, offset, options.scale)
     padded = torch.cat([q.new_zeros(*q.shape[:2], offset, q.shape[-1]), q], dim=2)
     out = F.scaled_dot_product_attention(
         padded, k, v,
@@ -316,6 +320,62 @@ def _attend_bottom_right(q, k, v, offset: int, options) -> torch.Tensor:
         enable_gqa=q.shape[1] != k.shape[1],
     )  # fmt: skip
     return out[:, :, offset:]
+
+
+class _BottomRightCausal(torch.autograd.Function):
+    """Bottom-right causal attention of a wide block on the CPU, exact and unpadded.
+
+    Keys ``[0, offset)`` are seen by every row: one full fused call; keys ``[offset, Skv)`` form
+    a top-left causal square: one causal fused call. PyTorch's CPU flash kernel returns each
+    part's output and log-sum-exp (GQA native), and the parts merge as ring attention merges
+    blocks: ``lse = logaddexp(lse_1, lse_2)``, ``out = sum_p out_p exp(lse_p - lse)``. The
+    backward runs the fused backward of each part with the merged output and log-sum-exp,
+    which returns exactly that part's share of dQ, dK and dV.
+
+    q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D]`` -> ``[B, Nq, Sq, D]``; saves q, k, v, the
+    output and the log-sum-exp ``[B, Nq, Sq]``.
+    """
+
+    @staticmethod
+    def applies(q, v, options) -> bool:
+        """The fused CPU kernel's cases: CPU, no dropout, Dv == D > 0, at least one query."""
+        return (
+            q.device.type == "cpu"
+            and options.keep_prob == 1.0
+            and v.shape[-1] == q.shape[-1] > 0
+            and q.shape[-2] > 0
+        )
+
+    @staticmethod
+    def _parts(offset: int):
+        """``(keys, causal)`` of the two parts."""
+        return (slice(0, offset), False), (slice(offset, None), True)
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset: int, scale: float):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        (out, lse_1), (out_2, lse_2) = (
+            flash(q, k[:, :, keys], v[:, :, keys], 0.0, causal, scale=scale)
+            for keys, causal in _BottomRightCausal._parts(offset)
+        )
+        lse = torch.logaddexp(lse_1, lse_2)  # [B, Nq, Sq]
+        out.mul_((lse_1 - lse).exp_().unsqueeze(-1).to(out.dtype))
+        out.add_(out_2.mul_((lse_2 - lse).exp_().unsqueeze(-1).to(out.dtype)))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offset, ctx.scale = offset, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
+        for keys, causal in _BottomRightCausal._parts(ctx.offset):
+            dq_p, dk[:, :, keys], dv[:, :, keys] = backward(
+                dout, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, causal, scale=ctx.scale
+            )
+            dq = dq_p if dq is None else dq.add_(dq_p)
+        return dq, dk, dv, None, None
 
 
 def _blocked_statistics_apply(q, k, v, keep: _Keep, options, pse) -> bool:

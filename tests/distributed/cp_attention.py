@@ -1,9 +1,11 @@
-"""Run under ``torchrun --nproc-per-node 2``: NPUFusionAttention with CP=2 against CP=1.
+"""Run under ``torchrun --nproc-per-node 2``: NPUFusionAttention with CP=2 against CP=1
+(``--cp 4`` under ``--nproc-per-node 4``: the CP=4 cases of :func:`main_cp4`).
 
 Every rank computes the one-process answer itself (the same module without context
-parallelism, on the whole sequence: no collective involved), then the CP=2 module on its own
+parallelism, on the whole sequence: no collective involved), then the CP module on its own
 chunks, as Megatron's ``get_batch_on_this_cp_rank`` cuts them. It compares the output and
-dQ/dK/dV of its chunks, and rank 0 prints one JSON line per case (``CASE {...}``).
+dQ/dK/dV of its chunks, the worst error over the ranks is taken, and rank 0 prints one JSON
+line per case (``CASE {...}``).
 
 The stand-in ``torch_npu`` case (no NPU here) puts a module into ``sys.modules`` whose
 ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` run the reference and record their
@@ -51,7 +53,7 @@ def _run(module, q, k, v, dy, mask_type):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def check(comm, heads, groups, mask_type, kernel="reference"):
+def check(comm, heads, groups, mask_type, kernel="reference", cp=2):
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen)
     k, v = (torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=gen) for _ in range(2))
@@ -59,13 +61,11 @@ def check(comm, heads, groups, mask_type, kernel="reference"):
     single = NPUFusionAttention(_config(heads, groups, 1, None), 1, mask_type,
                                 kernel="reference")  # fmt: skip
     want = [_local(t) for t in _run(single, q, k, v, dy, mask_type)]
-    parallel = NPUFusionAttention(_config(heads, groups, 2, comm), 1, mask_type, kernel=kernel)
+    parallel = NPUFusionAttention(_config(heads, groups, cp, comm), 1, mask_type, kernel=kernel)
     got = _run(parallel, *(_local(t) for t in (q, k, v, dy)), mask_type)
-    errors = {
-        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
-    }
+    errors = _errors(got, want)
     return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
-            "kernel": kernel, "max_abs_error": errors}  # fmt: skip
+            "kernel": kernel, "cp": cp, "max_abs_error": errors}  # fmt: skip
 
 
 class RecordingTorchNpu(types.ModuleType):
@@ -182,36 +182,35 @@ def _real_positions(real, padded):
     return torch.cat([torch.arange(p) < r for r, p in zip(real, padded)])
 
 
-def check_thd(comm, heads, groups, mask_type, window=None, real=REAL, kernel="reference"):
-    """Packed batch on 2 ranks (Megatron's thd split) against one process, same params.
+def check_thd(comm, heads, groups, mask_type, window=None, real=REAL, kernel="reference", *,
+              cp=2, padded=PADDED):  # fmt: skip
+    """Packed batch on ``cp`` ranks (Megatron's thd split) against one process, same params.
 
     The upstream gradient is 0 at padding positions (their loss is masked), so padding tokens
     never reach a real one: out is compared at real tokens, dQ/dK/dV everywhere.
     """
     gen = torch.Generator().manual_seed(5)
-    total = sum(PADDED)
+    total = sum(padded)
     q = torch.randn(total, heads, HEAD_DIM, generator=gen)
     k, v = (torch.randn(total, groups, HEAD_DIM, generator=gen) for _ in range(2))
-    keep = _real_positions(real, PADDED)
+    keep = _real_positions(real, padded)
     dy = torch.randn(total, heads * HEAD_DIM, generator=gen) * keep[:, None]
-    params = _packed_params(real, PADDED)
+    params = _packed_params(real, padded)
     single = NPUFusionAttention(_config(heads, groups, 1, None, window), 1, mask_type,
                                 kernel="reference")  # fmt: skip
     rank = torch.distributed.get_rank()
-    index = thd_get_partitioned_indices(params.cu_seqlens_q_padded, total, 2, rank)
+    index = thd_get_partitioned_indices(params.cu_seqlens_q_padded, total, cp, rank)
     want = [t.index_select(0, index) for t in _run_thd(single, q, k, v, dy, mask_type, params)]
-    parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type,
+    parallel = NPUFusionAttention(_config(heads, groups, cp, comm, window), 1, mask_type,
                                   kernel=kernel)  # fmt: skip
     local = [t.index_select(0, index) for t in (q, k, v, dy)]
     got = _run_thd(parallel, *local, mask_type, params)
     real_rows = keep.index_select(0, index)
     got[0], want[0] = got[0][real_rows], want[0][real_rows]
-    errors = {
-        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
-    }
+    errors = _errors(got, want)
     return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
-            "kernel": kernel, "layout": "thd", "window": window,
-            "padded": real != PADDED, "max_abs_error": errors}  # fmt: skip
+            "kernel": kernel, "layout": "thd", "window": window, "cp": cp,
+            "padded": real != padded, "max_abs_error": errors}  # fmt: skip
 
 
 def _run_thd(module, q, k, v, dy, mask_type, params):
@@ -222,7 +221,7 @@ def _run_thd(module, q, k, v, dy, mask_type, params):
 
 
 def _errors(got, want):
-    """Worst absolute error of out, dQ, dK, dV over both ranks (their blocks differ)."""
+    """Worst absolute error of out, dQ, dK, dV over the CP ranks (their blocks differ)."""
     names = ("out", "dq", "dk", "dv")
     worst = torch.stack([(g - w).abs().max() for g, w in zip(got, want)])
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=_cp_group())
@@ -241,15 +240,17 @@ def _one_process_kwargs(causal, window, ends, layout_kind):
     return kwargs
 
 
-def check_packed(comm, heads, groups, *, causal=True, window=None, kernel="reference"):
-    """thd: 2 ranks (``thd_ends`` = local padded ends) against one TND call on the whole pack."""
+def check_packed(comm, heads, groups, *, causal=True, window=None, kernel="reference",
+                 lengths=PACKED_LENGTHS):  # fmt: skip
+    """thd: the CP ranks (``thd_ends`` = local padded ends) against one TND call on the whole
+    pack of padded ``lengths``."""
     from mcore_npu.ops import fusion_attention
     from mcore_npu.transformer.context_parallel import ring, ulysses
     from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indices
 
     group = _cp_group()
     size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    cu = torch.tensor((0, *PACKED_LENGTHS)).cumsum(0)
+    cu = torch.tensor((0, *lengths)).cumsum(0)
     total = int(cu[-1])
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(total, heads, HEAD_DIM, generator=gen)
@@ -274,7 +275,7 @@ def check_packed(comm, heads, groups, *, causal=True, window=None, kernel="refer
     got = _grads(parallel, *(t[mine] for t in (q, k, v, dy)))
     mask = f"window{window}" if window else ("causal" if causal else "no_mask")
     return {"comm": comm, "format": "thd", "heads": heads, "groups": groups, "mask": mask,
-            "kernel": kernel, "max_abs_error": _errors(got, want)}  # fmt: skip
+            "kernel": kernel, "cp": size, "max_abs_error": _errors(got, want)}  # fmt: skip
 
 
 def check_window_direct(comm, heads, groups, window):
@@ -305,6 +306,7 @@ def check_window_direct(comm, heads, groups, window):
     got = _grads(parallel, *(_local(t) for t in (q, k, v, dy)))
     return {"comm": comm, "format": "sbhd", "heads": heads, "groups": groups,
             "mask": f"window{window}", "kernel": "reference",
+            "cp": torch.distributed.get_world_size(group),
             "max_abs_error": _errors(got, want)}  # fmt: skip
 
 
@@ -346,9 +348,7 @@ def check_window(comm, heads, groups, mask_type, window):
     want = [_local(t) for t in _run(single, q, k, v, dy, mask_type)]
     parallel = NPUFusionAttention(_config(heads, groups, 2, comm, window), 1, mask_type)
     got = _run(parallel, *(_local(t) for t in (q, k, v, dy)), mask_type)
-    errors = {
-        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
-    }
+    errors = _errors(got, want)
     return {"comm": comm, "heads": heads, "groups": groups, "mask": mask_type.name,
             "kernel": "reference", "layout": "sbhd", "window": window,
             "max_abs_error": errors}  # fmt: skip
@@ -451,5 +451,34 @@ def main():
     runtime.shutdown()
 
 
+PACKED_LENGTHS_CP4 = (8, 16, 8, 24)  # each a multiple of 2 * CP = 8
+REAL_CP4 = (8, 13, 3, 24)
+
+
+def main_cp4():
+    """CP=4 on 4 ranks: ring steps with three earlier or later ranks and dK/dV home after
+    three hops, the all-gather's natural order of four ranks' chunks, Ulysses over four head
+    groups; sbhd (chunks of 2 tokens, so windows span several chunks) and packed thd."""
+    rt = runtime.initialize(runtime.ParallelLayout(context=4), seed=0)
+    causal, full = AttnMaskType.causal, AttnMaskType.no_mask
+    results = []
+    for comm in ("p2p", "all_gather", "a2a"):
+        for heads, groups in ((4, 4), (8, 4)):
+            results.append(check(comm, heads, groups, causal, cp=4))
+        if comm != "p2p":
+            results.append(check(comm, 8, 4, full, cp=4))
+    for window in WINDOWS:
+        results.append(check_window_direct("p2p", 8, 4, window))
+    results.append(check_window_direct("a2a", 8, 4, WINDOWS[0]))
+    for comm in ("p2p", "a2a"):
+        results.append(check_packed(comm, 8, 4, lengths=PACKED_LENGTHS_CP4))
+    results.append(check_thd("all_gather", 8, 4, causal, real=REAL_CP4, cp=4,
+                             padded=PACKED_LENGTHS_CP4))  # fmt: skip
+    if rt.launch.rank == 0:
+        for result in results:
+            print("CASE " + json.dumps(result), flush=True)
+    runtime.shutdown()
+
+
 if __name__ == "__main__":
-    main()
+    main_cp4() if sys.argv[1:] == ["--cp", "4"] else main()

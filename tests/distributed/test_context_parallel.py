@@ -37,6 +37,36 @@ def report():
     return lines
 
 
+@pytest.fixture(scope="module")
+def cases_cp4():
+    """The CP=4 cases of ``cp_attention.py --cp 4`` on 4 gloo ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = ROOT / "tests" / "distributed" / "cp_attention.py"
+    proc = run_command(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node=4", str(script), "--cp", "4"],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    prefix = "CASE "
+    return [json.loads(line[len(prefix) :]) for line in proc.stdout.splitlines()
+            if line.startswith(prefix)]  # fmt: skip
+
+
+def test_cp4_matches_one_process(cases_cp4):
+    """CP=4 (the size of configs/ascend_llama_8b_128k.yaml): multi-hop ring steps, four ranks'
+    chunks gathered, four head groups; sbhd, windows over several chunks, packed thd; the
+    worst error over all four ranks."""
+    covered = {(c["comm"], c.get("format", c.get("layout", "sbhd")), c["groups"] < c["heads"],
+                c["mask"]) for c in cases_cp4}  # fmt: skip
+    for comm in ("p2p", "all_gather", "a2a"):
+        assert {(comm, "sbhd", gqa, "causal") for gqa in (False, True)} <= covered
+        assert (comm, "thd", True, "causal") in covered
+    assert {("p2p", "sbhd", True, "window(5, 0)"), ("p2p", "sbhd", True, "window(9, 0)")} <= covered
+    assert all(case["cp"] == 4 for case in cases_cp4)
+    for case in cases_cp4:
+        assert max(case["max_abs_error"].values()) <= TOLERANCE, case
+
+
 def test_every_comm_type_matches_one_process(report):
     cases = report["CASE"]
     covered = {(c["comm"], c["groups"], c["mask"], c["kernel"]) for c in cases}

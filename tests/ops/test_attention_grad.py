@@ -2,7 +2,9 @@
 
 float64, one case per layout and sparse mode from the case table, GQA. With the forward's own
 statistics (float32, as the operator stores them) the gradients agree to float32 precision;
-with the statistics recomputed (None) to float64 precision.
+with the statistics recomputed (None) to float64 precision. Each runs twice: with the
+shipped tile sizes (one tile at these lengths) and with tiles of one query row x two keys, so
+that the tiling, the causal tiles skipped above the diagonal and pse's tiles are exercised.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_npu.ops import attention_grad
 from mcore_npu.ops.reference import npu_fusion_attention, npu_fusion_attention_grad
 from mcore_npu.tools.cases import load_cases, make_inputs, shrink
 
@@ -25,6 +28,15 @@ def _one_per_mode_and_layout():
 
 
 CASES = _one_per_mode_and_layout()
+
+
+@pytest.fixture(params=["shipped tiles", "1x2 tiles"])
+def tiles(request, monkeypatch):
+    """The gradient reference's tile sizes: as shipped, or one query row by two keys."""
+    if request.param == "1x2 tiles":
+        monkeypatch.setattr(attention_grad, "KEY_BLOCK", 2)
+        monkeypatch.setattr(attention_grad, "GRAD_BLOCK_BYTES", 1)
+    return request.param
 
 
 def _autograd(inputs, dy):
@@ -43,7 +55,7 @@ def _grad_kwargs(inputs):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.layout}/{c.mode.name}" for c in CASES])
-def test_grad_matches_autograd(case):
+def test_grad_matches_autograd(case, tiles):
     inputs = make_inputs(case, dtype=torch.float64)
     gen = torch.Generator().manual_seed(7)
     out0 = npu_fusion_attention(inputs.query, inputs.key, inputs.value, inputs.head_num,
@@ -71,7 +83,7 @@ def test_every_mode_and_layout_is_covered():
 
 
 @pytest.mark.parametrize("pse_shape", [(2, 2, 4, 5), (2, 2, 1, 5), (1, 2, 4, 5)])
-def test_pse_gradient(pse_shape):
+def test_pse_gradient(pse_shape, tiles):
     from mcore_npu.masks import compressed_causal_mask
 
     gen = torch.Generator().manual_seed(3)
@@ -88,6 +100,24 @@ def test_pse_gradient(pse_shape):
     torch.testing.assert_close(dq, qa.grad)
     torch.testing.assert_close(dk + dv, ka.grad)  # key is value: both paths add up
     torch.testing.assert_close(dpse, pse.grad)
+
+
+def test_small_tiles_skip_the_tiles_above_a_causal_diagonal(monkeypatch):
+    """Rows 0..5 x keys 0..5 causal in tiles of 1 row x 2 keys: row i visits key blocks up to
+    its own, i // 2 + 1 of 3, the rest is skipped."""
+    from mcore_npu.ops.reference import _Keep
+
+    monkeypatch.setattr(attention_grad, "KEY_BLOCK", 2)
+    keep = _Keep(causal=True)
+    tiles = attention_grad._Tiles(keep, 6, 6, row_bytes=1 << 30)
+    visited = {}
+    for start, stop in tiles.row_blocks():
+        rows = keep.rows(start, stop, 6, "cpu")
+        visited[start] = [(k0, mask is None) for k0, _, mask in tiles.key_blocks(start, stop, rows)]
+    assert visited == {
+        0: [(0, False)], 1: [(0, True)], 2: [(0, True), (2, False)], 3: [(0, True), (2, True)],
+        4: [(0, True), (2, True), (4, False)], 5: [(0, True), (2, True), (4, True)],
+    }  # fmt: skip
 
 
 def test_refusals_name_the_argument():

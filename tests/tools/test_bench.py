@@ -95,5 +95,7 @@ def test_quick_cp_benchmark_is_consistent(tmp_path):
     # sbhd Ulysses, point to point: 4 exchanges per pass (q, k, v, out), 2 chunks each
     for phase in ("forward", "backward"):
         assert rows["a2a"][phase]["calls"] == {"c10d.send": 8, "c10d.recv_": 8}
+    # all_gather: K and V each gathered in two halves straight into natural order
+    assert rows["all_gather"]["forward"]["calls"] == {"c10d._allgather_base_": 4}
     assert rows["all_gather"]["backward"]["calls"] == {"c10d.allreduce_": 2}
     assert "goal met: host syncs per layer" in done.stdout

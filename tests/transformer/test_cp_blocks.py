@@ -15,6 +15,7 @@ from mcore_npu.transformer.context_parallel.blocks import (
     EARLY,
     FULL,
     LATE,
+    Block,
     PackedLayout,
     schedule,
 )
@@ -41,13 +42,14 @@ def _block_keep(mask: tuple, rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("chunk", [1, 3, 4])
 @pytest.mark.parametrize("left", [None, 0, 1, 2, 5, 9, 100])
-def test_the_blocks_cover_causal_window_attention_exactly_once(cp, chunk, left):
+@pytest.mark.parametrize("split_rows", [False, True])
+def test_the_blocks_cover_causal_window_attention_exactly_once(cp, chunk, left, split_rows):
     seq = 2 * cp * chunk
     count = torch.zeros(seq, seq, dtype=torch.int64)
     for rank in range(cp):
         for step in range(cp):
             src = (rank - step) % cp
-            for block in schedule(rank, cp, step, left=left, chunk=chunk):
+            for block in schedule(rank, cp, step, left=left, chunk=chunk, split_rows=split_rows):
                 q = _positions(rank, cp, block.rows, chunk)
                 k = _positions(src, cp, block.keys, chunk)
                 keep = _block_keep(block.mask, len(q), len(k))
@@ -55,6 +57,17 @@ def test_the_blocks_cover_causal_window_attention_exactly_once(cp, chunk, left):
     i, j = torch.arange(seq).unsqueeze(1), torch.arange(seq)
     wanted = (j <= i) & ((i - j <= left) if left is not None else True)
     assert torch.equal(count, wanted.long())
+
+
+def test_split_rows_gives_one_call_per_query_chunk_for_earlier_ranks():
+    """CP=2, rank 1, step 1 (K/V of rank 0): both query chunks see rank 0's early chunk, as one
+    call, or as one call per query chunk with ``split_rows``; rank 0's step 1 is one call."""
+    assert schedule(1, 2, 1) == [Block(BOTH, EARLY, FULL)]
+    assert schedule(1, 2, 1, split_rows=True) == [
+        Block(EARLY, EARLY, FULL),
+        Block(LATE, EARLY, FULL),
+    ]
+    assert schedule(0, 2, 1, split_rows=True) == [Block(LATE, BOTH, FULL)]
 
 
 def test_packed_statistics_convert_between_the_operator_and_token_order():

@@ -40,9 +40,7 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        size = dist.get_world_size(group)
-        gathered = chunks.all_gather_seq(x, group)  # rank order
-        return chunks.reorder_chunks(gathered, chunks.natural_index(size, x.device), 2 * size)
+        return chunks.gather_natural(x, group)
 
     @staticmethod
     def backward(ctx, grad):

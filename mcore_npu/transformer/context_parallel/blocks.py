@@ -8,7 +8,8 @@ the K/V of rank ``src = (r - i) mod CP``. Without a window each step is one bloc
 step              queries -> keys                 mask
 ================  ==============================  ===========================================
 i = 0 (own K/V)   BOTH -> BOTH                    causal: the pair (early, late) is causal
-src < r           BOTH -> src's EARLY             full (no mask)
+src < r           BOTH -> src's EARLY             full (no mask); sbhd: one block per query
+                                                  part (``split_rows``), half the rows each
 src > r           LATE -> BOTH                    full (no mask)
 ================  ==============================  ===========================================
 
@@ -47,18 +48,26 @@ class Block:
     mask: tuple
 
 
-def schedule(rank: int, size: int, step: int, *, left: int | None = None, chunk: int = 0):
+def schedule(
+    rank: int, size: int, step: int, *, left: int | None = None, chunk: int = 0,
+    split_rows: bool = False,
+):  # fmt: skip
     """The blocks of ring step ``step`` on CP rank ``rank`` (see the module's table).
 
     Args:
         left: the causal window's width to the left (keys ``left`` tokens back are kept), or
             None for plain causal attention.
         chunk: c, the tokens of one chunk (needed with a window only).
+        split_rows: make a ``src < r`` step two blocks, one per query part (EARLY -> EARLY,
+            LATE -> EARLY), so that a call returns half the rows: for layouts whose parts are
+            views (sbhd), where the split costs no copy.
     """
     src = (rank - step) % size
     if left is None:
         if step == 0:
             return [Block(BOTH, BOTH, CAUSAL)]
+        if src < rank and split_rows:
+            return [Block(EARLY, EARLY, FULL), Block(LATE, EARLY, FULL)]
         if src < rank:
             return [Block(BOTH, EARLY, FULL)]
         return [Block(LATE, BOTH, FULL)]
@@ -91,6 +100,7 @@ class DenseLayout:
     ``[rows, b, np, 1]`` float32."""
 
     input_layout = "SBH"
+    split_rows = True  # parts are slices: a block per query part costs no copy
 
     def __init__(self, tokens: int, heads: int, device) -> None:
         self.chunk, self.heads, self.device = tokens // 2, heads, device
@@ -137,6 +147,7 @@ class PackedLayout:
     """
 
     input_layout = "TND"
+    split_rows = False  # parts are index tensors: a block per part would gather copies
 
     def __init__(self, ends: tuple[int, ...], heads: int, device) -> None:
         self.ends, self.heads, self.device = tuple(ends), heads, device

@@ -42,11 +42,37 @@ def reorder_chunks(x: torch.Tensor, index: torch.Tensor, chunks: int) -> torch.T
 
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """``[s_local, ...]`` from every rank -> ``[cp * s_local, ...]`` in rank order."""
+    """``[s_local, ...]`` from every rank -> ``[cp * s_local, ...]`` in rank order (gathered
+    straight into the result, no per-rank buffers)."""
+    out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+    _gather_single(out, x.contiguous(), group)
+    return out
+
+
+def gather_natural(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s_local, ...]`` (chunks r, 2·CP-1-r) from every rank -> ``[cp * s_local, ...]`` in
+    natural order.
+
+    The early chunks (0..CP-1) arrive in rank order, which is their natural order: gathered
+    straight into the first half of the result. The late chunks arrive reversed (rank r holds
+    chunk 2·CP-1-r): gathered into a half-length buffer and copied back in reverse. Besides the
+    result, half of it is allocated (rank order then a reordering copy would take twice it).
+    """
+    size, half = dist.get_world_size(group), x.shape[0] // 2
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts)
+    out = x.new_empty(size * 2 * half, *x.shape[1:])
+    _gather_single(out[: size * half], x[:half], group)
+    late = x.new_empty(size, half, *x.shape[1:])
+    _gather_single(late.view(size * half, *x.shape[1:]), x[half:], group)
+    out[size * half :].view(size, half, *x.shape[1:]).copy_(late.flip(0))
+    return out
+
+
+def _gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """All-gather into one tensor: ``all_gather_single`` where torch has it (2.13+), else its
+    older name ``all_gather_into_tensor`` (torch_npu's releases)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:

@@ -3,14 +3,15 @@
 K/V blocks travel around the CP ring, the next block's transfer overlapping the current
 block's attention (:class:`.chunks.RingTransfer`). Rank r holds query chunks (r, 2·CP-1-r) of
 every sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the
-calls of :func:`.blocks.schedule` (one per step; up to four with a sliding window):
+calls of :func:`.blocks.schedule` (one or two per step; up to four with a sliding window):
 
 ================  =========================================  ===========================
 step              queries -> keys                            operator call
 ================  =========================================  ===========================
 i = 0 (own K/V)   both local chunks -> both local chunks     causal: sbhd mode 2, thd
                                                              mode 3 (square per sequence)
-src < r           both chunks -> src's early chunk           mode 0, no mask (full)
+src < r           both chunks -> src's early chunk           mode 0, no mask (full); sbhd:
+                                                             one call per query chunk
 src > r           the late chunk -> both of src's chunks     mode 0, no mask (full)
 ================  =========================================  ===========================
 
@@ -88,6 +89,11 @@ def _empty_acc(tokens: int, out_b, m_b):
     ]
 
 
+def _blocks(layout, rank: int, size: int, step: int, left, tokens: int):
+    """The operator calls of one ring step (:func:`.blocks.schedule` for this layout)."""
+    return schedule(rank, size, step, left=left, chunk=tokens // 2, split_rows=layout.split_rows)
+
+
 class RingAttention(torch.autograd.Function):
     """q, k, v in ``layout``'s operator form (sbhd: SBH ``[2c, b, n*hn]``; thd: TND
     ``[t, n, hn]``) -> the merged output in the query's form."""
@@ -100,7 +106,7 @@ class RingAttention(torch.autograd.Function):
         kv = [k, v]  # two messages per hop
         for step in range(size):
             transfer = chunks.RingTransfer(kv, group) if step + 1 < size else None
-            for block in schedule(rank, size, step, left=left, chunk=tokens // 2):
+            for block in _blocks(layout, rank, size, step, left, tokens):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 out_b, m_b, l_b = fusion_attention_with_stats(
                     q[rows], kv[0][keys], kv[1][keys], layout.heads, layout.input_layout,
@@ -114,6 +120,7 @@ class RingAttention(torch.autograd.Function):
                 if acc is None:
                     acc = _empty_acc(tokens, out_b, m_b)
                 _merge(acc, rows, out_b, m_b, l_b)
+                del out_b, m_b, l_b  # freed before the next call allocates its block
             if transfer is not None:  # the next block arrived while this one was computed
                 kv = transfer.wait()
         out = layout.output(acc[0]).to(q.dtype)
@@ -132,7 +139,7 @@ class RingAttention(torch.autograd.Function):
         kv = [k, v]
         for step in range(size):
             transfer = chunks.RingTransfer(kv, group) if step + 1 < size else None
-            for block in schedule(rank, size, step, left=ctx.left, chunk=tokens // 2):
+            for block in _blocks(layout, rank, size, step, ctx.left, tokens):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 dq_b, dk_b, dv_b, _ = fusion_attention_grad(
                     q[rows], kv[0][keys], kv[1][keys], dout[rows], layout.heads,
@@ -144,6 +151,7 @@ class RingAttention(torch.autograd.Function):
                 dq = _add_rows(dq, block.rows, rows, dq_b, tokens)
                 dk = _add_rows(dk, block.keys, keys, dk_b, tokens)
                 dv = _add_rows(dv, block.keys, keys, dv_b, tokens)
+                del dq_b, dk_b, dv_b  # freed before the next call (or kept as the sums)
             if transfer is not None:
                 kv = transfer.wait()
             # dK/dV travel with their block; the last hop brings them home
