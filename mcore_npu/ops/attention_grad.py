@@ -16,8 +16,8 @@ Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is rec
 block, and without ``attention_in`` the output comes from the forward reference. Computed in
 float32 (float64 for float64 inputs), in tiles of query rows x ``KEY_BLOCK`` keys of at most
 ``GRAD_BLOCK_BYTES`` of scores, updated in place (a causal block skips the tiles above its
-diagonal); GQA gradients of a KV head sum over its query heads. The
-reference has no replayable dropout stream, so ``keep_prob`` must be 1.0.
+diagonal); GQA gradients of a KV head sum over its query heads. The reference has no
+replayable dropout stream, so ``keep_prob`` must be 1.0.
 """
 
 from __future__ import annotations
