@@ -20,16 +20,22 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def report():
+def _launch(nproc: int, *args: str) -> str:
+    """stdout of ``cp_attention.py`` on ``nproc`` gloo ranks under torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     script = ROOT / "tests" / "distributed" / "cp_attention.py"
     proc = run_command(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(script)], cwd=ROOT, env=env
-    )
+        [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", str(script), *args],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def report():
     lines = {}
-    for line in proc.stdout.splitlines():
+    for line in _launch(2).splitlines():
         tag, _, payload = line.partition(" ")
         if tag in ("CASE", "STANDIN", "REFUSALS", "REFUSALS_THD", "THD_REFUSALS", "MEMO",
                    "STANDIN_THD", "STANDIN_THD_GATHER"):  # fmt: skip
@@ -40,15 +46,8 @@ def report():
 @pytest.fixture(scope="module")
 def cases_cp4():
     """The CP=4 cases of ``cp_attention.py --cp 4`` on 4 gloo ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    script = ROOT / "tests" / "distributed" / "cp_attention.py"
-    proc = run_command(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node=4", str(script), "--cp", "4"],
-        cwd=ROOT, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
     prefix = "CASE "
-    return [json.loads(line[len(prefix) :]) for line in proc.stdout.splitlines()
+    return [json.loads(line[len(prefix) :]) for line in _launch(4, "--cp", "4").splitlines()
             if line.startswith(prefix)]  # fmt: skip
 
 

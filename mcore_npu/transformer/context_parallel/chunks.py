@@ -64,7 +64,9 @@ def gather_natural(x: torch.Tensor, group) -> torch.Tensor:
     _gather_single(out[: size * half], x[:half], group)
     late = x.new_empty(size, half, *x.shape[1:])
     _gather_single(late.view(size * half, *x.shape[1:]), x[half:], group)
-    out[size * half :].view(size, half, *x.shape[1:]).copy_(late.flip(0))
+    chunks = out[size * half :].view(size, half, *x.shape[1:])
+    for rank in range(size):  # rank r's late chunk is chunk 2·CP-1-r (no flipped copy)
+        chunks[size - 1 - rank].copy_(late[rank])
     return out
 
 
