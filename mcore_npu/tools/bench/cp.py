@@ -26,6 +26,29 @@ local K (= of V) ``b·s·ng·hn·e``, ``Q`` = of the local Q (= of the output) `
                                                 (2 (P-1)/P of the [S] tensor) and a slice
     a2a         forward  (P-1)/P · (2Q + 2KV)   all-to-all of q, k, v and of the output
                 backward (P-1)/P · (2Q + 2KV)   the same four, transposed
+
+Floors: the fewest bytes a rank must hold at the forward's high-water mark (resident: its
+inputs q, k, v = Q + 2KV included) in the design the issue prescribes, whatever the schedule.
+An operator call returns a fresh output (it cannot write into a slice of another tensor)::
+
+    CP=1        2Q + 2KV  (whole sequence)  q, k, v and the output; the fused kernel keeps no
+                                            scores
+    p2p         Q + 2KV + 3Q/2              one call per block pair: every call returns at
+                                            least a chunk of rows (Q/2), a rank makes two
+                                            calls or more, and the output is one tensor of
+                                            Q. A call that returns all rows (Q) meets an
+                                            earlier result still to merge or a later call's
+                                            (>= Q/2); an output allocated first meets every
+                                            later call's result, or, filled by copies, the
+                                            results it copies (Q)
+    a2a         2 (Q + 2KV) + Q             one call over the whole sequence for 1/P of the
+                                            heads: the inputs, the head-layout q, k, v it
+                                            reads (Q + 2KV) and its output (Q)
+
+At CP=2, over CP=1's floor, the p2p floor is (2.5Q + 2KV) / (4Q + 4KV) >= 0.5625 and the a2a
+floor (3Q + 4KV) / (4Q + 4KV) >= 0.75 (Q, KV local; Q >= KV), for every number of heads and KV
+groups: above the 0.55 the CP issue set. Only K/V messages and calls smaller than a chunk go
+below (not built: they give up the large operator calls and the overlap of the ring).
 """
 
 from __future__ import annotations
@@ -69,6 +92,19 @@ def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **sha
         each = (cp - 1) * (2 * q + 2 * kv) // cp
         return {"forward": each, "backward": each}
     raise ValueError(f"comm: expected one of {', '.join(COMM_TYPES)}, got {comm!r}")
+
+
+def floor_bytes(comm: str | None, seq: int, cp: int = CP, **shape) -> int:
+    """The forward's resident floor of one rank (module docstring, "Floors"); ``comm`` None:
+    CP=1 on the whole sequence. ``comm="all_gather"`` has no floor here (no goal covers it)."""
+    shape = {**SHAPE, **shape}
+    local = seq // (1 if comm is None else cp)
+    kv = shape["batch"] * local * shape["groups"] * shape["head_dim"] * 4
+    q = shape["batch"] * local * shape["heads"] * shape["head_dim"] * 4
+    floors = {None: 2 * q + 2 * kv, "p2p": q + 2 * kv + 3 * q // 2, "a2a": 2 * (q + 2 * kv) + q}
+    if comm not in floors:
+        raise ValueError(f"comm: expected None, 'p2p' or 'a2a' for a floor, got {comm!r}")
+    return floors[comm]
 
 
 def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
@@ -161,6 +197,10 @@ def rows_from(record: dict) -> list[dict]:
         rows.append(row)
     base = rows[0]
     for row in rows:
+        if row["comm"] != "all_gather":
+            floor = floor_bytes(row["comm"], seq)
+            cp1 = base["forward"]["resident_peak_bytes"]
+            row["forward"].update(floor_bytes=floor, floor_over_cp1=floor / cp1)
         for phase in ("forward", "backward"):
             for figure in ("resident_peak_bytes", "peak_bytes", "retained_bytes"):
                 for suffix in ("", "_best"):
@@ -238,6 +278,22 @@ def memory_table(result: dict) -> str:
     return markdown_table(headers, body)
 
 
+def floors_text(result: dict) -> str:
+    """One sentence: each design's forward floor (module docstring) against CP=1's peak."""
+    parts = [
+        f"{_name(row)} {_mib(row['forward']['floor_bytes'])} MiB = "
+        f"{_ratio(row['forward']['floor_over_cp1'])}"
+        for row in result["rows"]
+        if "floor_bytes" in row["forward"]
+    ]
+    return (
+        "Forward resident floors (the fewest bytes the design can hold at its high-water mark, "
+        "whatever the schedule: `mcore_npu/tools/bench/cp.py`), over CP=1's measured peak: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def traffic_table(result: dict) -> str:
     """Markdown: per configuration, bytes sent per rank and layer vs theory, host syncs."""
     headers = ["config", "fwd sent MiB (theory)", "bwd sent MiB (theory)",
@@ -265,6 +321,8 @@ def table(result: dict) -> str:
         f"{result.get('repeats', 1)} times: `worst (best)` where the repeats differ (when gloo's "
         "worker thread frees a message buffer varies).\n\n"
         + memory_table(result)
+        + "\n\n"
+        + floors_text(result)
         + "\n\nBytes sent per rank and layer, measured (theory), and host synchronisations:\n\n"
         + traffic_table(result)
     )
@@ -289,6 +347,10 @@ def plot(result: dict, path) -> None:
     for phase, style in (("forward", "--"), ("backward", ":")):
         left.axhline(PEAK_GOAL * base[phase]["resident_peak_bytes"] / MIB, color="gray",
                      linestyle=style, linewidth=0.8, label=f"goal: {PEAK_GOAL} x CP=1 {phase}")  # fmt: skip
+    floors = [(x, r["forward"]["floor_bytes"] / MIB) for x, r in zip(xs, rows)
+              if "floor_bytes" in r["forward"]]  # fmt: skip
+    left.scatter([x - width / 2 for x, _ in floors], [f for _, f in floors], marker="_", s=300,
+                 color="black", zorder=3, label="forward floor of the design")  # fmt: skip
     left.set_xticks(list(xs), names)
     left.set(ylabel="MiB", title=f"per-rank resident peak of one layer, S={result['shape']['S']}")
     left.legend(fontsize=7)
