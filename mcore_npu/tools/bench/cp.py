@@ -79,10 +79,7 @@ MIB = 2**20
 
 def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **shape) -> dict:
     """Bytes one rank sends per layer, ``{"forward": n, "backward": n}`` (module docstring)."""
-    shape = {**SHAPE, **shape}
-    local = seq // cp
-    kv = shape["batch"] * local * shape["groups"] * shape["head_dim"] * 4
-    q = shape["batch"] * local * shape["heads"] * shape["head_dim"] * 4
+    q, kv = _local_bytes(seq // cp, shape)
     if comm == "p2p":
         return {"forward": (cp - 1) * 2 * kv, "backward": (cp - 1) * 2 * kv + cp * 2 * kv}
     if comm == "all_gather":
@@ -97,14 +94,18 @@ def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **sha
 def floor_bytes(comm: str | None, seq: int, cp: int = CP, **shape) -> int:
     """The forward's resident floor of one rank (module docstring, "Floors"); ``comm`` None:
     CP=1 on the whole sequence. ``comm="all_gather"`` has no floor here (no goal covers it)."""
-    shape = {**SHAPE, **shape}
-    local = seq // (1 if comm is None else cp)
-    kv = shape["batch"] * local * shape["groups"] * shape["head_dim"] * 4
-    q = shape["batch"] * local * shape["heads"] * shape["head_dim"] * 4
+    q, kv = _local_bytes(seq // (1 if comm is None else cp), shape)
     floors = {None: 2 * q + 2 * kv, "p2p": q + 2 * kv + 3 * q // 2, "a2a": 2 * (q + 2 * kv) + q}
     if comm not in floors:
         raise ValueError(f"comm: expected None, 'p2p' or 'a2a' for a floor, got {comm!r}")
     return floors[comm]
+
+
+def _local_bytes(local: int, shape: dict) -> tuple[int, int]:
+    """``(Q, KV)``: float32 bytes of q and of k over ``local`` tokens (``shape`` over SHAPE)."""
+    shape = {**SHAPE, **shape}
+    per_head = shape["batch"] * local * shape["head_dim"] * 4
+    return per_head * shape["heads"], per_head * shape["groups"]
 
 
 def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
