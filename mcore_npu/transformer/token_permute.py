@@ -29,8 +29,11 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from mcore_npu.ops import KERNELS, moe_token_permute_with_routing_map
-from mcore_npu.ops import moe_token_unpermute_with_routing_map
+from mcore_npu.ops import (
+    KERNELS,
+    moe_token_permute_with_routing_map,
+    moe_token_unpermute_with_routing_map,
+)
 from mcore_npu.ops.permute_dispatch import UNFUSED, resolve_permute_kernel
 
 
