@@ -1,7 +1,7 @@
 """A stand-in ``torch_npu`` for the fused operators (no NPU here): it records every call of
-``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul`` and the four MoE token permute operators
-with its arguments and answers with the
-reference's result, so models keep computing real numbers while the calls are checked.
+``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul`` and the four MoE token permute
+operators with its arguments and answers with the reference's result, so models keep computing
+real numbers while the calls are checked.
 
 The stand-in's ``npu_grouped_matmul`` has the newer release's keyword-only signature; pass
 ``old_signature=True`` for the torch 2.1/2.2 builds' (no ``group_type`` / ``group_list_type``),
