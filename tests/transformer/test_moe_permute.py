@@ -125,3 +125,19 @@ def test_bad_moe_permute_kernel_is_refused():
     config = moe_config()
     with pytest.raises(ValueError, match="moe_permute_kernel: unknown value 'fast'"):
         npu_moe_spec(config, moe_permute_kernel="fast")
+
+
+def test_the_layer_spec_and_the_provider_take_the_keyword():
+    from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
+    from mcore_npu.transformer.spec_provider import NPUSpecProvider
+
+    spec = get_gpt_layer_npu_spec(kernel="reference", num_experts=4, moe_permute_kernel="auto")
+    assert spec.submodules.mlp.module.__name__ == "NPUMoELayer"
+    assert spec.submodules.mlp.params["permute_kernel"] == "auto"
+    off = get_gpt_layer_npu_spec(kernel="reference", num_experts=4)
+    assert off.submodules.mlp.module.__name__ == "MoELayer"
+    assert NPUSpecProvider(kernel="reference", moe_permute_kernel=None).fused["moe_permute"] == (
+        "reference")  # fmt: skip
+    assert NPUSpecProvider(kernel="reference").fused["moe_permute"] == "off"
+    dense = get_gpt_layer_npu_spec(kernel="reference", moe_permute_kernel="reference")
+    assert dense.submodules.mlp.module.__name__ == "NPUMLP"  # dense layers are untouched
