@@ -1,9 +1,11 @@
 """A stand-in ``torch_npu`` for the fused operators (no NPU here): it records every call of
-``npu_rms_norm``, ``npu_swiglu`` and ``npu_grouped_matmul`` with its arguments and answers with the
-reference's result, so models keep computing real numbers while the calls are checked.
+``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul`` and the four MoE token permute
+operators with its arguments and answers with the reference's result, so models keep computing
+real numbers while the calls are checked.
 
 The stand-in's ``npu_grouped_matmul`` has the newer release's keyword-only signature; pass
-``old_signature=True`` for the torch 2.1/2.2 builds' (no ``group_type`` / ``group_list_type``).
+``old_signature=True`` for the torch 2.1/2.2 builds' (no ``group_type`` / ``group_list_type``),
+``routing_map_ops=False`` for a torch_npu without the ``_with_routing_map`` permute pair.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from mcore_npu.ops import reference
 
 
 class FusedOpsTorchNpu(types.ModuleType):
-    def __init__(self, old_signature: bool = False) -> None:
+    def __init__(self, old_signature: bool = False, routing_map_ops: bool = True) -> None:
         super().__init__("torch_npu")
         self.calls: list[tuple[str, tuple, dict]] = []
         if old_signature:
             self.npu_grouped_matmul = self._old_grouped_matmul
+        if not routing_map_ops:  # a torch_npu older than op-plugin 7.2.0
+            self.npu_moe_token_permute_with_routing_map = None
+            self.npu_moe_token_unpermute_with_routing_map = None
 
     def npu_rms_norm(self, x, gamma, epsilon=1e-06):
         self.calls.append(("npu_rms_norm", (x, gamma), {"epsilon": epsilon}))
@@ -47,6 +52,34 @@ class FusedOpsTorchNpu(types.ModuleType):
         kwargs = dict(group_list=group_list, split_item=split_item, bias=bias)
         self.calls.append(("npu_grouped_matmul", (x, weight), dict(kwargs)))
         return reference.npu_grouped_matmul(x, weight, group_type=0, **kwargs)
+
+    def npu_moe_token_permute_with_routing_map(
+        self, tokens, routing_map, *, probs=None, num_out_tokens=None, drop_and_pad=False
+    ):
+        kwargs = dict(probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+        self.calls.append(("npu_moe_token_permute_with_routing_map", (tokens, routing_map),
+                           kwargs))  # fmt: skip
+        return reference.npu_moe_token_permute_with_routing_map(tokens, routing_map, **kwargs)
+
+    def npu_moe_token_unpermute_with_routing_map(
+        self, permuted_tokens, sorted_indices, restore_shape, *, probs=None, routing_map=None,
+        drop_and_pad=False,
+    ):  # fmt: skip
+        kwargs = dict(probs=probs, routing_map=routing_map, drop_and_pad=drop_and_pad)
+        args = (permuted_tokens, sorted_indices, restore_shape)
+        self.calls.append(("npu_moe_token_unpermute_with_routing_map", args, kwargs))
+        return reference.npu_moe_token_unpermute_with_routing_map(*args, **kwargs)
+
+    def npu_moe_token_permute(self, tokens, indices, num_out_tokens=None, padded_mode=False):
+        kwargs = dict(num_out_tokens=num_out_tokens, padded_mode=padded_mode)
+        self.calls.append(("npu_moe_token_permute", (tokens, indices), kwargs))
+        return reference.npu_moe_token_permute(tokens, indices, **kwargs)
+
+    def npu_moe_token_unpermute(self, permuted_tokens, sorted_indices, probs=None,
+                                padded_mode=False, restore_shape=None):  # fmt: skip
+        kwargs = dict(probs=probs, padded_mode=padded_mode, restore_shape=restore_shape)
+        self.calls.append(("npu_moe_token_unpermute", (permuted_tokens, sorted_indices), kwargs))
+        return reference.npu_moe_token_unpermute(permuted_tokens, sorted_indices, **kwargs)
 
     def names(self) -> list[str]:
         return [name for name, _, _ in self.calls]

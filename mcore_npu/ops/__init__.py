@@ -33,6 +33,10 @@ __all__ = [
     "grouped_linear",
     "grouped_matmul",
     "load_torch_npu",
+    "moe_token_permute",
+    "moe_token_permute_with_routing_map",
+    "moe_token_unpermute",
+    "moe_token_unpermute_with_routing_map",
     "resolve_kernel",
     "rms_norm",
     "swiglu",
@@ -199,3 +203,11 @@ def _options(op_kwargs: dict) -> AttentionOptions:
 
 # The fused operators beyond attention (they use resolve_kernel / load_torch_npu from above).
 from mcore_npu.ops.fused import grouped_linear, grouped_matmul, rms_norm, swiglu  # noqa: E402
+
+# The MoE token permute operators (fused MoE permute; auto falls back to the unfused path).
+from mcore_npu.ops.permute_dispatch import (  # noqa: E402
+    moe_token_permute,
+    moe_token_permute_with_routing_map,
+    moe_token_unpermute,
+    moe_token_unpermute_with_routing_map,
+)

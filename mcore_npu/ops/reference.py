@@ -50,6 +50,12 @@ from mcore_npu.ops import contract as C
 from mcore_npu.ops.blocked_attention import attention_with_statistics
 from mcore_npu.ops.contract import AttentionProblem
 from mcore_npu.ops.grouped_matmul import npu_grouped_matmul  # noqa: F401  (torch_npu name)
+from mcore_npu.ops.moe_permute import (  # noqa: F401  (torch_npu names)
+    npu_moe_token_permute,
+    npu_moe_token_permute_with_routing_map,
+    npu_moe_token_unpermute,
+    npu_moe_token_unpermute_with_routing_map,
+)
 from mcore_npu.ops.rms_norm import npu_rms_norm  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.sparse_modes import band_covers_everything, band_keep, causal_keep, prefix_keep
 from mcore_npu.ops.swiglu import npu_swiglu  # noqa: F401  (torch_npu name)

@@ -664,6 +664,28 @@ def check_fused_ops(probe: _Probe) -> Check:
     return Check("fused ops", OK, detail)
 
 
+def check_moe_permute(probe: _Probe) -> Check:
+    """Which of the four MoE permute operators torch_npu has, and the path ``auto`` takes."""
+    if probe.torch is None:
+        return _not_checked("moe permute")
+    absent = _distribution_version("torch-npu") is None and _module_origin("torch_npu") is None
+    if (absent and "torch_npu" not in sys.modules) or accelerators.npu_import_error() is not None:
+        return Check("moe permute", OK, "no usable torch_npu: fused.moe_permute auto / "
+                     "reference runs the reference permute")  # fmt: skip
+    dispatch = importlib.import_module("mcore_npu.ops.permute_dispatch")
+    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
+    present = dispatch.installed_permute_ops(torch_npu)
+    have = [name for name, ok in present.items() if ok]
+    fused = all(present[name] for name in dispatch.mp.ROUTING_MAP_OPS)
+    path = "the fused operators" if fused else "the unfused permute (Megatron's), with a warning"
+    detail = f"torch_npu has {', '.join(have) or 'none of the four'}; auto on NPU -> {path}"
+    if not fused:
+        return Check("moe permute", WARN, detail, "torch-npu older than op-plugin 7.2.0 (no "
+                     "_with_routing_map operators)", "upgrade torch-npu for the fused permute; "
+                     "until then auto gives the same results unfused")  # fmt: skip
+    return Check("moe permute", OK, detail)
+
+
 CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("python", check_python),
     ("torch", check_torch),
@@ -676,6 +698,7 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("allocator setter", check_allocator_setter),
     ("attention", check_attention),
     ("fused ops", check_fused_ops),
+    ("moe permute", check_moe_permute),
 )
 """The report's lines, in order. Each takes the shared probe and returns one Check."""
 

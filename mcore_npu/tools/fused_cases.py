@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import yaml
 
+from mcore_npu.tools import permute_cases
 from mcore_npu.tools.cases import Tolerance
 
 FUSED_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/fused_ops_cases.yaml")))
 OPERATORS = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul")
+OPERATORS += permute_cases.OPERATORS  # the MoE token permute pair and the legacy unpermute
 QUANTITIES = ("forward", "grad0", "grad1")
 """Output, then the gradients of the call's inputs in order (x; gamma or the weights)."""
 
@@ -79,6 +81,8 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
     single x tensor (for ``group_type=None``, x is split into per-group tensors by the call).
     """
     s = case.seed
+    if case.operator in permute_cases.OPERATORS:
+        return permute_cases.make_call(case, dtype, device)
     if case.operator == "npu_rms_norm":
         shape = case.param("shape")
         x = _normal(shape, s) * 2
@@ -113,6 +117,8 @@ def _cumulative(counts):
 
 def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
     """Run ``op`` (a torch_npu-shaped callable) on the case; the output as one tensor."""
+    if case.operator in permute_cases.OPERATORS:
+        return permute_cases.call_operator(case, op, leaves, kwargs)
     if case.operator == "npu_rms_norm":
         return op(leaves[0], leaves[1], **kwargs)[0]
     if case.operator == "npu_swiglu":
@@ -129,6 +135,8 @@ def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
 
 def oracle(case: FusedCase, leaves) -> torch.Tensor:
     """The float64 answer from the contract (explicit sums; differentiable)."""
+    if case.operator in permute_cases.OPERATORS:
+        return permute_cases.oracle(case, leaves)
     if case.operator == "npu_rms_norm":
         x, gamma = leaves
         dims = tuple(range(x.dim() - gamma.dim(), x.dim()))

@@ -113,6 +113,7 @@ def layer_spec(cfg, config):
             rms_norm_kernel=cfg.fused.rms_norm,
             swiglu_kernel=cfg.fused.swiglu,
             grouped_matmul_kernel=cfg.fused.grouped_matmul,
+            moe_permute_kernel=cfg.fused.moe_permute,
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

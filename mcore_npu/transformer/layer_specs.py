@@ -57,6 +57,7 @@ from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builder
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
                   "grouped_matmul_kernel")  # fmt: skip
+_SPEC_KEYWORDS += ("moe_permute_kernel",)
 
 
 def get_gpt_layer_npu_spec(
@@ -66,6 +67,7 @@ def get_gpt_layer_npu_spec(
     rms_norm_kernel: str | None = None,
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
+    moe_permute_kernel: str | None = "off",
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
@@ -75,6 +77,8 @@ def get_gpt_layer_npu_spec(
         param_layout: ``"te"`` (Transformer Engine spec names) | ``"local"`` (local spec names).
         rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
             operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
+        moe_permute_kernel: the fused MoE token permute (``NPUMoELayer``'s alltoall / allgather
+            dispatchers); ``"off"`` (default) = Megatron's ``MoELayer``, None = ``kernel``.
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
             (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ...).
 
@@ -88,7 +92,8 @@ def get_gpt_layer_npu_spec(
     _check_keywords(local_spec_kwargs, megatron_specs.get_gpt_layer_local_spec)
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
-                               grouped_matmul_kernel=grouped_matmul_kernel)  # fmt: skip
+                               grouped_matmul_kernel=grouped_matmul_kernel,
+                               moe_permute_kernel=moe_permute_kernel)  # fmt: skip
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
     grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
     return _swap_npu_parts(spec, provider, grouped)
@@ -102,6 +107,7 @@ def get_gpt_decoder_block_npu_spec(
     rms_norm_kernel: str | None = None,
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
+    moe_permute_kernel: str | None = "off",
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -130,7 +136,8 @@ def get_gpt_decoder_block_npu_spec(
     # one provider per model: every layer shares its cu_seqlens memo
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
-                               grouped_matmul_kernel=grouped_matmul_kernel)  # fmt: skip
+                               grouped_matmul_kernel=grouped_matmul_kernel,
+                               moe_permute_kernel=moe_permute_kernel)  # fmt: skip
     grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
@@ -209,6 +216,7 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
         moe.shared_experts = provider.shared_experts(shared)
     if isinstance(moe.experts, ModuleSpec):
         moe.experts = provider.experts(moe.experts, grouped)
+    subs.mlp = provider.moe_layer(mlp)  # NPUMoELayer (fused permute) unless "off"
 
 
 def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:

@@ -62,6 +62,9 @@ class NPUSpecProvider(BackendSpecProvider):
         seq_lengths_memo: shared by every attention built from this provider; a new one if None.
         rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
             operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
+        moe_permute_kernel: the fused MoE token permute in the alltoall / allgather
+            dispatchers (``NPUMoELayer``); ``"off"`` (the default, as Megatron's
+            ``moe_permute_fusion=False``) keeps Megatron's ``MoELayer``, None = ``kernel``.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class NPUSpecProvider(BackendSpecProvider):
         rms_norm_kernel: str | None = None,
         swiglu_kernel: str | None = None,
         grouped_matmul_kernel: str | None = None,
+        moe_permute_kernel: str | None = "off",
     ):
         if param_layout not in PARAM_LAYOUTS:
             raise ValueError(
@@ -84,6 +88,7 @@ class NPUSpecProvider(BackendSpecProvider):
         fused = {"rms_norm": rms_norm_kernel, "swiglu": swiglu_kernel,
                  "grouped_matmul": grouped_matmul_kernel}  # fmt: skip
         self.fused = {name: _fused_kernel(name, value, kernel) for name, value in fused.items()}
+        self.fused["moe_permute"] = _fused_kernel("moe_permute", moe_permute_kernel, kernel)
         self.kernel = kernel
         self.param_layout = param_layout
         self.seq_lengths_memo = (
@@ -153,6 +158,16 @@ class NPUSpecProvider(BackendSpecProvider):
         names = "te" if grouped_gemm else "local"
         params = {"kernel": kernel, "param_layout": names}
         return ModuleSpec(module=NPUGroupedMLP, params=params, submodules=experts.submodules)
+
+    def moe_layer(self, moe: ModuleSpec) -> ModuleSpec:
+        """Megatron's ``MoELayer`` spec -> ``NPUMoELayer`` (fused permute) unless ``"off"``."""
+        kernel = self._on("moe_permute")
+        if kernel is None:
+            return moe
+        from mcore_npu.transformer.token_permute import NPUMoELayer
+
+        params = {**moe.params, "permute_kernel": kernel}
+        return ModuleSpec(module=NPUMoELayer, params=params, submodules=moe.submodules)
 
     def _on(self, operator: str) -> str | None:
         """The kernel of a fused operator, or None when it is ``"off"``."""

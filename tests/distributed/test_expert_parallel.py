@@ -25,6 +25,8 @@ LAYOUTS = {  # name: (processes, overrides)
     "ep2_allgather": (2, ["parallel.expert=2", "model.moe_token_dispatcher_type=allgather"]),
     "ep2_dp2": (4, ["parallel.expert=2"]),
     "ep2_tp2": (4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    # the fused MoE permute (its reference) through the trainer's YAML key
+    "ep2_fused_permute": (2, ["parallel.expert=2", "fused.moe_permute=reference"]),
 }
 
 

@@ -28,6 +28,7 @@ NAMES = [
     "allocator setter",
     "attention",
     "fused ops",
+    "moe permute",
 ]
 ENV_NOISE = (
     "PYTORCH_NPU_ALLOC_CONF",

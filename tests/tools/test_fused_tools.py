@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mcore_npu.cli import main
-from mcore_npu.tools import doctor
+from mcore_npu.tools import doctor, permute_cases
 from tests.fused_standin import FusedOpsTorchNpu, install
 from tests.launch import ROOT
 
@@ -22,7 +22,12 @@ def test_verify_runs_the_fused_table_against_the_oracle(capsys):
     assert report["mode"] == "oracle" and report["summary"]["failed"] == 0
     ids = [r["id"] for r in report["results"]]
     assert len(ids) == report["summary"]["cases"] >= 45
-    assert {i.split("/")[0] for i in ids} == {"npu_rms_norm", "npu_swiglu", "npu_grouped_matmul"}
+    assert {i.split("/")[0] for i in ids} == {
+        "npu_rms_norm",
+        "npu_swiglu",
+        "npu_grouped_matmul",
+        *permute_cases.OPERATORS,
+    }
     assert all({"forward", "grad0"} <= set(r) for r in report["results"])
 
 
