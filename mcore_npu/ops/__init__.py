@@ -35,6 +35,7 @@ __all__ = [
     "load_torch_npu",
     "resolve_kernel",
     "rms_norm",
+    "rotary_mul",
     "swiglu",
 ]
 
@@ -199,3 +200,4 @@ def _options(op_kwargs: dict) -> AttentionOptions:
 
 # The fused operators beyond attention (they use resolve_kernel / load_torch_npu from above).
 from mcore_npu.ops.fused import grouped_linear, grouped_matmul, rms_norm, swiglu  # noqa: E402
+from mcore_npu.ops.fused_rotary import rotary_mul  # noqa: E402
