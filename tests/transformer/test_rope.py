@@ -254,3 +254,15 @@ def test_megatron_keeps_rope_where_the_fused_path_cannot_apply(kind):
 def test_unknown_rope_kernel_is_refused():
     with pytest.raises(ValueError, match="rope_kernel: unknown value 'npu'"):
         get_gpt_layer_npu_spec(rope_kernel="npu")
+
+
+def test_mrope_model_keeps_megatrons_rope_end_to_end():
+    """mRoPE (per-sample angles from [3, b, s] positions): the fused module hands RoPE back to
+    Megatron, so the numbers are Megatron's and no cos/sin is made by the fused path."""
+    config = tiny_config(mrope_section=[2, 3, 3])  # head dim 16: 8 frequencies
+    unfused, fused = _twins(config, position_embedding_type="mrope")
+    ids, _ = batch(b=2, s=16)
+    pos = torch.arange(16).expand(3, 2, 16)
+    want, got = unfused(ids, pos, None), fused(ids, pos, None)
+    assert (got - want).abs().max() <= TOLERANCE
+    assert _rope_layers(fused)[0].rope_cache.builds == 0
