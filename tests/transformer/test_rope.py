@@ -266,3 +266,13 @@ def test_mrope_model_keeps_megatrons_rope_end_to_end():
     want, got = unfused(ids, pos, None), fused(ids, pos, None)
     assert (got - want).abs().max() <= TOLERANCE
     assert _rope_layers(fused)[0].rope_cache.builds == 0
+
+
+def test_bf16_model_gets_megatrons_numbers():
+    """cos/sin are cast to q's dtype as Megatron casts them: bf16 logits agree exactly."""
+    config = tiny_config(params_dtype=torch.bfloat16, bf16=True)
+    unfused, fused = (m.bfloat16() for m in _twins(config))
+    ids, pos = batch(b=2, s=16)
+    want, got = unfused(ids, pos, None), fused(ids, pos, None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert _rope_layers(fused)[0].rope_cache.builds == 1
