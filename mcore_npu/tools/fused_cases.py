@@ -145,6 +145,10 @@ def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
     if case.operator == "npu_swiglu":
         return op(leaves[0], **kwargs)
     if case.operator == "npu_rotary_mul":
+        from mcore_npu.ops.fused_rotary import rotary_mul_takes_mode
+
+        if kwargs["rotary_mode"] == "half" and not rotary_mul_takes_mode(op):
+            return op(*leaves)  # a 6.0.x torch_npu: no rotary_mode (half only)
         return op(*leaves, **kwargs)
     x, weights = leaves[0], leaves[1:]
     if case.param("group_type") is None:

@@ -136,3 +136,15 @@ def test_the_probe_reads_the_signature_not_a_version():
 
     assert rotary_mul_takes_mode(newer) and not rotary_mul_takes_mode(older)
     assert rotary_mul_takes_mode(torch.add)  # a builtin: taken to be a newer release
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_verify_kernel_mode_calls_the_installed_operator(monkeypatch, old):
+    from mcore_npu.tools.fused_cases import check_kernel_fused_case, load_fused_cases
+
+    standin = install(monkeypatch, old_rotary=old)
+    case = next(c for c in load_fused_cases() if c.id == "npu_rotary_mul/half_head_dim_128/float32")
+    assert check_kernel_fused_case(case, "cpu").passed
+    ((name, args, kwargs),) = standin.calls
+    assert name == "npu_rotary_mul" and len(args) == 3
+    assert kwargs == ({} if old else {"rotary_mode": "half"})
