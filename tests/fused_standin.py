@@ -1,11 +1,12 @@
 """A stand-in ``torch_npu`` for the fused operators (no NPU here): it records every call of
-``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul`` and the four MoE token permute
-operators with its arguments and answers with the reference's result, so models keep computing
-real numbers while the calls are checked.
+``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul``, ``npu_rotary_mul`` and the four MoE
+token permute operators with its arguments and answers with the reference's result, so models
+keep computing real numbers while the calls are checked.
 
 The stand-in's ``npu_grouped_matmul`` has the newer release's keyword-only signature; pass
 ``old_signature=True`` for the torch 2.1/2.2 builds' (no ``group_type`` / ``group_list_type``),
 ``routing_map_ops=False`` for a torch_npu without the ``_with_routing_map`` permute pair.
+``old_rotary=True`` gives ``npu_rotary_mul`` the 6.0.x releases' signature (no ``rotary_mode``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from mcore_npu.ops import reference
 
 
 class FusedOpsTorchNpu(types.ModuleType):
-    def __init__(self, old_signature: bool = False, routing_map_ops: bool = True) -> None:
+    def __init__(
+        self, old_signature: bool = False, routing_map_ops: bool = True, old_rotary: bool = False
+    ) -> None:
         super().__init__("torch_npu")
         self.calls: list[tuple[str, tuple, dict]] = []
         if old_signature:
@@ -25,6 +28,16 @@ class FusedOpsTorchNpu(types.ModuleType):
         if not routing_map_ops:  # a torch_npu older than op-plugin 7.2.0
             self.npu_moe_token_permute_with_routing_map = None
             self.npu_moe_token_unpermute_with_routing_map = None
+        if old_rotary:
+            self.npu_rotary_mul = self._old_rotary_mul
+
+    def npu_rotary_mul(self, input, r1, r2, rotary_mode="half"):
+        self.calls.append(("npu_rotary_mul", (input, r1, r2), {"rotary_mode": rotary_mode}))
+        return reference.npu_rotary_mul(input, r1, r2, rotary_mode)
+
+    def _old_rotary_mul(self, input, r1, r2):
+        self.calls.append(("npu_rotary_mul", (input, r1, r2), {}))
+        return reference.npu_rotary_mul(input, r1, r2, "half")
 
     def npu_rms_norm(self, x, gamma, epsilon=1e-06):
         self.calls.append(("npu_rms_norm", (x, gamma), {"epsilon": epsilon}))

@@ -39,6 +39,7 @@ __all__ = [
     "moe_token_unpermute_with_routing_map",
     "resolve_kernel",
     "rms_norm",
+    "rotary_mul",
     "swiglu",
 ]
 
@@ -203,6 +204,7 @@ def _options(op_kwargs: dict) -> AttentionOptions:
 
 # The fused operators beyond attention (they use resolve_kernel / load_torch_npu from above).
 from mcore_npu.ops.fused import grouped_linear, grouped_matmul, rms_norm, swiglu  # noqa: E402
+from mcore_npu.ops.fused_rotary import rotary_mul  # noqa: E402
 
 # The MoE token permute operators (fused MoE permute; auto falls back to the unfused path).
 from mcore_npu.ops.permute_dispatch import (  # noqa: E402

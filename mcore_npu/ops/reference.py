@@ -57,6 +57,7 @@ from mcore_npu.ops.moe_permute import (  # noqa: F401  (torch_npu names)
     npu_moe_token_unpermute_with_routing_map,
 )
 from mcore_npu.ops.rms_norm import npu_rms_norm  # noqa: F401  (torch_npu name)
+from mcore_npu.ops.rotary import npu_rotary_mul  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.sparse_modes import band_covers_everything, band_keep, causal_keep, prefix_keep
 from mcore_npu.ops.swiglu import npu_swiglu  # noqa: F401  (torch_npu name)
 from mcore_npu.ops.validation import split_q_band_segment, validate_call

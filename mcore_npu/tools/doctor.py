@@ -630,7 +630,8 @@ def check_attention(probe: _Probe) -> Check:
     return Check("attention", OK, detail)
 
 
-FUSED_OPERATORS = ("npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_grouped_matmul")
+FUSED_OPERATORS = ("npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_grouped_matmul",
+                   "npu_rotary_mul")  # fmt: skip
 """The torch_npu operators the NPU spec calls (each has a reference in ``mcore_npu.ops``)."""
 
 
@@ -656,6 +657,8 @@ def check_fused_ops(probe: _Probe) -> Check:
         detail += ("; npu_grouped_matmul takes group_type/group_list_type" if newer else
                    "; npu_grouped_matmul is the older signature (no group_type: expert weight "
                    "gradients by one matmul per expert)")  # fmt: skip
+    if "npu_rotary_mul" in have:
+        detail += _rotary_detail(torch_npu.npu_rotary_mul)
     if missing:
         return Check("fused ops", WARN, f"{detail}; missing {', '.join(missing)}",
                      "an older torch-npu release",
@@ -684,6 +687,15 @@ def check_moe_permute(probe: _Probe) -> Check:
                      "_with_routing_map operators)", "upgrade torch-npu for the fused permute; "
                      "until then auto gives the same results unfused")  # fmt: skip
     return Check("moe permute", OK, detail)
+
+
+def _rotary_detail(op) -> str:
+    """Whether ``npu_rotary_mul`` takes ``rotary_mode`` (its signature, never its version)."""
+    takes = importlib.import_module("mcore_npu.ops.fused_rotary").rotary_mul_takes_mode(op)
+    if takes:
+        return "; npu_rotary_mul takes rotary_mode (half and interleave)"
+    return ("; npu_rotary_mul is the older signature (no rotary_mode: half only, head dim 128; "
+            "rotary_interleaved models need fused.rope: reference or off)")  # fmt: skip
 
 
 CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (

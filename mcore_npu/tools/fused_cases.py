@@ -23,7 +23,7 @@ from mcore_npu.tools import permute_cases
 from mcore_npu.tools.cases import Tolerance
 
 FUSED_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/fused_ops_cases.yaml")))
-OPERATORS = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul")
+OPERATORS = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul", "npu_rotary_mul")
 OPERATORS += permute_cases.OPERATORS  # the MoE token permute pair and the legacy unpermute
 QUANTITIES = ("forward", "grad0", "grad1")
 """Output, then the gradients of the call's inputs in order (x; gamma or the weights)."""
@@ -78,11 +78,14 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
     """``(inputs, kwargs)``: the differentiable input tensors (leaves) and the other arguments.
 
     rms_norm: ``[x, gamma]``; swiglu: ``[x]``; grouped matmul: ``[x, *weights]`` with ``x`` the
-    single x tensor (for ``group_type=None``, x is split into per-group tensors by the call).
+    single x tensor (for ``group_type=None``, x is split into per-group tensors by the call);
+    rotary_mul: ``[x, r1, r2]`` (cos and sin of seeded angles, shaped ``angle_shape``).
     """
     s = case.seed
     if case.operator in permute_cases.OPERATORS:
         return permute_cases.make_call(case, dtype, device)
+    if case.operator == "npu_rotary_mul":
+        return _rotary_call(case, dtype, device)
     if case.operator == "npu_rms_norm":
         shape = case.param("shape")
         x = _normal(shape, s) * 2
@@ -107,6 +110,30 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
     return leaves, kwargs
 
 
+def _rotary_call(case: FusedCase, dtype, device):
+    angles = _normal(case.param("angle_shape"), case.seed + 1) * 3
+    leaves = [_normal(case.param("shape"), case.seed), torch.cos(angles), torch.sin(angles)]
+    leaves = [t.to(dtype).to(device).requires_grad_(True) for t in leaves]
+    return leaves, {"rotary_mode": case.param("rotary_mode")}
+
+
+def _rotary_oracle(case: FusedCase, leaves) -> torch.Tensor:
+    """Channel by channel: channel c pairs with p(c) and takes sign s(c) (the contract)."""
+    x, r1, r2 = leaves
+    d = x.shape[-1]
+    if case.param("rotary_mode") == "half":
+        partner = [(c + d // 2) % d for c in range(d)]
+        sign = [-1.0 if c < d // 2 else 1.0 for c in range(d)]
+    else:
+        partner = [c + 1 if c % 2 == 0 else c - 1 for c in range(d)]
+        sign = [-1.0 if c % 2 == 0 else 1.0 for c in range(d)]
+    columns = []
+    for c in range(d):
+        term = x[..., c] * r1[..., c] + sign[c] * x[..., partner[c]] * r2[..., c]
+        columns.append(term)
+    return torch.stack(columns, dim=-1)
+
+
 def _cumulative(counts):
     ends, total = [], 0
     for c in counts:
@@ -123,6 +150,12 @@ def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
         return op(leaves[0], leaves[1], **kwargs)[0]
     if case.operator == "npu_swiglu":
         return op(leaves[0], **kwargs)
+    if case.operator == "npu_rotary_mul":
+        from mcore_npu.ops.fused_rotary import rotary_mul_takes_mode
+
+        if kwargs["rotary_mode"] == "half" and not rotary_mul_takes_mode(op):
+            return op(*leaves)  # a 6.0.x torch_npu: no rotary_mode (half only)
+        return op(*leaves, **kwargs)
     x, weights = leaves[0], leaves[1:]
     if case.param("group_type") is None:
         x_list = list(x.split(case.param("counts"), dim=0))
@@ -147,6 +180,8 @@ def oracle(case: FusedCase, leaves) -> torch.Tensor:
         dim, half = case.param("dim"), leaves[0].shape[case.param("dim")] // 2
         a, b = x.narrow(dim, 0, half), x.narrow(dim, half, half)
         return a * b / (1 + torch.exp(-a))
+    if case.operator == "npu_rotary_mul":
+        return _rotary_oracle(case, leaves)
     counts, x, weights = case.param("counts"), leaves[0], leaves[1:]
     blocks, start = [], 0
     for e, c in enumerate(counts):

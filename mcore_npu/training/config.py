@@ -91,6 +91,7 @@ class FusedSection:
     swiglu: str | None = None  # npu_swiglu as the SwiGLU activation (dense MLP and experts)
     grouped_matmul: str | None = None  # npu_grouped_matmul experts (MoE layers)
     moe_permute: str | None = "off"  # fused MoE token permute; off = Megatron's (default)
+    rope: str | None = "off"  # npu_rotary_mul RoPE in self-attention (off = Megatron's own)
 
 
 @dataclass
@@ -407,6 +408,20 @@ def _validate_moe_permute(cfg) -> None:
               f"(backend is {cfg.attention.backend})", "leave it off")  # fmt: skip
 
 
+def _validate_rope(cfg) -> None:
+    """``fused.rope``: a kernel, off (the default: Megatron's RoPE) or null (= attention.kernel);
+    only the npu_fusion backend has it (Megatron's own fused RoPE needs Transformer Engine)."""
+    value = cfg.fused.rope
+    if value in (False, "False", "false"):  # YAML 1.1 reads an unquoted `off` as false
+        value = cfg.fused.rope = "off"
+    if value is not None and value not in (*KERNELS, "off"):
+        _fail("fused.rope", value, "unknown choice",
+              f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
+    if value != "off" and cfg.attention.backend not in ("npu_fusion", "auto"):
+        _fail("fused.rope", value, "only the npu_fusion backend has a fused RoPE without "
+              f"Transformer Engine (backend is {cfg.attention.backend})", "leave it off")  # fmt: skip
+
+
 def _validate_choices(cfg) -> None:
     choices = [
         ("attention.backend", cfg.attention.backend, BACKENDS),
@@ -432,6 +447,7 @@ def _validate_choices(cfg) -> None:
             _fail(f"fused.{name}", value, "only the npu_fusion backend has fused kernels "
                   f"(backend is {cfg.attention.backend})", "leave it null")  # fmt: skip
     _validate_moe_permute(cfg)
+    _validate_rope(cfg)
     if cfg.attention.kernel != "auto" and cfg.attention.backend not in ("npu_fusion", "auto"):
         _fail("attention.kernel", cfg.attention.kernel,
               f"only the npu_fusion backend has kernels (backend is {cfg.attention.backend})",

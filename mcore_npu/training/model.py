@@ -55,7 +55,18 @@ def transformer_config(cfg):
         **_portable_fields(),
     )
     fields.update(dict(m.extra))
+    if resolve_backend(cfg.attention.backend) == "npu_fusion":
+        fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     return TransformerConfig(**fields)
+
+
+def rope_kernel(cfg) -> str | None:
+    """The spec's ``rope_kernel``: ``fused.rope``; when that is off, ``model.extra``'s
+    ``apply_rope_fusion: true`` (Megatron's spelling) asks for it with ``attention.kernel``."""
+    value = cfg.fused.rope
+    if value == "off" and bool(dict(cfg.model.extra).get("apply_rope_fusion", False)):
+        return None
+    return value
 
 
 def _default_ffn(hidden: int, activation: str) -> int:
@@ -114,6 +125,7 @@ def layer_spec(cfg, config):
             swiglu_kernel=cfg.fused.swiglu,
             grouped_matmul_kernel=cfg.fused.grouped_matmul,
             moe_permute_kernel=cfg.fused.moe_permute,
+            rope_kernel=rope_kernel(cfg),
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

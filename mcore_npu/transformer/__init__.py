@@ -4,6 +4,8 @@
 - :mod:`~mcore_npu.transformer.norms`: LayerNorm / RMSNorm (``npu_rms_norm``) that work under
   sequence parallelism.
 - :mod:`~mcore_npu.transformer.mlp`: ``NPUMLP`` / ``NPUSharedExpertMLP`` (SwiGLU via ``npu_swiglu``).
+- :mod:`~mcore_npu.transformer.rope`: ``NPURotarySelfAttention`` (RoPE via ``npu_rotary_mul`` after
+  the q/k norms; ``rope_kernel``).
 - :mod:`~mcore_npu.transformer.router`: ``NPUTopKRouter`` (MoE gating without Transformer Engine).
 - :mod:`~mcore_npu.transformer.experts`: ``NPUGroupedMLP`` (experts via ``npu_grouped_matmul``).
 - :mod:`~mcore_npu.transformer.norm_linear`: ``NormColumnParallelLinear``, the norm fused into

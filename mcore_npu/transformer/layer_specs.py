@@ -52,12 +52,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
 from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
-                  "grouped_matmul_kernel")  # fmt: skip
-_SPEC_KEYWORDS += ("moe_permute_kernel",)
+                  "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel")  # fmt: skip
 
 
 def get_gpt_layer_npu_spec(
@@ -68,6 +68,7 @@ def get_gpt_layer_npu_spec(
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
     moe_permute_kernel: str | None = "off",
+    rope_kernel: str | None = "off",
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
@@ -79,6 +80,8 @@ def get_gpt_layer_npu_spec(
             operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
         moe_permute_kernel: the fused MoE token permute (``NPUMoELayer``'s alltoall / allgather
             dispatchers); ``"off"`` (default) = Megatron's ``MoELayer``, None = ``kernel``.
+        rope_kernel: fused RoPE (``npu_rotary_mul``, ``NPURotarySelfAttention``); ``"off"``
+            (default) = Megatron's own RoPE, None = ``kernel``.
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
             (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ...).
 
@@ -93,7 +96,8 @@ def get_gpt_layer_npu_spec(
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
                                grouped_matmul_kernel=grouped_matmul_kernel,
-                               moe_permute_kernel=moe_permute_kernel)  # fmt: skip
+                               moe_permute_kernel=moe_permute_kernel,
+                               rope_kernel=rope_kernel)  # fmt: skip
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
     grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
     return _swap_npu_parts(spec, provider, grouped)
@@ -108,6 +112,7 @@ def get_gpt_decoder_block_npu_spec(
     swiglu_kernel: str | None = None,
     grouped_matmul_kernel: str | None = None,
     moe_permute_kernel: str | None = "off",
+    rope_kernel: str | None = "off",
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -118,9 +123,10 @@ def get_gpt_decoder_block_npu_spec(
 
     Args:
         config: Megatron ``TransformerConfig``.
-        kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: as for
-            ``get_gpt_layer_npu_spec``; with ``"te"`` the final norm has ``TENorm``'s
-            ``_extra_state`` too, so the key set is the TE block spec's.
+        kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
+            rope_kernel, moe_permute_kernel: as for ``get_gpt_layer_npu_spec``; with ``"te"``
+            the final norm has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block
+            spec's.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
             ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
             ``pp_rank``, ...).
@@ -137,7 +143,8 @@ def get_gpt_decoder_block_npu_spec(
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
                                grouped_matmul_kernel=grouped_matmul_kernel,
-                               moe_permute_kernel=moe_permute_kernel)  # fmt: skip
+                               moe_permute_kernel=moe_permute_kernel,
+                               rope_kernel=rope_kernel)  # fmt: skip
     grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
@@ -180,6 +187,8 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool)
     subs = layer.submodules
     attention = subs.self_attention.submodules
     attention.core_attention = provider.core_attention()
+    if isinstance(subs.self_attention, ModuleSpec) and subs.self_attention.module is SelfAttention:
+        subs.self_attention = provider.self_attention(subs.self_attention)
     for owner, name in (
         (subs, "input_layernorm"),
         (subs, "pre_mlp_layernorm"),
@@ -225,7 +234,7 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
     ``get_mlp_module_spec_for_backend`` (its norm inside ``linear_fc1``), an MoE layer's
     ``pre_mlp_layernorm`` kept."""
     subs = layer.submodules
-    if subs.self_attention.module is not SelfAttention:
+    if subs.self_attention.module not in (SelfAttention, NPURotarySelfAttention):
         raise ValueError(
             f"param_layout='te': {subs.self_attention.module.__name__} layers are not mapped to "
             "the TE names (only SelfAttention is); pass param_layout='local'"

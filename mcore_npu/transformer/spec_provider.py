@@ -21,7 +21,9 @@ Core attention, norms and the fused norm-linear are returned as ``ModuleSpec`` s
 spec wherever a class goes. The fused operators (``npu_rms_norm`` in every RMSNorm,
 ``npu_swiglu`` in the MLPs, ``npu_grouped_matmul`` in the experts) follow ``kernel`` unless
 ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` say otherwise; ``"off"``
-keeps Megatron's own module for that part. Whether the installed megatron-core has the protocol and the builders is probed
+keeps Megatron's own module for that part. ``rope_kernel`` (default ``"off"``: Megatron's own
+RoPE; None = ``kernel``) puts ``NPURotarySelfAttention`` (``npu_rotary_mul``) in the
+``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider. Whether the installed megatron-core has the protocol and the builders is probed
 (``HAVE_BACKEND_PROVIDER``, ``backend_builders()``), never read from its version.
 """
 
@@ -39,9 +41,11 @@ from mcore_npu.transformer.experts import NPUGroupedMLP
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.norms import SequenceParallelNorm
+from mcore_npu.transformer.rope import NPURotarySelfAttention, RopeCosSinCache
 
 FUSED_KERNELS = (*KERNELS, "off")
-"""Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel``; None = ``kernel``."""
+"""Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` /
+``rope_kernel``; None = ``kernel``."""
 
 try:  # megatron-core >= 0.13 has the protocol; before, the provider is a plain class
     from megatron.core.models.backends import BackendSpecProvider
@@ -65,6 +69,8 @@ class NPUSpecProvider(BackendSpecProvider):
         moe_permute_kernel: the fused MoE token permute in the alltoall / allgather
             dispatchers (``NPUMoELayer``); ``"off"`` (the default, as Megatron's
             ``moe_permute_fusion=False``) keeps Megatron's ``MoELayer``, None = ``kernel``.
+        rope_kernel: fused RoPE (``npu_rotary_mul``) in self-attention; ``"off"`` (default, as
+            Megatron's ``apply_rope_fusion=False``) = Megatron's own RoPE, None = ``kernel``.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class NPUSpecProvider(BackendSpecProvider):
         swiglu_kernel: str | None = None,
         grouped_matmul_kernel: str | None = None,
         moe_permute_kernel: str | None = "off",
+        rope_kernel: str | None = "off",
     ):
         if param_layout not in PARAM_LAYOUTS:
             raise ValueError(
@@ -86,9 +93,10 @@ class NPUSpecProvider(BackendSpecProvider):
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
         fused = {"rms_norm": rms_norm_kernel, "swiglu": swiglu_kernel,
-                 "grouped_matmul": grouped_matmul_kernel}  # fmt: skip
+                 "grouped_matmul": grouped_matmul_kernel, "rope": rope_kernel,
+                 "moe_permute": moe_permute_kernel}  # fmt: skip
         self.fused = {name: _fused_kernel(name, value, kernel) for name, value in fused.items()}
-        self.fused["moe_permute"] = _fused_kernel("moe_permute", moe_permute_kernel, kernel)
+        self.rope_cache = RopeCosSinCache()  # cos/sin once per step for every layer
         self.kernel = kernel
         self.param_layout = param_layout
         self.seq_lengths_memo = (
@@ -173,6 +181,16 @@ class NPUSpecProvider(BackendSpecProvider):
         """The kernel of a fused operator, or None when it is ``"off"``."""
         kernel = self.fused[operator]
         return None if kernel == "off" else kernel
+
+    def self_attention(self, attention: ModuleSpec) -> ModuleSpec:
+        """Megatron's ``SelfAttention`` spec -> ``NPURotarySelfAttention`` (unless ``"off"``)."""
+        kernel = self._on("rope")
+        if kernel is None:
+            return attention
+        params = {**attention.params, "rope_kernel": kernel, "rope_cache": self.rope_cache,
+                  "seq_lengths_memo": self.seq_lengths_memo}  # fmt: skip
+        return ModuleSpec(module=NPURotarySelfAttention, params=params,
+                          submodules=attention.submodules)  # fmt: skip
 
     def core_attention(self) -> ModuleSpec:
         module = TELayoutNPUFusionAttention if self.te_layout else NPUFusionAttention

@@ -28,6 +28,7 @@ from mcore_npu.ops import reference
 from mcore_npu.training import runtime
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
+from tests.distributed import cp_rope
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
@@ -418,6 +419,9 @@ def main():
             results.append(check(comm, 4, 2, AttnMaskType.no_mask))
     results.extend(module_thd_and_window_cases())
     memo = memo_conversions()  # collectives: every rank runs it
+    rope = (
+        cp_rope.cases()
+    )  # fused RoPE against Megatron's under CP=2 (tests/distributed/cp_rope.py)
     stand_in = RecordingTorchNpu()
     sys.modules["torch_npu"] = stand_in
     try:
@@ -446,6 +450,8 @@ def main():
 
         print("THD_REFUSALS " + json.dumps(thd_refusals()), flush=True)
         print("MEMO " + json.dumps(memo), flush=True)
+        for result in rope:
+            print("ROPE " + json.dumps(result), flush=True)
         print("STANDIN_THD_GATHER " + json.dumps({"padded": PADDED, "forward": thd_stand_in.forward_calls}),
               flush=True)  # fmt: skip
     runtime.shutdown()

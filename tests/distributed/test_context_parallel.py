@@ -38,7 +38,7 @@ def report():
     for line in _launch(2).splitlines():
         tag, _, payload = line.partition(" ")
         if tag in ("CASE", "STANDIN", "REFUSALS", "REFUSALS_THD", "THD_REFUSALS", "MEMO",
-                   "STANDIN_THD", "STANDIN_THD_GATHER"):  # fmt: skip
+                   "STANDIN_THD", "STANDIN_THD_GATHER", "ROPE"):  # fmt: skip
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -207,3 +207,16 @@ def test_packed_all_gather_is_one_tnd_call_per_layer_with_prefix_segments(report
         kv_lengths += [chunk, 4 * chunk]  # prefixes through chunk 0 and through chunk 3
     assert call["kwargs"]["actual_seq_qlen"] == list(itertools.accumulate(q_lengths))
     assert call["kwargs"]["actual_seq_kvlen"] == list(itertools.accumulate(kv_lengths))
+
+
+def test_fused_rope_equals_megatrons_rope_under_cp2(report):
+    """A tiny GPT with rope_kernel="reference" against rope_kernel="off" (Megatron's RoPE), the
+    same weights, on each rank's chunks (tests/distributed/cp_rope.py): logits and every
+    parameter gradient within 1e-6 for p2p, all_gather and a2a, sbhd and packed thd."""
+    results = report["ROPE"]
+    covered = {(r["comm"], r["layout"]) for r in results}
+    assert covered == {(c, f) for c in ("p2p", "all_gather", "a2a") for f in ("sbhd", "thd")}
+    assert any(r["interleaved"] for r in results)
+    for r in results:
+        assert r["logits"] <= 1e-6 and r["grads"] <= 1e-6, r
+        assert not r["grad_names_differ"] and r["cos_sin_builds"] == 1, r

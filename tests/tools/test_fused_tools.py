@@ -26,6 +26,7 @@ def test_verify_runs_the_fused_table_against_the_oracle(capsys):
         "npu_rms_norm",
         "npu_swiglu",
         "npu_grouped_matmul",
+        "npu_rotary_mul",
         *permute_cases.OPERATORS,
     }
     assert all({"forward", "grad0"} <= set(r) for r in report["results"])
@@ -52,3 +53,12 @@ def test_doctor_lists_the_operators_the_installed_torch_npu_has(monkeypatch, old
     assert check.status == doctor.WARN and "missing npu_fusion_attention" in check.detail
     assert ("older signature" in check.detail) == old
     assert "fused.<op>: reference" in check.fix
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_doctor_says_whether_npu_rotary_mul_takes_rotary_mode(monkeypatch, old):
+    install(monkeypatch, old_rotary=old)
+    check = doctor.check_fused_ops(doctor._probe_torch())
+    assert "npu_rotary_mul" in check.detail.split(";")[0]  # it is among the operators found
+    assert ("npu_rotary_mul takes rotary_mode" in check.detail) != old
+    assert ("npu_rotary_mul is the older signature" in check.detail) == old
