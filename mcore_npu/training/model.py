@@ -53,9 +53,31 @@ def transformer_config(cfg):
         fp16=t.dtype == "fp16",
         **_activation_fields(m.activation),
         **_portable_fields(),
+        **_stage_fields(p, m.num_layers),
     )
     fields.update(dict(m.extra))
     return TransformerConfig(**fields)
+
+
+def _stage_fields(p, num_layers: int) -> dict:
+    """Uneven pipeline stages as Megatron's keys: ``parallel.first_stage_layers`` /
+    ``last_stage_layers`` as ``num_layers_in_first/last_pipeline_stage``;
+    ``parallel.pipeline_num_transformer_layers`` through ``megatron_stage_layout``; {} if even."""
+    from omegaconf import OmegaConf
+
+    from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
+
+    per_stage = p.get("pipeline_num_transformer_layers")
+    if per_stage is not None:
+        per_stage = (
+            OmegaConf.to_container(per_stage) if OmegaConf.is_config(per_stage) else per_stage
+        )
+        return megatron_stage_layout(per_stage, num_layers=num_layers, pipeline_size=p.pipeline)
+    fields = {
+        "num_layers_in_first_pipeline_stage": p.get("first_stage_layers"),
+        "num_layers_in_last_pipeline_stage": p.get("last_stage_layers"),
+    }
+    return {key: value for key, value in fields.items() if value is not None}
 
 
 def _default_ffn(hidden: int, activation: str) -> int:

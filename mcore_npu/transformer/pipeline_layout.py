@@ -127,9 +127,9 @@ def stages_from_first_last(first, last, *, num_layers, pipeline_size) -> list[in
         "num_layers_in_last_pipeline_stage")  # fmt: skip
     value = first if first is not None else last
     if middle_stages == 0 and middle_layers != 0:
-        raise StageLayoutError(key, value, f"with num_layers_in_first_pipeline_stage={first} "
-                               f"and num_layers_in_last_pipeline_stage={last} the 2 stages "
-                               f"hold {num_layers - middle_layers} of {num_layers} layers",
+        raise StageLayoutError(key, value, f"the first and last stages ({first} and {last} "
+                               f"layers) hold {num_layers - middle_layers} of {num_layers} "
+                               "layers and there is no middle stage",
                                f"make them add up to {num_layers}")  # fmt: skip
     if middle_stages and (middle_layers < middle_stages or middle_layers % middle_stages):
         raise StageLayoutError(key, value, f"leaves {middle_layers} of {num_layers} layers for "
