@@ -53,22 +53,28 @@ def test_megatron_places_the_layers_where_the_list_says(per_stage, num_layers, p
         assert _megatron_layer_ids(config, rank, stage, vpp) == layer_ids, (rank, stage)
 
 
-def test_the_npu_block_spec_slices_uneven_stages_with_the_layer_pattern():
-    """MoE and dense layers by global position: each stage's spec holds its own slice."""
+@pytest.mark.parametrize(
+    "per_stage, vpp",
+    [([1, 3, 3, 1], None), ([[1], [3], [2], [2]], None), ([[0], [3], [3], [2]], None),
+     ([[1, 1], [1, 1], [1, 1], [1, 1]], 2), ([[1, 2], [1, 1], [1, 1], [1, 0]], 2)],
+)  # fmt: skip
+def test_the_npu_block_spec_slices_uneven_stages_with_the_layer_pattern(per_stage, vpp):
+    """MoE and dense layers by global position: each (virtual) stage's spec holds its slice."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
     pattern = [1, 0, 0, 1, 1, 0, 1, 0]
-    for per_stage in ([1, 3, 3, 1], [[1], [3], [2], [2]], [[0], [3], [3], [2]]):
-        fields = megatron_stage_layout(per_stage, num_layers=8, pipeline_size=4)
-        config = _config(8, 4, None, num_moe_experts=4, moe_layer_freq=pattern,
-                         moe_ffn_hidden_size=32, moe_router_topk=2, **fields)  # fmt: skip
-        for (rank, _), layer_ids in _wanted_layer_ids(per_stage, None).items():
-            with _pipeline_rank(rank, None):
-                block = get_gpt_decoder_block_npu_spec(config, kernel="reference", pp_rank=rank)
-            moe = [spec.submodules.mlp.module is MoELayer for spec in block.layer_specs]
-            assert moe == [bool(pattern[i]) for i in layer_ids], (per_stage, rank)
+    fields = megatron_stage_layout(per_stage, num_layers=8, pipeline_size=4, vpp_size=vpp)
+    config = _config(8, 4, vpp, num_moe_experts=4, moe_layer_freq=pattern,
+                     moe_ffn_hidden_size=32, moe_router_topk=2, **fields)  # fmt: skip
+    for (rank, stage), layer_ids in _wanted_layer_ids(per_stage, vpp).items():
+        vp_stage = stage if vpp else None
+        with _pipeline_rank(rank, vpp):
+            block = get_gpt_decoder_block_npu_spec(config, kernel="reference", pp_rank=rank,
+                                                   vp_stage=vp_stage)  # fmt: skip
+        moe = [spec.submodules.mlp.module is MoELayer for spec in block.layer_specs]
+        assert moe == [bool(pattern[i]) for i in layer_ids], (rank, stage)
 
 
 @pytest.mark.usefixtures("megatron_runtime")
