@@ -608,27 +608,20 @@ def _uneven_stages(p) -> bool:
 
 
 def _validate_stages(cfg) -> None:
-    """Uneven pipeline stages, checked as Megatron will (mcore_npu.transformer.pipeline_layout)."""
+    """Uneven pipeline stages, checked as Megatron will (mcore_npu.transformer.pipeline_layout);
+    first/last counts beside the list must be the list's own (as verl's Ascend recipes set them)."""
     from mcore_npu.transformer import pipeline_layout
 
-    p, num_layers = cfg.parallel, cfg.model.num_layers
+    p = cfg.parallel
     per_stage = p.pipeline_num_transformer_layers
-    if per_stage is not None and (p.first_stage_layers, p.last_stage_layers) != (None, None):
-        _fail("parallel.pipeline_num_transformer_layers", OmegaConf.to_container(per_stage),
-              "and parallel.first_stage_layers / last_stage_layers both place the layers",
-              "use the list or the first/last counts, not both")  # fmt: skip
     try:
-        if per_stage is not None:
-            pipeline_layout.megatron_stage_layout(
-                OmegaConf.to_container(per_stage), num_layers=num_layers, pipeline_size=p.pipeline
-            )
-        else:
-            pipeline_layout.stages_from_first_last(
-                p.first_stage_layers,
-                p.last_stage_layers,
-                num_layers=num_layers,
-                pipeline_size=p.pipeline,
-            )
+        pipeline_layout.resolve_stage_keys(
+            None if per_stage is None else OmegaConf.to_container(per_stage),
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline,
+            first=p.first_stage_layers,
+            last=p.last_stage_layers,
+        )
     except pipeline_layout.StageLayoutError as err:
         _fail(_STAGE_KEYS.get(err.key, err.key), err.value, err.problem, err.fix)
 

@@ -62,22 +62,20 @@ def transformer_config(cfg):
 def _stage_fields(p, num_layers: int) -> dict:
     """Uneven pipeline stages as Megatron's keys: ``parallel.first_stage_layers`` /
     ``last_stage_layers`` as ``num_layers_in_first/last_pipeline_stage``;
-    ``parallel.pipeline_num_transformer_layers`` through ``megatron_stage_layout``; {} if even."""
+    ``parallel.pipeline_num_transformer_layers`` through ``megatron_stage_layout`` (first/last
+    beside it are the list's own); {} if even."""
     from omegaconf import OmegaConf
 
-    from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
+    from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
 
+    first, last = p.get("first_stage_layers"), p.get("last_stage_layers")
     per_stage = p.get("pipeline_num_transformer_layers")
-    if per_stage is not None:
-        per_stage = (
-            OmegaConf.to_container(per_stage) if OmegaConf.is_config(per_stage) else per_stage
-        )
-        return megatron_stage_layout(per_stage, num_layers=num_layers, pipeline_size=p.pipeline)
-    fields = {
-        "num_layers_in_first_pipeline_stage": p.get("first_stage_layers"),
-        "num_layers_in_last_pipeline_stage": p.get("last_stage_layers"),
-    }
-    return {key: value for key, value in fields.items() if value is not None}
+    if per_stage is None and first is None and last is None:
+        return {}
+    if OmegaConf.is_config(per_stage):
+        per_stage = OmegaConf.to_container(per_stage)
+    return resolve_stage_keys(per_stage, num_layers=num_layers, pipeline_size=p.pipeline,
+                              first=first, last=last)  # fmt: skip
 
 
 def _default_ffn(hidden: int, activation: str) -> int:

@@ -22,7 +22,9 @@ Megatron-Core 0.16.1 has two ways to say the same thing, and ``megatron_stage_la
   entry, ``t`` a decoder layer, ``L`` the loss on the last entry: ``[[1], [3], [0], [2]]`` ->
   ``"Et|ttt||ttL"``.
 
-An even list gives ``{}`` (Megatron's default split). Pure Python: nothing here imports Megatron.
+An even list gives ``{}`` (Megatron's default split). verl's Ascend recipes also set the first
+and last stage counts beside the list; ``resolve_stage_keys`` checks that they are the list's own
+and returns the keys that replace all three. Pure Python: nothing here imports Megatron.
 """
 
 from __future__ import annotations
@@ -74,6 +76,46 @@ def megatron_stage_layout(per_stage, *, num_layers, pipeline_size, vpp_size=None
     return {"pipeline_model_parallel_layout": layout_string(stages)}
 
 
+def resolve_stage_keys(
+    per_stage, *, num_layers, pipeline_size, vpp_size=None, first=None, last=None
+) -> dict:
+    """``megatron_stage_layout`` for a recipe that may also set the first/last stage counts.
+
+    verl's Ascend recipes set ``pipeline_num_transformer_layers=[[11],[13],[13],[11]]`` together
+    with ``num_layers_in_first_pipeline_stage=11`` and ``num_layers_in_last_pipeline_stage=11``.
+    Megatron refuses a ``pipeline_model_parallel_layout`` beside first/last counts, and two keys
+    that disagree would leave one of them silently unused; so the counts given must be the list's
+    own first and last stage totals, and the returned keys replace all three.
+
+    Args:
+        per_stage, num_layers, pipeline_size, vpp_size: as for ``megatron_stage_layout``;
+            ``per_stage`` None = only ``first`` / ``last`` (checked as Megatron checks them).
+        first, last: the recipe's ``num_layers_in_first/last_pipeline_stage``, or None.
+
+    Returns:
+        The ``TransformerConfig`` keys to set instead of the recipe's three (``{}`` = even).
+
+    Raises:
+        StageLayoutError: as ``megatron_stage_layout``; or a first/last count that is not the
+            list's.
+    """
+    if per_stage is None:
+        stages_from_first_last(first, last, num_layers=num_layers, pipeline_size=pipeline_size)
+        given = {"num_layers_in_first_pipeline_stage": first,
+                 "num_layers_in_last_pipeline_stage": last}  # fmt: skip
+        return {key: value for key, value in given.items() if value is not None}
+    stages = normalized_stages(per_stage, num_layers=num_layers, pipeline_size=pipeline_size,
+                               vpp_size=vpp_size)  # fmt: skip
+    for key, count, stage in (("num_layers_in_first_pipeline_stage", first, stages[0]),
+                              ("num_layers_in_last_pipeline_stage", last, stages[-1])):  # fmt: skip
+        if count is not None and count != sum(stage):
+            raise StageLayoutError(key, count, f"disagrees with {KEY}={per_stage!r}, whose stage "
+                                   f"holds {sum(stage)} layers", f"make it {sum(stage)}, or "
+                                   "leave it out (the list says it)")  # fmt: skip
+    return megatron_stage_layout(per_stage, num_layers=num_layers, pipeline_size=pipeline_size,
+                                 vpp_size=vpp_size)  # fmt: skip
+
+
 def normalized_stages(per_stage, *, num_layers, pipeline_size, vpp_size=None) -> list[list[int]]:
     """``per_stage`` as ``pipeline_size`` lists of ``vpp_size`` counts, checked (see
     ``megatron_stage_layout``)."""
@@ -123,9 +165,11 @@ def stages_from_first_last(first, last, *, num_layers, pipeline_size) -> list[in
                                    "set a pipeline size of 2 or more, or leave it null")  # fmt: skip
     middle_layers = num_layers - (first or 0) - (last or 0)
     middle_stages = pipeline_size - (first is not None) - (last is not None)
-    key = "num_layers_in_first_pipeline_stage" if first is not None else (
-        "num_layers_in_last_pipeline_stage")  # fmt: skip
-    value = first if first is not None else last
+    key, value = "num_layers", num_layers
+    if last is not None:
+        key, value = "num_layers_in_last_pipeline_stage", last
+    if first is not None:
+        key, value = "num_layers_in_first_pipeline_stage", first
     if middle_stages == 0 and middle_layers != 0:
         raise StageLayoutError(key, value, f"the first and last stages ({first} and {last} "
                                f"layers) hold {num_layers - middle_layers} of {num_layers} "

@@ -42,6 +42,22 @@ def test_the_per_stage_list_reaches_megatron(per_stage, first, last, layout):
     assert str(config.pipeline_model_parallel_layout) == str(layout)
 
 
+def test_first_and_last_counts_beside_the_list_are_accepted_when_they_are_the_lists():
+    """As verl's Ascend recipes write it: the list and its own first/last counts together."""
+    from mcore_npu.training.model import transformer_config
+
+    for per_stage, layout in (("[[1],[2],[2],[1]]", None), ("[[1],[3],[1],[1]]", "Et|ttt|t|tL")):
+        overrides = [f"parallel.pipeline_num_transformer_layers={per_stage}"]
+        config = transformer_config(load_config(UNEVEN, overrides, world_size=4))
+        assert str(config.pipeline_model_parallel_layout) == str(layout)
+        if layout is None:
+            assert config.num_layers_in_first_pipeline_stage == 1
+            assert config.num_layers_in_last_pipeline_stage == 1
+        else:  # Megatron takes the layout alone; the agreeing counts are not passed on
+            assert config.num_layers_in_first_pipeline_stage is None
+            assert config.num_layers_in_last_pipeline_stage is None
+
+
 def test_an_even_split_sets_no_stage_keys():
     from mcore_npu.training.model import transformer_config
 
@@ -57,9 +73,11 @@ BAD = [
     ([*EVEN, "parallel.pipeline_num_transformer_layers=[3,3]"],
      "config parallel.pipeline_num_transformer_layers=[3, 3]: has 2 stages but the pipeline "
      "parallel size is 4"),
-    (["parallel.pipeline_num_transformer_layers=[1,2,2,1]"],
-     "config parallel.pipeline_num_transformer_layers=[1, 2, 2, 1]: and "
-     "parallel.first_stage_layers / last_stage_layers both place the layers"),
+    (["parallel.pipeline_num_transformer_layers=[2,1,1,2]"],
+     "config parallel.first_stage_layers=1: disagrees with pipeline_num_transformer_layers="
+     "[2, 1, 1, 2], whose stage holds 2 layers; make it 2, or leave it out (the list says it)"),
+    (["parallel.first_stage_layers=null", "parallel.pipeline_num_transformer_layers=[1,1,2,2]"],
+     "config parallel.last_stage_layers=1: disagrees with"),
     (["parallel.first_stage_layers=2"],
      "config parallel.first_stage_layers=2: leaves 3 of 6 layers for 2 middle stage(s)"),
     (["parallel.last_stage_layers=0"], "config parallel.last_stage_layers=0: must be a whole"),

@@ -210,3 +210,46 @@ def _megatron_layer_ids(config, rank: int, stage: int, vpp) -> list[int]:
         count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
     return list(range(offset, offset + count))
+
+
+@pytest.mark.parametrize(
+    "per_stage, first, last, expected",
+    [
+        ([[11], [13], [13], [11]], 11, 11,  # as verl's Ascend Qwen3-30B recipes write it
+         {"num_layers_in_first_pipeline_stage": 11, "num_layers_in_last_pipeline_stage": 11}),
+        ([[11], [13], [13], [11]], None, 11,
+         {"num_layers_in_first_pipeline_stage": 11, "num_layers_in_last_pipeline_stage": 11}),
+        ([[10], [14], [12], [12]], 10, None, {"pipeline_model_parallel_layout":
+                                              "E" + "t" * 10 + "|" + "t" * 14 + "|" + "t" * 12
+                                              + "|" + "t" * 12 + "L"}),
+        (None, 11, 11,
+         {"num_layers_in_first_pipeline_stage": 11, "num_layers_in_last_pipeline_stage": 11}),
+        (None, None, 12, {"num_layers_in_last_pipeline_stage": 12}),
+    ],
+)  # fmt: skip
+def test_a_recipes_first_last_counts_beside_its_list(per_stage, first, last, expected):
+    from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
+
+    fields = resolve_stage_keys(per_stage, num_layers=48, pipeline_size=4, first=first, last=last)
+    assert fields == expected
+    _config(48, 4, None, **fields)  # Megatron takes them together
+
+
+@pytest.mark.parametrize(
+    "per_stage, first, last, words",
+    [
+        ([[11], [13], [13], [11]], 12, 11, ["num_layers_in_first_pipeline_stage=12: disagrees "
+                                            "with pipeline_num_transformer_layers=[[11], [13], "
+                                            "[13], [11]], whose stage holds 11 layers"]),
+        ([11, 13, 13, 11], 11, 13, ["num_layers_in_last_pipeline_stage=13: disagrees"]),
+        ([11, 13, 13, 12], 11, 11, ["adds up to 49 layers but num_layers is 48"]),
+        (None, 11, 10, ["leaves 27 of 48 layers for 2 middle stage(s)"]),
+    ],
+)  # fmt: skip
+def test_a_recipes_disagreeing_counts_are_refused(per_stage, first, last, words):
+    from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
+
+    with pytest.raises(ValueError) as caught:
+        resolve_stage_keys(per_stage, num_layers=48, pipeline_size=4, first=first, last=last)
+    for word in words:
+        assert word in str(caught.value), str(caught.value)
