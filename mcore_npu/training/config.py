@@ -108,6 +108,11 @@ class ParallelSection:
     context: int = 1  # data parallel = world size / (tensor * pipeline * context)
     cp_comm_type: str = "p2p"  # context > 1: "p2p" (ring), "all_gather" or "a2a" (Ulysses)
     expert: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
+    # uneven pipeline stages (null: num_layers split evenly); either first/last stage counts ...
+    first_stage_layers: int | None = None  # decoder layers of the first stage
+    last_stage_layers: int | None = None  # decoder layers of the last stage
+    # ... or MindSpeed's per-stage list: [[1], [2], [2], [1]] or [1, 2, 2, 1]
+    pipeline_num_transformer_layers: list[Any] | None = None
 
 
 @dataclass
@@ -304,6 +309,9 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
     "sequence_parallel": "parallel.sequence_parallel",
     "expert_model_parallel_size": "parallel.expert",
     "expert_tensor_parallel_size": "nothing: it follows parallel.tensor",
+    "num_layers_in_first_pipeline_stage": "parallel.first_stage_layers",
+    "num_layers_in_last_pipeline_stage": "parallel.last_stage_layers",
+    "pipeline_model_parallel_layout": "parallel.pipeline_num_transformer_layers",
     "bf16": "train.dtype",
     "fp16": "train.dtype",
     "params_dtype": "train.dtype",
@@ -592,12 +600,15 @@ def _validate_parallel(cfg, world_size: int) -> None:
         _fail("data.pack_sequences", True, "Megatron's local attention takes no packed "
               f"sequences (attention.backend={cfg.attention.backend} resolves to local here)",
               "use attention.backend=npu_fusion or te, or unpacked batches")  # fmt: skip
-    if cfg.model.num_layers % p.pipeline:
+    if _uneven_stages(p):
+        _validate_stages(cfg)
+    elif cfg.model.num_layers % p.pipeline:
         _fail(
             "parallel.pipeline",
             p.pipeline,
             f"does not divide model.num_layers={cfg.model.num_layers}",
-            "pick a pipeline size that divides the layer count",
+            "pick a pipeline size that divides the layer count, or set uneven stages "
+            "(parallel.first_stage_layers / last_stage_layers / pipeline_num_transformer_layers)",
         )
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
@@ -611,6 +622,39 @@ def _validate_parallel(cfg, world_size: int) -> None:
             f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)",
             "use a multiple of the tensor-parallel size",
         )
+
+
+_STAGE_KEYS = {  # pipeline_layout's key -> this schema's
+    "pipeline_num_transformer_layers": "parallel.pipeline_num_transformer_layers",
+    "num_layers_in_first_pipeline_stage": "parallel.first_stage_layers",
+    "num_layers_in_last_pipeline_stage": "parallel.last_stage_layers",
+    "num_layers": "model.num_layers",
+    "pipeline_size": "parallel.pipeline",
+}
+
+
+def _uneven_stages(p) -> bool:
+    return any(value is not None for value in (p.first_stage_layers, p.last_stage_layers,
+                                               p.pipeline_num_transformer_layers))  # fmt: skip
+
+
+def _validate_stages(cfg) -> None:
+    """Uneven pipeline stages, checked as Megatron will (mcore_npu.transformer.pipeline_layout);
+    first/last counts beside the list must be the list's own (as verl's Ascend recipes set them)."""
+    from mcore_npu.transformer import pipeline_layout
+
+    p = cfg.parallel
+    per_stage = p.pipeline_num_transformer_layers
+    try:
+        pipeline_layout.resolve_stage_keys(
+            None if per_stage is None else OmegaConf.to_container(per_stage),
+            num_layers=cfg.model.num_layers,
+            pipeline_size=p.pipeline,
+            first=p.first_stage_layers,
+            last=p.last_stage_layers,
+        )
+    except pipeline_layout.StageLayoutError as err:
+        _fail(_STAGE_KEYS.get(err.key, err.key), err.value, err.problem, err.fix)
 
 
 def _validate_experts(cfg, world_size: int) -> None:

@@ -53,6 +53,7 @@ def transformer_config(cfg):
         fp16=t.dtype == "fp16",
         **_activation_fields(m.activation),
         **_portable_fields(),
+        **_stage_fields(p, m.num_layers),
     )
     fields.update(dict(m.extra))
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
@@ -67,6 +68,25 @@ def rope_kernel(cfg) -> str | None:
     if value == "off" and bool(dict(cfg.model.extra).get("apply_rope_fusion", False)):
         return None
     return value
+
+
+def _stage_fields(p, num_layers: int) -> dict:
+    """Uneven pipeline stages as Megatron's keys: ``parallel.first_stage_layers`` /
+    ``last_stage_layers`` as ``num_layers_in_first/last_pipeline_stage``;
+    ``parallel.pipeline_num_transformer_layers`` through ``megatron_stage_layout`` (first/last
+    beside it are the list's own); {} if even."""
+    from omegaconf import OmegaConf
+
+    from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
+
+    first, last = p.get("first_stage_layers"), p.get("last_stage_layers")
+    per_stage = p.get("pipeline_num_transformer_layers")
+    if per_stage is None and first is None and last is None:
+        return {}
+    if OmegaConf.is_config(per_stage):
+        per_stage = OmegaConf.to_container(per_stage)
+    return resolve_stage_keys(per_stage, num_layers=num_layers, pipeline_size=p.pipeline,
+                              first=first, last=last)  # fmt: skip
 
 
 def _default_ffn(hidden: int, activation: str) -> int:

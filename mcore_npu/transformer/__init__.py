@@ -16,6 +16,9 @@
 - :mod:`~mcore_npu.transformer.layer_specs`: ``get_gpt_layer_npu_spec``,
   ``get_gpt_decoder_block_npu_spec``, ``get_gpt_layer_spec``.
 - :mod:`~mcore_npu.transformer.backends`: which backend ``"auto"`` means on this machine.
+- :mod:`~mcore_npu.transformer.pipeline_layout`: uneven pipeline stages (MindSpeed's per-stage
+  list -> Megatron's first/last stage counts or layout); pure Python.
+- :mod:`~mcore_npu.transformer.megatron_lm`: module-level layer specs for Megatron-LM's ``--spec``.
 
 Built on :mod:`mcore_npu.masks` and :mod:`mcore_npu.ops`; imports Megatron-Core in its modules,
 never in this ``__init__``. Nothing here patches Megatron, keeps global state or writes ``config``.
