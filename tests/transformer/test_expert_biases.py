@@ -179,3 +179,26 @@ def _names_in_sequential(grouped) -> dict[str, str]:
             tail = f"local_experts.{leaf_e.removeprefix(leaf)}.{which}.{leaf}"
         out[name] = f"{head}.experts.{tail}"
     return out
+
+
+@pytest.mark.parametrize("grouped_gemm", [False, True])
+def test_expert_names_are_the_te_specs(grouped_gemm):
+    """The experts' parameters, state_dict, sharded_state_dict and disk keys with biases, as
+    specs/param_names_te.yaml lists them (the attention's biases are outside this test)."""
+    from tests.transformer.te_names import disk_key, expected_names
+
+    config = moe_config(add_bias_linear=True, moe_grouped_gemm=grouped_gemm,
+                        moe_layer_freq=[0, 1])  # fmt: skip
+    model = gpt(config, npu_moe_spec(config, param_layout="te"))
+
+    def experts(names):
+        return {n for n in names if ".mlp.experts." in n}
+
+    assert experts(n for n, _ in model.named_parameters()) == experts(
+        expected_names(config, "parameters")
+    )
+    assert experts(model.state_dict()) == experts(expected_names(config, "state_dict"))
+    sharded = model.sharded_state_dict()
+    assert experts(sharded) == experts(expected_names(config, "sharded"))
+    for name in experts(sharded):
+        assert sharded[name].key == disk_key(name, config), name
