@@ -153,3 +153,24 @@ def test_megatrons_own_classes_are_left_to_megatron():
     assert mlp_process_group_keyword(MoELayer) is None
     assert mlp_process_group_keyword(NPUMLP) == "tp_group"
     assert mlp_process_group_keyword(torch.nn.Linear) is None
+
+
+def test_multi_token_prediction_layers_from_the_block_spec_are_quiet_too(megatron_log):
+    """Megatron's MTP block spec from the NPU decoder-block spec: its layer is the block's last
+    (``get_gpt_mtp_block_spec`` takes a block spec, or a single-layer spec only when its module
+    is exactly ``TransformerLayer``: pass the block spec)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+    config = tiny_config(mtp_num_layers=1)
+    block = get_gpt_decoder_block_npu_spec(config, kernel="reference", param_layout="te",
+                                           normalization=config.normalization)  # fmt: skip
+    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
+    model = GPTModel(config, transformer_layer_spec=block, vocab_size=VOCAB,
+                     max_sequence_length=64, position_embedding_type="rope",
+                     mtp_block_spec=mtp)  # fmt: skip
+    layer = model.mtp.layers[0].transformer_layer
+    assert type(layer) is NPUTransformerLayer and type(layer.mlp).__name__ == "NPUMLP"
+    assert [line for line in megatron_log if LINE in line] == []
