@@ -11,8 +11,9 @@ With ``add_bias_linear`` each expert has an fc1 bias ``b1_e`` [F'] (the operator
 added before the activation) and an fc2 bias ``b2_e`` [H], which, as in Megatron's
 ``SequentialMLP`` (``MLP.forward`` with ``per_token_scale``) and ``TEGroupedMLP._apply_bias``,
 is scaled by each row's routing probability and added to the output: the layer returns no
-separate bias. ``bias_activation_fusion`` computes the same numbers (``bias_swiglu`` =
-swiglu(y + b)), so it changes nothing here.
+separate bias. ``bias_activation_fusion`` changes nothing here: the fused function computes
+swiglu(y + b) too (megatron-core 0.16.1's experts raise "Bias is not supported for weighted
+swiglu fusion" for it; this module computes what it stands for).
 
 ``F`` = ``moe_ffn_hidden_size / expert_tp``, ``F' = 2F`` with a gated linear unit. Backward runs
 one grouped matmul for dX and one (``group_type=2``) for all experts' dW per projection
@@ -33,10 +34,10 @@ Parameters (Megatron's linear layout ``[out, in]``), by ``param_layout``:
 Both layouts write ``SequentialMLP``'s checkpoint keys, so dist checkpoints move between them.
 
 With a gated linear unit a rank's fc1 rows are ``[gate shard; up shard]``, as in Megatron
-(the fc1 bias too). Biases start at zero, as Megatron's linears do. With ``use_cpu_initialization`` every rank draws
-all global experts' weights from the CPU generator and keeps its own, so the model is the same
-whatever the expert-parallel layout; otherwise each rank draws its own under Megatron's
-expert-parallel RNG stream.
+(the fc1 bias too). Biases start at zero, as Megatron's linears do. With
+``use_cpu_initialization`` every rank draws all global experts' weights from the CPU generator
+and keeps its own, so the model is the same whatever the expert-parallel layout; otherwise each
+rank draws its own under Megatron's expert-parallel RNG stream.
 """
 
 from __future__ import annotations

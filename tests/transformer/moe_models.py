@@ -1,6 +1,7 @@
 """Tiny MoE GPTs for the MoE tests: the NPU spec, and Megatron's local MoE path (SequentialMLP)
 with only the router swapped for ``NPUTopKRouter`` (Megatron's own router cannot run without TE
-on megatron-core 0.16.1, see tests/transformer/test_router.py)."""
+on megatron-core 0.16.1, see tests/transformer/test_router.py); with expert biases its experts'
+``linear_fc2`` returns a copy of its output (``CopiedOutputRowParallelLinear``, same numbers)."""
 
 from __future__ import annotations
 
