@@ -3,7 +3,7 @@
 - :func:`rms_norm` -> ``torch_npu.npu_rms_norm`` or :func:`mcore_npu.ops.rms_norm.npu_rms_norm`
 - :func:`swiglu` -> ``torch_npu.npu_swiglu`` or :func:`mcore_npu.ops.swiglu.npu_swiglu`
 - :func:`grouped_linear` -> ``npu_grouped_matmul`` three times per projection (forward, dX, dW),
-  MindSpeed's backward scheme, through :class:`GroupedLinear`
+  MindSpeed's backward scheme, through :class:`GroupedLinear` (per-expert biases optional)
 
 Every call is validated first (the same checks for both kernels), then reaches the chosen kernel
 with exactly the documented arguments. ``torch_npu`` is imported at call time only.
@@ -96,20 +96,24 @@ def grouped_matmul_keywords(op) -> frozenset[str]:
 
 
 class GroupedLinear(torch.autograd.Function):
-    """``y[rows of e] = x[rows of e] @ W_e.T`` with one grouped matmul per pass.
+    """``y[rows of e] = x[rows of e] @ W_e.T (+ b_e)`` with one grouped matmul per pass.
 
     Weights keep Megatron's linear layout ``[N, K]`` (out, in); the operator sees ``W_e.T``.
-    Forward: ``(x=[X], weight=[W_e.T], group_list, split_item=2, group_type=0)``. Backward: dX
-    with ``weight=[W_e]`` and the same group list; dW with ``x=[X.T], weight=[dY],
-    split_item=3, group_type=2`` -> ``[E, K, N]``, dW_e = its e-th slice transposed. A torch_npu
-    without ``group_type`` (older releases) gets dW from one ``mm`` per expert instead.
+    Forward: ``(x=[X], weight=[W_e.T], bias=[b_e] or None, group_list, split_item=2,
+    group_type=0)``. Backward: dX with ``weight=[W_e]`` and the same group list; dW with
+    ``x=[X.T], weight=[dY], split_item=3, group_type=2`` -> ``[E, K, N]``, dW_e = its e-th slice
+    transposed; db_e = the column sums of expert e's rows of dY (one ``index_add_``, no host
+    sync). A torch_npu without ``group_type`` (older releases) gets dW from one ``mm`` per expert.
     """
 
     @staticmethod
-    def forward(ctx, x, counts, kernel, *weights):
-        ctx.kernel, ctx.counts = kernel, counts
+    def forward(ctx, x, counts, kernel, num_biases, *params):
+        weights, biases = params[: len(params) - num_biases], params[len(params) - num_biases :]
+        ctx.kernel, ctx.counts, ctx.num_biases = kernel, counts, num_biases
         ctx.save_for_backward(x, *weights)
-        return _call(kernel, [x], [w.t() for w in weights], counts, split_item=2, group_type=0)[0]
+        ctx.bias_dtypes = [b.dtype for b in biases]
+        return _call(kernel, [x], [w.t() for w in weights], counts, split_item=2, group_type=0,
+                     bias=list(biases) if biases else None)[0]  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -125,18 +129,35 @@ class GroupedLinear(torch.autograd.Function):
             ends = torch.cumsum(ctx.counts.cpu(), 0).tolist()
             starts = [0, *ends[:-1]]
             grads_w = [grad_y[s:e].t() @ x[s:e] for s, e in zip(starts, ends)]
-        return (grad_x, None, None, *grads_w)
+        grads_b = _bias_grads(grad_y, ctx.counts, ctx.bias_dtypes) if ctx.num_biases else []
+        return (grad_x, None, None, None, *grads_w, *grads_b)
 
 
-def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, kernel="auto"):
+def _bias_grads(grad_y: torch.Tensor, counts: torch.Tensor, dtypes) -> list[torch.Tensor]:
+    """E x [N]: the column sums of each expert's rows of ``grad_y`` [T, N], accumulated in
+    float32 (float64 stays float64), cast to each bias's dtype."""
+    experts = torch.arange(len(dtypes), device=grad_y.device)
+    rows = torch.repeat_interleave(experts, counts.to(grad_y.device), output_size=grad_y.shape[0])
+    compute = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+    sums = grad_y.new_zeros(len(dtypes), grad_y.shape[1], dtype=compute)
+    sums.index_add_(0, rows, grad_y.to(compute))
+    return [s.to(dtype) for s, dtype in zip(sums.unbind(0), dtypes)]
+
+
+def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, biases=None, kernel="auto"):
     """Expert projection: x [T, K] (rows sorted by expert), weights E x [N, K] -> y [T, N].
 
     ``tokens_per_expert`` [E] (int tensor or list) gives the rows per expert; zeros allowed.
+    ``biases``: None or E x [N], added to each expert's rows inside the operator (``bias=``).
     """
     chosen = _chosen(kernel, x)
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64)
     counts = counts.to(x.device) if chosen == "torch_npu" else counts.cpu()
-    return GroupedLinear.apply(x, counts, chosen, *weights)
+    biases = list(biases or [])
+    if biases and len(biases) != len(weights):
+        raise ValueError(f"biases: {len(biases)} biases for {len(weights)} weights; pass one "
+                         "[N] bias per expert or biases=None")  # fmt: skip
+    return GroupedLinear.apply(x, counts, chosen, len(biases), *weights, *biases)
 
 
 def _supports(kernel: str, keyword: str) -> bool:
@@ -145,10 +166,12 @@ def _supports(kernel: str, keyword: str) -> bool:
     return keyword in grouped_matmul_keywords(_torch_npu().npu_grouped_matmul)
 
 
-def _call(kernel, x, weight, counts, *, split_item, group_type):
+def _call(kernel, x, weight, counts, *, split_item, group_type, bias=None):
     """One operator call with the group list as counts (cumulative where counts are unknown)."""
     kwargs = dict(group_list=counts, split_item=split_item, group_type=group_type,
                   group_list_type=1)  # fmt: skip
+    if bias is not None:
+        kwargs["bias"] = bias
     if not _supports(kernel, "group_list_type"):
         kwargs.update(group_list=torch.cumsum(counts, 0))
         del kwargs["group_list_type"]

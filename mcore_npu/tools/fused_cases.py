@@ -101,6 +101,8 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
         else:
             weights = [_normal((k, n), s + 1 + e) / k**0.5 for e in range(len(counts))]
             leaves = [_normal((sum(counts), k), s), *weights]
+            if case.param("bias"):  # one [N] bias per group: leaves [x, *weights, *biases]
+                leaves += [_normal((n,), s + 101 + e) for e in range(len(counts))]
         group_list = counts if case.param("group_list_type") == 1 else _cumulative(counts)
         kwargs = {"split_item": case.param("split_item"), "group_type": case.param("group_type"),
                   "group_list_type": case.param("group_list_type")}  # fmt: skip
@@ -157,6 +159,9 @@ def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
             return op(*leaves)  # a 6.0.x torch_npu: no rotary_mode (half only)
         return op(*leaves, **kwargs)
     x, weights = leaves[0], leaves[1:]
+    if case.param("bias"):  # leaves [x, *weights, *biases]
+        half = len(weights) // 2
+        weights, kwargs = weights[:half], {**kwargs, "bias": weights[half:]}
     if case.param("group_type") is None:
         x_list = list(x.split(case.param("counts"), dim=0))
         return torch.cat(op(x_list, weights, **kwargs), dim=0)
@@ -183,6 +188,7 @@ def oracle(case: FusedCase, leaves) -> torch.Tensor:
     if case.operator == "npu_rotary_mul":
         return _rotary_oracle(case, leaves)
     counts, x, weights = case.param("counts"), leaves[0], leaves[1:]
+    biases = weights[len(counts) :] if case.param("bias") else [0] * len(counts)
     blocks, start = [], 0
     for e, c in enumerate(counts):
         if case.param("group_type") == 2:  # Y_e = A[:, k_e] @ B[k_e, :]
@@ -190,7 +196,7 @@ def oracle(case: FusedCase, leaves) -> torch.Tensor:
             blocks.append((a.unsqueeze(2) * b.unsqueeze(0)).sum(1))
         else:  # Y[rows_e] = X[rows_e] @ W_e
             rows = x[start : start + c]
-            blocks.append((rows.unsqueeze(2) * weights[e].unsqueeze(0)).sum(1))
+            blocks.append((rows.unsqueeze(2) * weights[e].unsqueeze(0)).sum(1) + biases[e])
         start += c
     if case.param("group_type") == 2:
         return torch.stack(blocks)

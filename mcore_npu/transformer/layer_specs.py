@@ -10,7 +10,10 @@ releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
 - the dense ``MLP`` -> ``NPUMLP`` (SwiGLU through ``npu_swiglu``);
 - in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed), the experts ->
   ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection), the shared experts ->
-  ``NPUSharedExpertMLP``.
+  ``NPUSharedExpertMLP``;
+- the layer -> ``NPUTransformerLayer``, which gives an MLP slot holding a subclass of Megatron's
+  MLP / MoE classes the layer's process groups, as Megatron does for its own classes (and so
+  without Megatron's "Unknown MLP type" warning; ``mcore_npu/transformer/layer.py``).
 
 The fused operators follow ``kernel`` unless ``rms_norm_kernel`` / ``swiglu_kernel`` /
 ``grouped_matmul_kernel`` say otherwise; ``"off"`` keeps Megatron's module for that part
@@ -49,9 +52,11 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.layer import NPUTransformerLayer
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
 from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
@@ -201,6 +206,8 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool)
     if provider.fuse_layernorm_and_linear():
         _fuse_norms(layer, provider)
     _swap_mlp(subs, provider, grouped)
+    if layer.module is TransformerLayer:
+        layer.module = NPUTransformerLayer  # the MLP slot's process groups (layer.py)
     return layer
 
 

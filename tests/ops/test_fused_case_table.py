@@ -32,6 +32,7 @@ def test_the_table_covers_every_documented_argument():
     assert any(0 in p["counts"] for p in gmm if p["group_type"] == 0)
     assert any(0 in p["counts"] for p in gmm if p["group_type"] == 2)
     assert any(p.get("weight_3d") for p in gmm)
+    assert any(p.get("bias") for p in gmm if p["group_type"] == 0)
     norms = [dict(c.params) for c in CASES if c.operator == "npu_rms_norm"]
     assert {p["gamma_rank"] for p in norms} == {1, 2}
     assert len({p["epsilon"] for p in norms}) >= 2

@@ -1,11 +1,14 @@
 """Tiny MoE GPTs for the MoE tests: the NPU spec, and Megatron's local MoE path (SequentialMLP)
 with only the router swapped for ``NPUTopKRouter`` (Megatron's own router cannot run without TE
-on megatron-core 0.16.1, see tests/transformer/test_router.py)."""
+on megatron-core 0.16.1, see tests/transformer/test_router.py); with expert biases its experts'
+``linear_fc2`` returns a copy of its output (``CopiedOutputRowParallelLinear``, same numbers)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+
+import torch
 
 from tests.transformer.megatron_models import gpt, tiny_config
 
@@ -37,7 +40,31 @@ def local_moe_spec(config):
         moe = layer.submodules.mlp.submodules
         if hasattr(moe, "router"):
             moe.router = NPUTopKRouter
+        if config.add_bias_linear and hasattr(moe, "experts"):
+            moe.experts.submodules.linear_fc2 = CopiedOutputRowParallelLinear
     return block
+
+
+def _row_parallel_linear():
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    return RowParallelLinear
+
+
+class CopiedOutputRowParallelLinear(_row_parallel_linear()):
+    """Megatron's ``RowParallelLinear`` returning a copy of its output (same numbers, same
+    parameters and names).
+
+    megatron-core 0.16.1's ``SequentialMLP`` cannot run expert biases in one process: with
+    expert-parallel and expert-TP size 1 the expert's ``linear_fc2`` returns the view that
+    ``_ReduceFromModelParallelRegion`` hands back, and ``MLP.forward`` adds the probability-
+    weighted bias to it in place (``output += output_bias * per_token_scale``), which autograd
+    refuses ("a view ... is being modified inplace"). The copy lets Megatron's own forward run.
+    """
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        return output.clone(), bias
 
 
 def npu_moe_spec(config, **kwargs):
@@ -53,11 +80,19 @@ def twin_moe_models(config, **npu_kwargs):
 
     With ``config.moe_grouped_gemm`` the NPU experts carry TEGroupedMLP's names in the te layout;
     Megatron's local twin is then built without grouped GEMM (SequentialMLP, the same numbers).
+    With ``add_bias_linear`` the local twin's biases (zero when built, as Megatron's linears
+    start) are drawn from N(0, 0.1) first, so that a wrong bias cannot go unnoticed.
     """
     from mcore_npu.transformer.param_layout import match_names
 
     local_config = dataclasses.replace(config, moe_grouped_gemm=False)
     local = gpt(local_config, local_moe_spec(local_config))
+    if config.add_bias_linear:
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, param in local.named_parameters():
+                if name.endswith(".bias"):
+                    param.copy_(0.1 * torch.randn(param.shape, generator=gen))
     npu = gpt(config, npu_moe_spec(config, **npu_kwargs), seed=7)
     names = {name: name for name in local.state_dict()}
     if config.moe_grouped_gemm:

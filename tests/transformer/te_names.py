@@ -27,6 +27,7 @@ def _applies(when: str, config, layer_is_moe: bool | None) -> bool:
         "MoE layers": layer_is_moe is True,
         "sequential experts": not grouped,
         "grouped experts": grouped,
+        "add_bias_linear": bool(getattr(config, "add_bias_linear", False)),
     }
     return all(conditions[part.strip()] for part in when.split(","))
 

@@ -83,9 +83,49 @@ def test_forward_matches_a_per_expert_loop(gated, activation):
     torch.testing.assert_close(out, torch.cat(rows), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_expert_biases_follow_megatrons_expert_mlp(gated):
+    """fc1's bias before the activation, fc2's scaled by each row's probability (Megatron's
+    ``MLP.forward`` with ``per_token_scale``)."""
+    activation = F.silu if gated else F.gelu
+    experts = _experts(gated_linear_unit=gated, activation_func=activation, add_bias_linear=True)
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in experts.fc1_biases())  # as Megatron
+    with torch.no_grad():
+        for b in [*experts.fc1_biases(), *experts.fc2_biases()]:
+            b.normal_()
+    counts = torch.tensor([3, 0, 4, 1])
+    x, probs = torch.randn(8, 64), torch.rand(8)
+    out, bias = experts(x, counts, probs)
+    assert bias is None
+    rows, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        h = x[start : start + n] @ experts.fc1_weights()[e].t() + experts.fc1_biases()[e]
+        if gated:
+            a, b = h.chunk(2, dim=-1)
+            h = activation(a) * b
+        else:
+            h = activation(h)
+        p = probs[start : start + n, None]
+        rows.append((h * p) @ experts.fc2_weights()[e].t() + experts.fc2_biases()[e] * p)
+        start += n
+    torch.testing.assert_close(out, torch.cat(rows), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_bias_attributes_are_megatrons():
+    """fc1's bias is marked split over expert TP (rows, like ColumnParallelLinear's), fc2's is
+    not (RowParallelLinear's, with its ``sequence_parallel`` flag); neither is all-reduced over
+    the dense data-parallel group. (Megatron's config refuses MoE biases with expert TP > 1.)"""
+    experts = _experts(add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu,
+                       sequence_parallel=True, tensor_model_parallel_size=2,
+                       expert_tensor_parallel_size=1)  # fmt: skip
+    b1, b2 = experts.fc1_biases()[0], experts.fc2_biases()[0]
+    assert b1.shape == (32,) and b2.shape == (64,)
+    assert (b1.tensor_model_parallel, b1.partition_dim, b1.allreduce) == (True, 0, False)
+    assert not getattr(b2, "tensor_model_parallel", False) and b2.allreduce is False
+    assert b2.sequence_parallel is True
+
+
 def test_refusals_name_the_setting():
-    with pytest.raises(ValueError, match="add_bias_linear"):
-        _experts(add_bias_linear=True)
     with pytest.raises(ValueError, match="param_layout: unknown layout 'mcore'"):
         NPUGroupedMLP(4, tiny_config(num_moe_experts=4, moe_ffn_hidden_size=32),
                       pg_collection=SimpleNamespace(ep=_Group(0, 1), expt_tp=_Group(0, 1),
