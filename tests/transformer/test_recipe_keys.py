@@ -213,7 +213,9 @@ def test_every_key_of_the_table_is_exercised():
 
 def test_the_issues_census_keys_are_in_the_table():
     """The census of ascend_recipes.md and the MindSpeed / verl guide keys, named by hand."""
-    census = """use_flash_attn recompute_granularity recompute_method recompute_num_layers
+    census = re.findall(
+        r"\w+",
+        """use_flash_attn recompute_granularity recompute_method recompute_num_layers
     attention_backend moe_permute_fusion moe_token_dispatcher_type apply_rope_fusion
     num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage moe_grouped_gemm
     moe_aux_loss_coeff moe_z_loss_coeff moe_router_dtype use_fused_rmsnorm use_naive_l2norm
@@ -227,7 +229,8 @@ def test_the_issues_census_keys_are_in_the_table():
     bias_dropout_fusion reset_position_ids fp8 use_mamba_mem_eff_path
     experimental_attention_variant use_dsa_absorb use_fused_lightning_indexer
     use_fused_sparse_flash_attention use_fused_moe_token_permute_and_unpermute ckpt_acceleration
-    fused_permute_unpermute""".split()
+    fused_permute_unpermute""",
+    )
     assert set(census) - set(load_table()) == set()
 
 
