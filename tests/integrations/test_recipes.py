@@ -36,6 +36,7 @@ pytest.importorskip("verl")
 
 import transformers
 import yaml
+from megatron.core.transformer.enums import AttnBackend
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
@@ -214,7 +215,7 @@ def test_value_engine_applies_the_recipe_and_leaves_the_users_config_alone(check
     """The critic's value-model engine: the same translation; the worker's config unchanged."""
     keys = {"use_flash_attn": True, "use_fused_rmsnorm": False, "use_distributed_optimizer": False,
             "gradient_accumulation_fusion": True, "context_parallel_algo": "kvallgather_cp_algo",
-            "multi_head_latent_attention": False}  # fmt: skip
+            "multi_head_latent_attention": False, "attention_backend": "flash"}  # fmt: skip
     engine, worker_config = _worker_engine(
         checkpoint("qwen3"), keys, thd=True, model_type="value_model"
     )
@@ -226,6 +227,7 @@ def test_value_engine_applies_the_recipe_and_leaves_the_users_config_alone(check
     assert engine.tf_config.gradient_accumulation_fusion is False
     assert engine.tf_config.cp_comm_type == "all_gather"
     assert engine.tf_config.multi_latent_attention is False
+    assert engine.tf_config.attention_backend is AttnBackend.flash  # verl's string -> enum
     assert engine.engine_config.use_distributed_optimizer is False  # where verl reads it
     assert worker_config.use_distributed_optimizer is True  # the user's object: as it was
     assert dict(worker_config.override_transformer_config) == keys
