@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -233,6 +233,7 @@ def _layout(plan, key, value, context: RecipeContext) -> None:
 
     if isinstance(value, str):
         value = yaml.safe_load(value)  # "[[6],[8]]" from a command line
+    value = _plain(value)  # OmegaConf's ListConfig -> lists
     try:
         kwargs = megatron_stage_layout(
             value, num_layers=context.num_layers, pipeline_size=context.pipeline_parallel_size,
@@ -243,6 +244,13 @@ def _layout(plan, key, value, context: RecipeContext) -> None:
         raise _refusal(key, value, why, instead) from None
     plan.megatron.update(kwargs)
     plan.log.append(f"{PREFIX}.{key}={value}: Megatron's stage layout {kwargs or '(one stage)'}")
+
+
+def _plain(value):
+    """Nested sequences (OmegaConf ``ListConfig`` included) as plain lists; the rest unchanged."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(item) for item in value]
+    return value
 
 
 def render_table(table: dict | None = None) -> str:

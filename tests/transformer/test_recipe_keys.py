@@ -241,6 +241,15 @@ def test_unknown_value_of_a_listed_key_is_refused_naming_the_accepted_ones():
         translate({"k": "maybe"}, BASE, table=table)
 
 
+def test_stage_list_from_hydra_is_read_like_a_list():
+    from omegaconf import OmegaConf
+
+    overrides = OmegaConf.create({"pipeline_num_transformer_layers": [[1], [3]]})
+    plan = translate(overrides, PP2)
+    assert plan.megatron == {"num_layers_in_first_pipeline_stage": 1,
+                             "num_layers_in_last_pipeline_stage": 3}  # fmt: skip
+
+
 def test_stage_layout_with_uneven_middle_stages_is_megatrons_layout_string():
     kwargs = megatron_stage_layout([1, 3, 2, 2], num_layers=8, pipeline_size=4)
     assert kwargs == {"pipeline_model_parallel_layout": "Et|ttt|tt|ttL"}
