@@ -200,8 +200,6 @@ def _to_megatron(plan, key, value, outcome, context, fields) -> None:
     plan.megatron[name] = value
     if name != key:
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: Megatron's {name}")
-    if "why" in outcome:
-        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: {outcome['why']}")
 
 
 def _agree_with_verl(plan, key, value, verl_field: str, context: RecipeContext) -> None:
@@ -270,8 +268,7 @@ def _describe(key: str, outcome: dict) -> str:
     do = outcome["do"]
     text = {
         "megatron": lambda: "Megatron's `{}`".format(outcome.get("as", key)) + (
-            " (refused where the model's config class lacks it)" if "as" in outcome else "") + (
-            f"; one log line: {outcome['why']}" if "why" in outcome else ""),
+            " (refused where the model's config class lacks it)" if "as" in outcome else ""),
         "spec": lambda: f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
         + (" (= the spec's `kernel`)" if outcome["set"] is None else " (Megatron's own module)"),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",

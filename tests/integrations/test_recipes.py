@@ -63,7 +63,7 @@ FUSED_SWITCHES = {
 
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-             tie_word_embeddings=False, hidden_act="silu")  # fmt: skip
+             tie_word_embeddings=False, hidden_act="silu", initializer_range=0.2)  # fmt: skip
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, intermediate_size=128),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, intermediate_size=128, head_dim=16),
@@ -227,7 +227,7 @@ def test_value_engine_applies_the_recipe_and_leaves_the_users_config_alone(check
     assert engine.tf_config.gradient_accumulation_fusion is False
     assert engine.tf_config.cp_comm_type == "all_gather"
     assert engine.tf_config.multi_latent_attention is False
-    assert engine.tf_config.attention_backend is AttnBackend.flash  # verl's string -> enum
+    assert engine.tf_config.attention_backend is AttnBackend.auto  # Megatron's default kept
     assert engine.engine_config.use_distributed_optimizer is False  # where verl reads it
     assert worker_config.use_distributed_optimizer is True  # the user's object: as it was
     assert dict(worker_config.override_transformer_config) == keys
