@@ -270,3 +270,17 @@ def test_readme_table_equals_the_yaml_rendering():
     assert table in section, "README.md is out of date: python -m mcore_npu.transformer.recipe_keys"
     rows = [line for line in section.splitlines() if re.match(r"\| `", line)]
     assert len(rows) == table.count("\n") - 2  # no extra rows beside the rendering
+
+
+def test_the_perf_tuning_pages_keys_translate_except_mc2():
+    """verl's Ascend perf-tuning page (docs/ascend_tutorial/dev_guide/performance/
+    perf_tuning_on_ascend.rst) names these switches together; MC2 is the one the plugin lacks."""
+    page = {"use_flash_attn": True, "apply_rope_fusion": True, "use_fused_rotary_pos_emb": True,
+            "use_fused_rmsnorm": True, "moe_grouped_gemm": True, "use_fused_swiglu": True,
+            "fused_permute_unpermute": True, "use_distributed_optimizer": True}  # fmt: skip
+    plan = translate(page, BASE)
+    assert plan.megatron == {"moe_grouped_gemm": True}
+    assert plan.spec == {"rope_kernel": None, "rms_norm_kernel": None, "swiglu_kernel": None,
+                         "moe_permute_kernel": None}  # fmt: skip
+    with pytest.raises(ValueError, match=r"use_ascend_mc2=true: refused"):
+        translate({**page, "use_ascend_mc2": True}, BASE)
