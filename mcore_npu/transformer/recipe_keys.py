@@ -166,6 +166,7 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
     if do == "megatron":
         _to_megatron(plan, key, value, outcome, context, fields)
     elif do == "spec":
+        _check_same_switch(plan, key, value, outcome)
         plan.spec[outcome["keyword"]] = outcome["set"]
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: NPU spec {outcome['keyword']}="
                         f"{outcome['set']!r}")  # fmt: skip
@@ -188,6 +189,17 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: {outcome['why']}")
     else:  # the table's own error: say which entry
         raise ValueError(f"specs/recipe_keys.yaml: {key}: unknown outcome do={do!r}")
+
+
+def _check_same_switch(plan: RecipePlan, key, value, outcome: dict) -> None:
+    """Two spellings of one switch (``apply_rope_fusion`` / ``use_fused_rotary_pos_emb``) must
+    not disagree."""
+    keyword = outcome["keyword"]
+    if keyword in plan.spec and plan.spec[keyword] != outcome["set"]:
+        raise _refusal(
+            key, value, f"an earlier key of the recipe set the same switch ({keyword}) the other "
+            "way", "give the keys of one operator the same value"
+        )  # fmt: skip
 
 
 def _to_megatron(plan, key, value, outcome, context, fields) -> None:
