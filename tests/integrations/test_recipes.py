@@ -183,6 +183,8 @@ def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint
                  if k in FUSED_SWITCHES}  # fmt: skip
     assert engine.recipe_plan.spec == want_spec
     assert engine.npu_spec_keywords.items() <= want_spec.items()
+    norms = {layer.self_attention.linear_qkv.norm_kernel for layer in _gpt(engine).decoder.layers}
+    assert norms == {"auto"}  # no census recipe turns it off: npu_rms_norm, the spec's kernel
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         if key in keys:
             assert getattr(engine.tf_config, key) == keys[key]
@@ -224,6 +226,8 @@ def test_value_engine_applies_the_recipe_and_leaves_the_users_config_alone(check
         engine._build_tf_config()
     engine.module = engine._build_megatron_module()
     assert engine.npu_spec_keywords == {"rms_norm_kernel": "off"}
+    layers = _gpt(engine).decoder.layers  # the switch reached the built model: torch's RMSNorm
+    assert [layer.self_attention.linear_qkv.norm_kernel for layer in layers] == [None, None]
     assert engine.tf_config.gradient_accumulation_fusion is False
     assert engine.tf_config.cp_comm_type == "all_gather"
     assert engine.tf_config.multi_latent_attention is False
