@@ -5,8 +5,13 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change three things, nothing else:
+change four things, nothing else:
 
+0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
+   (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
+   verl gets only Megatron fields, the fused-operator switches become NPU spec keywords, the
+   recipe's ``use_distributed_optimizer`` lands in this engine's copy of the engine config, and a
+   refused key stops the build with one line before any model exists.
 1. **Model.** Every layer comes from :func:`mcore_npu.get_gpt_decoder_block_npu_spec` (core
    attention ``NPUFusionAttention``), in Transformer Engine parameter names
    (``param_layout="te"``), so the bridges' HF <-> TE name maps load and export weights
@@ -49,6 +54,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from mcore_npu.integrations.hf import expose_hf_config_fields, match_hf_routing
+from mcore_npu.integrations.verl.recipe import apply_recipe
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
 __all__ = [
@@ -63,28 +69,29 @@ DEVICE = "npu"
 VENDOR = "huawei"
 
 
-def npu_block_spec(config, vp_stage: int | None = None, *, kernel: str = "auto"):
+def npu_block_spec(config, vp_stage: int | None = None, *, kernel: str = "auto", **spec_keywords):
     """The NPU decoder-block spec for ``config``, in TE parameter names.
 
     ``vp_stage`` is passed only if the installed Megatron's ``get_gpt_decoder_block_spec`` takes
-    it (probed, not read from the version).
+    it (probed, not read from the version). ``spec_keywords``: the fused-operator kernels the
+    recipe asked for (``rms_norm_kernel``, ``swiglu_kernel``, ...; see ``recipe.apply_recipe``).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    kwargs: dict = {"kernel": kernel, "param_layout": "te"}
+    kwargs: dict = {"kernel": kernel, "param_layout": "te", **spec_keywords}
     if "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters:
         kwargs["vp_stage"] = vp_stage
     return get_gpt_decoder_block_npu_spec(config, **kwargs)
 
 
-def _mbridge_layer_spec(bridge, vp_stage: int | None = None):
+def _mbridge_layer_spec(bridge, vp_stage: int | None = None, *, spec: dict | None = None):
     """mbridge's ``_get_transformer_layer_spec(vp_stage)``, answered with the NPU spec."""
-    return npu_block_spec(bridge.config, vp_stage)
+    return npu_block_spec(bridge.config, vp_stage, **(spec or {}))
 
 
-def _provider_layer_spec(provider, vp_stage: int | None = None):
+def _provider_layer_spec(provider, vp_stage: int | None = None, *, spec: dict | None = None):
     """Megatron-Bridge's ``transformer_layer_spec(provider, vp_stage=...)`` callable form."""
-    return npu_block_spec(provider, vp_stage)
+    return npu_block_spec(provider, vp_stage, **(spec or {}))
 
 
 class RightPadded:
@@ -122,13 +129,29 @@ def pad_right(input_ids: torch.Tensor) -> RightPadded:
 
 
 class _NPUEngineMixin:
-    """What both NPU engines change in verl's ``MegatronEngine``: the spec hook and bshd."""
+    """What both NPU engines change in verl's ``MegatronEngine``: the recipe keys, the spec hook
+    and bshd."""
+
+    npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
 
     def _build_tf_config(self):
+        self._apply_recipe()
         super()._build_tf_config()
         self._install_npu_layer_spec()
         if self.provider is None:
             self._match_hf_config()
+
+    def _apply_recipe(self) -> None:
+        """The recipe vocabulary (``specs/recipe_keys.yaml``), before verl reads the overrides.
+
+        This engine's ``engine_config`` becomes a copy holding only Megatron fields in
+        ``override_transformer_config`` and the recipe's ``use_distributed_optimizer``; the spec
+        keywords go to :attr:`npu_spec_keywords`. The user's config object is not changed.
+        Refused keys raise ``ValueError`` here, before any bridge or model is built.
+        """
+        self.engine_config, self.npu_spec_keywords, self.recipe_plan = apply_recipe(
+            self.engine_config, self.model_config.hf_config
+        )
 
     def _match_hf_config(self) -> None:
         """The Hugging Face config fixes of :func:`mcore_npu.integrations.hf.use_npu_spec`, on
@@ -154,11 +177,14 @@ class _NPUEngineMixin:
 
     def _install_npu_layer_spec(self) -> None:
         """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
+        spec = dict(self.npu_spec_keywords)
         if self.provider is not None:  # Megatron-Bridge
-            self.provider.transformer_layer_spec = _provider_layer_spec
+            self.provider.transformer_layer_spec = functools.partial(
+                _provider_layer_spec, spec=spec
+            )
         elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
             self.bridge._get_transformer_layer_spec = functools.partial(
-                _mbridge_layer_spec, self.bridge
+                _mbridge_layer_spec, self.bridge, spec=spec
             )
         else:
             raise ValueError(

@@ -1,0 +1,78 @@
+"""verl's ``override_transformer_config`` through the recipe vocabulary, for the NPU engines.
+
+verl hands ``engine_config.override_transformer_config`` to the bridge, which ends in
+``TransformerConfig(**kwargs)``; MindSpeed-style keys raise a ``TypeError`` there and Megatron's
+TE-only switches raise in its checks. :func:`apply_recipe` translates the dict
+(:func:`mcore_npu.transformer.recipe_keys.translate`) before verl reads it and returns:
+
+- an engine config for this engine alone (``dataclasses.replace``: the user's config object is
+  not changed; verl's ``TrainingWorker`` and the other roles keep theirs) whose
+  ``override_transformer_config`` holds only Megatron fields and whose
+  ``use_distributed_optimizer`` carries the recipe's value (verl reads it there for DDP, the
+  optimizer and the checkpoint manager);
+- the NPU spec keywords (``rms_norm_kernel``, ``swiglu_kernel``, ``rope_kernel``,
+  ``moe_permute_kernel``) for :func:`~mcore_npu.integrations.verl.engine.npu_block_spec`.
+
+A refused key raises ``ValueError`` (one line) before any bridge or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from mcore_npu.transformer.recipe_keys import RecipeContext, RecipePlan, translate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_recipe", "recipe_context"]
+
+
+def _config_class(hf_config) -> type:
+    """The Megatron config class the bridges build for this model: MLA models (``kv_lora_rank``
+    in the Hugging Face config) get ``MLATransformerConfig``, every other ``TransformerConfig``."""
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return MLATransformerConfig if getattr(text, "kv_lora_rank", None) else TransformerConfig
+
+
+def recipe_context(engine_config, hf_config) -> RecipeContext:
+    """verl's side of the run: the sizes and switches verl itself gives Megatron.
+
+    Sequence parallelism: mbridge (``vanilla_mbridge``) sets it to ``TP > 1``; Megatron-Bridge
+    takes ``engine_config.sequence_parallel`` (which verl turns off at TP = 1).
+    """
+    text = getattr(hf_config, "text_config", None) or hf_config
+    tp = engine_config.tensor_model_parallel_size
+    vanilla = engine_config.vanilla_mbridge
+    return RecipeContext(
+        config_class=_config_class(hf_config),
+        num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=engine_config.pipeline_model_parallel_size,
+        context_parallel_size=engine_config.context_parallel_size,
+        virtual_pipeline_size=engine_config.virtual_pipeline_model_parallel_size,
+        sequence_parallel=tp > 1 if vanilla else bool(engine_config.sequence_parallel),
+        use_distributed_optimizer=engine_config.use_distributed_optimizer,
+    )
+
+
+def apply_recipe(engine_config, hf_config) -> tuple[object, dict, RecipePlan]:
+    """``(engine config for verl, NPU spec keywords, the plan)``; logs the plan's lines.
+
+    Raises:
+        ValueError: a refused recipe key (one line: key, value, why, what to use instead).
+    """
+    plan = translate(
+        engine_config.override_transformer_config, recipe_context(engine_config, hf_config)
+    )
+    for line in plan.log:
+        logger.info("mcore_npu recipe: %s", line)
+    config = dataclasses.replace(
+        engine_config, override_transformer_config=dict(plan.megatron), **plan.optimizer
+    )
+    return config, dict(plan.spec), plan
