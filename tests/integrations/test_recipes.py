@@ -16,9 +16,9 @@ file) and per layout the recipe uses (thd: ``use_remove_padding=True``; bshd: Fa
 
 As in test_engine.py the build stops before the optimizer (Megatron's mixed-precision optimizer
 wants CUDA tensors): ``_build_tf_config`` and ``_build_megatron_module`` are the steps
-``engine.initialize()`` runs first. Keys whose fused path another part of the plugin provides
-(``rope_kernel``, ``moe_permute_kernel``) reach the engine's spec keywords; this test checks the
-keywords, not the fused modules.
+``engine.initialize()`` runs first. Keys that switch a fused path (``apply_rope_fusion`` ->
+``rope_kernel``, ``moe_permute_fusion`` -> ``moe_permute_kernel``) reach the spec, and the built
+layers hold the fused modules (``NPURotarySelfAttention``, ``NPUMoELayer``) exactly when asked.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from mcore_npu.integrations.verl.engine import (
     NPUMegatronEngineWithLMHead,
     NPUMegatronEngineWithValueHead,
 )
+from mcore_npu.transformer.rope import NPURotarySelfAttention
+from mcore_npu.transformer.token_permute import NPUMoELayer
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
@@ -182,7 +184,13 @@ def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint
     want_spec = {FUSED_SWITCHES[k]: None if v else "off" for k, v in keys.items()
                  if k in FUSED_SWITCHES}  # fmt: skip
     assert engine.recipe_plan.spec == want_spec
-    assert engine.npu_spec_keywords.items() <= want_spec.items()
+    assert engine.npu_spec_keywords == want_spec
+    layers = _gpt(engine).decoder.layers
+    rope = want_spec.get("rope_kernel", "off") != "off"
+    assert {type(layer.self_attention) is NPURotarySelfAttention for layer in layers} == {rope}
+    if recipe["family"] == "qwen3_moe":
+        permute = want_spec.get("moe_permute_kernel", "off") != "off"
+        assert {type(layer.mlp) is NPUMoELayer for layer in layers} == {permute}
     norms = {layer.self_attention.linear_qkv.norm_kernel for layer in _gpt(engine).decoder.layers}
     assert norms == {"auto"}  # no census recipe turns it off: npu_rms_norm, the spec's kernel
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
