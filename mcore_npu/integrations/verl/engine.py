@@ -22,6 +22,10 @@ change four things, nothing else:
    engine also applies ``use_npu_spec``'s config fixes (``rope_theta``, ``head_dim``, the
    router's softmax form of the Hugging Face model: ``match_hf_routing``) to the bridge and to
    ``self.tf_config``; an explicit ``override_transformer_config`` value wins.
+   Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) must be importable: if
+   ``import megatron.bridge`` fails, the build stops at once with a ``ValueError`` naming the
+   missing module and ``vanilla_mbridge=True`` as the way out (:func:`require_megatron_bridge`;
+   the README's verl section says why no release imports without Transformer Engine).
 2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
    causal attention no real query ever sees a padded key; the model gets
    ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
@@ -63,6 +67,8 @@ __all__ = [
     "RightPadded",
     "npu_block_spec",
     "pad_right",
+    "megatron_bridge_unavailable",
+    "require_megatron_bridge",
 ]
 
 DEVICE = "npu"
@@ -92,6 +98,43 @@ def _mbridge_layer_spec(bridge, vp_stage: int | None = None, *, spec: dict | Non
 def _provider_layer_spec(provider, vp_stage: int | None = None, *, spec: dict | None = None):
     """Megatron-Bridge's ``transformer_layer_spec(provider, vp_stage=...)`` callable form."""
     return npu_block_spec(provider, vp_stage, **(spec or {}))
+
+
+def require_megatron_bridge(engine_config) -> None:
+    """Refuse ``vanilla_mbridge=False`` (Megatron-Bridge) when ``megatron.bridge`` does not import.
+
+    verl imports it deep inside ``_build_tf_config`` (``verl/models/mcore/bridge.py``), prints
+    "pip install megatron-bridge" and re-raises the bare ``ImportError``. Here the same import
+    is tried first; on failure a ``ValueError`` says which module is missing and what to set.
+    Does nothing for ``vanilla_mbridge=True`` (mbridge), or when the import succeeds.
+    """
+    if engine_config.vanilla_mbridge:
+        return
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError as error:
+        raise ValueError(megatron_bridge_unavailable(error)) from error
+
+
+def megatron_bridge_unavailable(error: ImportError) -> str:
+    """The one-line reason and remedy for a failed ``import megatron.bridge``."""
+    missing = error.name or ""
+    if missing.startswith("transformer_engine"):
+        why = (
+            "Megatron-Bridge imports transformer_engine as soon as megatron.bridge is imported "
+            "(megatron/bridge/peft/lora_layers.py), and Transformer Engine has no Ascend build"
+        )
+    elif missing == "megatron" or missing.startswith("megatron.bridge"):
+        why = "the megatron-bridge package is not installed"
+    else:
+        why = f"megatron.bridge needs {missing or 'a module'} that is not importable"
+    return (
+        "engine_config.vanilla_mbridge=False selects Megatron-Bridge, but `import megatron.bridge` "
+        f"fails ({type(error).__name__}: {error}): {why}. Build through mbridge instead: set "
+        "vanilla_mbridge=True (actor_rollout_ref.actor.megatron.vanilla_mbridge=True, which the "
+        "reference model follows, and critic.megatron.vanilla_mbridge=True); see the README, "
+        "'Using mcore_npu with verl', Megatron-Bridge."
+    )
 
 
 class RightPadded:
@@ -135,6 +178,7 @@ class _NPUEngineMixin:
     npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
 
     def _build_tf_config(self):
+        require_megatron_bridge(self.engine_config)
         self._apply_recipe()
         super()._build_tf_config()
         self._install_npu_layer_spec()
