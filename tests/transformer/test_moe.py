@@ -81,9 +81,10 @@ def test_moe_gpt_from_the_npu_spec_trains_on_cpu():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-DEEPSEEK_MOE = dict(  # the DeepSeek-V3 MoE layer, scaled down: 8 experts in 4 groups, top-4
-    num_moe_experts=8, moe_router_topk=4, moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+DEEPSEEK_MOE = dict(  # the DeepSeek-V3 MoE layer, scaled down: 8 experts, 2 groups of 4, 1 of
+    # them, top-2 (Megatron's group score, the best topk // group_topk = 2, is the Hugging Face one)
+    num_moe_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
     moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=True, moe_layer_freq=[0, 1],
     moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
 )  # fmt: skip

@@ -111,14 +111,14 @@ def test_routing_is_megatrons_same_as_its_fallback_branch():
 
 # -- the DeepSeek-V3 router: sigmoid scores, expert bias, group-limited top-k, scaling ---------
 
-DEEPSEEK = dict(num_moe_experts=8, moe_router_score_function="sigmoid",
+DEEPSEEK = dict(num_moe_experts=16, moe_router_score_function="sigmoid",
                 moe_router_enable_expert_bias=True)  # fmt: skip
-DEEPSEEK_CASES = {  # 8 experts; DeepSeek-V3 itself: 256 experts, 8 groups, 4 of them, top-8, 2.5
+DEEPSEEK_CASES = {  # DeepSeek-V3 itself: 256 experts, 8 groups of 32, 4 of them, top-8, 2.5
     "groups": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
-                   moe_router_topk_scaling_factor=2.5),
+                   moe_router_topk_scaling_factor=2.5),  # 16 experts, 4 groups of 4, 2 of them
     "no_groups": dict(moe_router_topk=2, moe_router_topk_scaling_factor=None),
 }  # fmt: skip
-BIAS = torch.tensor([0.2, -0.3, 0.0, 0.1, -0.1, 0.3, 0.05, -0.2])
+BIAS = 0.2 * torch.randn(16, generator=torch.Generator().manual_seed(2))
 
 
 def deepseek_v3_gate(logits, bias, topk, groups, group_topk, scale):
@@ -158,7 +158,7 @@ def test_deepseek_routing_equals_megatrons_and_the_gates_definition(case):
     probs, routing_map = ours(x)
     logits = torch.mm(x.view(-1, config.hidden_size), theirs.weight.t())
     with torch.compiler.set_stance("force_eager"):  # its @jit_fuser count: no compile here
-        want_probs, want_map = theirs.routing(logits.view(16, 2, 8))
+        want_probs, want_map = theirs.routing(logits.view(16, 2, 16))
     assert not hasattr(moe_utils, "te_general_gemm")  # Megatron not patched
     torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
     assert torch.equal(routing_map, want_map)
@@ -170,6 +170,9 @@ def test_deepseek_routing_equals_megatrons_and_the_gates_definition(case):
     assert torch.equal(routing_map, reference > 0)
     assert routing_map.sum(-1).eq(fields["moe_router_topk"]).all()
     assert not torch.equal(reference > 0, deepseek_v3_gate(logits, None, *args) > 0)
+    if args[1]:  # the groups limit the choice
+        assert not torch.equal(reference > 0, deepseek_v3_gate(logits, BIAS, args[0], None, None,
+                                                               args[3]) > 0)  # fmt: skip
 
     upstream = torch.randn(probs.shape, generator=torch.Generator().manual_seed(4))
     (probs * upstream).sum().backward()
@@ -192,7 +195,7 @@ def test_expert_bias_counts_are_megatrons_and_run_eagerly():
     ours, _ = _routers(config)
     assert inspect.unwrap(TopKRouter._apply_expert_bias) is not TopKRouter._apply_expert_bias
     frames = sum(counters["frames"].values())
-    total = torch.zeros(8)
+    total = torch.zeros(16)
     for seed in (5, 6):
         x = torch.randn(9, 2, config.hidden_size, generator=torch.Generator().manual_seed(seed))
         _, routing_map = ours(x)
