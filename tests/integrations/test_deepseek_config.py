@@ -161,3 +161,18 @@ def test_the_plugins_copy_of_verls_steps_builds_what_verl_builds(tiny_hf_model):
                  "provider", "vanilla_bridge", "peft_cls"):  # fmt: skip
         assert getattr(ours, name) == getattr(theirs, name), name
     assert type(ours.bridge) is type(theirs.bridge)
+
+
+def test_the_tiny_checkpoint_reloads_in_transformers(tiny_deepseek_v3_model):
+    """The fixture the logits comparison will use: transformers reads it back with its yarn
+    RoPE and the drawn expert bias, and its forward runs."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(tiny_deepseek_v3_model).eval()
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"  # the dense first layer
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.shape == (8,) and bias.abs().min() > 0
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12).view(1, 12)).logits
+    assert logits.shape == (1, 12, 128) and logits.isfinite().all()
