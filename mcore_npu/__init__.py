@@ -49,6 +49,7 @@ _EXPORTS = {
     "NPURMSNorm": "mcore_npu.transformer.norms",
     "get_gpt_layer_npu_spec": "mcore_npu.transformer.layer_specs",
     "get_gpt_decoder_block_npu_spec": "mcore_npu.transformer.layer_specs",
+    "get_gpt_mtp_block_npu_spec": "mcore_npu.transformer.layer_specs",
     "get_gpt_layer_spec": "mcore_npu.transformer.layer_specs",
     "resolve_backend": "mcore_npu.transformer.backends",
     "PARAM_LAYOUTS": "mcore_npu.transformer.backends",

@@ -18,7 +18,10 @@ MoE families load the same way (mbridge's Qwen3-MoE and Mixtral bridges set
 ``mlp.experts.linear_fc1.weight{e}``, the names those bridges map). Per bridge instance,
 ``use_npu_spec`` also fills ``rope_theta`` and ``head_dim`` where transformers >= 5 leaves them
 off the config, and matches the router's softmax form to the Hugging Face model's
-(``match_hf_routing``).
+(``match_hf_routing``). Bridges whose constructor cannot build their config on this stack
+(``deepseek_v3``: ``mcore_npu.integrations.mbridge_fixes``) are built by ``bridge_from_config``
+as the plugin's subclass of mbridge's class. Multi-token prediction through mbridge is refused:
+mbridge builds those layers from Transformer Engine's spec (``refuse_mbridge_mtp``).
 
 Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
 ``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
@@ -49,6 +52,8 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
 
     Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
     ``bridge.config`` at build time, so ``bridge.set_extra_args(...)`` afterwards still applies.
+    Building the model raises ``ValueError`` while ``bridge.config.mtp_num_layers`` is set
+    (:func:`refuse_mbridge_mtp`).
 
     Returns:
         ``bridge`` itself.
@@ -60,6 +65,7 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
         )
 
     def layer_spec(vp_stage=None):
+        refuse_mbridge_mtp(bridge.config)  # its provider would add TE's MTP layers next
         return get_gpt_decoder_block_npu_spec(
             bridge.config,
             kernel=kernel,
@@ -72,6 +78,41 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
     expose_hf_config_fields(bridge.hf_config)
     match_hf_routing(bridge)
     return bridge
+
+
+def bridge_from_config(hf_config, **bridge_kwargs):
+    """mbridge's bridge for ``hf_config`` (``AutoBridge.from_config``), built so that its config
+    builds on this stack: ``expose_hf_config_fields`` first (mbridge reads ``rope_theta`` while
+    it constructs), and for the model types in ``mbridge_fixes.FIXED_BRIDGES`` the plugin's
+    subclass of mbridge's class, whose config keywords are fixed (``deepseek_v3``: MLA's
+    ``original_max_position_embeddings``, yarn, group-limited routing). ``bridge_kwargs``: the
+    bridge constructor's (``dtype``, ...)."""
+    from mcore_npu.integrations import mbridge_fixes
+
+    expose_hf_config_fields(hf_config)
+    if mbridge_fixes.needs_fixed_bridge(hf_config):
+        return mbridge_fixes.fixed_bridge_class(hf_config.model_type)(hf_config, **bridge_kwargs)
+    return _auto_bridge().from_config(hf_config, **bridge_kwargs)
+
+
+def refuse_mbridge_mtp(config) -> None:
+    """Refuse multi-token prediction on a bridge's config: mbridge 0.15.1 builds the MTP layers
+    from Transformer Engine's spec (``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
+    in its deepseek_v3 and mimo bridges), which a machine without TE cannot build and the NPU
+    spec does not reach.
+
+    Raises:
+        ValueError: ``config.mtp_num_layers`` is set (> 0).
+    """
+    layers = getattr(config, "mtp_num_layers", None)
+    if layers:
+        raise ValueError(
+            f"mtp_num_layers: {layers}; mbridge builds multi-token-prediction layers from "
+            "Transformer Engine's spec, which the NPU spec cannot replace. Turn MTP off (verl: "
+            "actor_rollout_ref.model.mtp.enable=False; mbridge: "
+            "bridge.set_extra_args(mtp_num_layers=None)), or build the model from "
+            "get_gpt_decoder_block_npu_spec and get_gpt_mtp_block_npu_spec yourself"
+        )
 
 
 def expose_hf_config_fields(hf_config) -> None:
@@ -130,9 +171,21 @@ def _expose_head_dim(hf_config) -> None:
         hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def npu_bridge(hf_path: str, *, kernel: str = "auto", dtype=torch.bfloat16, **bridge_kwargs):
-    """``mbridge.AutoBridge.from_pretrained(hf_path, dtype=dtype, ...)`` with the NPU spec."""
-    bridge = _auto_bridge().from_pretrained(hf_path, dtype=dtype, **bridge_kwargs)
+def npu_bridge(
+    hf_path: str,
+    *,
+    kernel: str = "auto",
+    dtype=torch.bfloat16,
+    trust_remote_code: bool = False,
+    **bridge_kwargs,
+):
+    """mbridge's bridge for the checkpoint at ``hf_path`` (as ``AutoBridge.from_pretrained(
+    hf_path, dtype=dtype, ...)``, through :func:`bridge_from_config`) with the NPU spec."""
+    from transformers import AutoConfig
+
+    _auto_bridge()  # the install hint first, if mbridge is missing
+    hf_config = AutoConfig.from_pretrained(hf_path, trust_remote_code=trust_remote_code)
+    bridge = bridge_from_config(hf_config, dtype=dtype, **bridge_kwargs)
     return use_npu_spec(bridge, kernel=kernel)
 
 

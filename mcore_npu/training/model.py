@@ -13,7 +13,10 @@ import torch.nn.functional as F
 
 from mcore_npu.allocator import device
 from mcore_npu.transformer.backends import resolve_backend
-from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+from mcore_npu.transformer.layer_specs import (
+    get_gpt_decoder_block_npu_spec,
+    get_gpt_mtp_block_npu_spec,
+)
 
 _ACTIVATIONS = {  # name -> (activation_func, gated_linear_unit)
     "swiglu": (F.silu, True),
@@ -55,10 +58,18 @@ def transformer_config(cfg):
         **_portable_fields(),
         **_stage_fields(p, m.num_layers),
     )
-    fields.update(dict(m.extra))
+    fields.update(_plain(m.extra))
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     return TransformerConfig(**fields)
+
+
+def _plain(extra) -> dict:
+    """``model.extra`` as plain Python values: Megatron checks ``isinstance(value, list)``
+    (``moe_layer_freq: [0, 1]``), which an OmegaConf ``ListConfig`` is not."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(extra) if OmegaConf.is_config(extra) else dict(extra)
 
 
 def rope_kernel(cfg) -> str | None:
@@ -154,8 +165,34 @@ def layer_spec(cfg, config):
     )
 
 
+def mtp_spec(cfg, config, block):
+    """The multi-token-prediction block for ``model.mtp_num_layers`` (None: no MTP layers).
+
+    Megatron's MTP layers (``get_gpt_mtp_block_spec``): each holds the block's last layer; with
+    npu_fusion their norms and projection come from the NPU spec provider
+    (``get_gpt_mtp_block_npu_spec``, in ``model.param_layout``). Their loss (scaled by
+    ``mtp_loss_scaling_factor``) reaches the gradients through Megatron's ``MTPLossAutoScaler``;
+    the reported loss stays the main head's.
+    """
+    if not config.mtp_num_layers:
+        return None
+    backend = resolve_backend(cfg.attention.backend)
+    if backend == "npu_fusion":
+        return get_gpt_mtp_block_npu_spec(
+            config,
+            block,
+            kernel=cfg.attention.kernel,
+            param_layout=cfg.model.param_layout,
+            rms_norm_kernel=cfg.fused.rms_norm,
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, block, use_transformer_engine=backend == "te")
+
+
 def build_model(cfg, config=None, *, pre_process=None, post_process=None):
-    """This pipeline stage's ``GPTModel`` (wrapped in ``Float16Module`` for bf16/fp16).
+    """This pipeline stage's ``GPTModel`` (wrapped in ``Float16Module`` for bf16/fp16), with
+    its multi-token-prediction layers when ``model.mtp_num_layers`` asks (:func:`mtp_spec`).
 
     Args:
         cfg: the validated config (``mcore_npu.training.config.load_config``).
@@ -171,9 +208,11 @@ def build_model(cfg, config=None, *, pre_process=None, post_process=None):
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    block = layer_spec(cfg, config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg, config),
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp_spec(cfg, config, block),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.max_sequence_length,
         pre_process=pre_process,

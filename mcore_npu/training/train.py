@@ -309,12 +309,14 @@ class Trainer(ExpandableSegmentsMixin):
         if batch.seq_ends is not None:  # host offsets known: no attention layer syncs for them
             for memo in self._memos:
                 memo.remember(batch.cu_seqlens, batch.seq_ends)
+        mtp = {"loss_mask": batch.loss_mask} if self.config.mtp_num_layers else {}
         output = model(
             batch.tokens,
             batch.position_ids,
             None,  # no dense mask: causal attention comes from the layer's mask type
             labels=batch.labels,
             packed_seq_params=_packed_seq_params(batch),
+            **mtp,  # the MTP losses skip the tokens the main loss skips
         )
         return output, partial(_masked_mean_loss, batch.loss_mask, self.cfg.parallel.context)
 

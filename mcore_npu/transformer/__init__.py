@@ -14,7 +14,7 @@
 - :mod:`~mcore_npu.transformer.param_layout`: one tensor's names in the te and local layouts.
 - :mod:`~mcore_npu.transformer.spec_provider`: ``NPUSpecProvider`` for Megatron's ``*_for_backend`` builders.
 - :mod:`~mcore_npu.transformer.layer_specs`: ``get_gpt_layer_npu_spec``,
-  ``get_gpt_decoder_block_npu_spec``, ``get_gpt_layer_spec``.
+  ``get_gpt_decoder_block_npu_spec``, ``get_gpt_mtp_block_npu_spec``, ``get_gpt_layer_spec``.
 - :mod:`~mcore_npu.transformer.backends`: which backend ``"auto"`` means on this machine.
 - :mod:`~mcore_npu.transformer.pipeline_layout`: uneven pipeline stages (MindSpeed's per-stage
   list -> Megatron's first/last stage counts or layout); pure Python.

@@ -160,6 +160,52 @@ def get_gpt_decoder_block_npu_spec(
     return block
 
 
+def get_gpt_mtp_block_npu_spec(
+    config,
+    block,
+    *,
+    kernel: str = "auto",
+    param_layout: str = "te",
+    rms_norm_kernel: str | None = None,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+):
+    """Megatron's multi-token-prediction block spec for an NPU decoder block, or None.
+
+    What ``get_gpt_mtp_block_spec(config, block, use_transformer_engine=...)`` builds, from the
+    NPU spec provider (Megatron's ``get_gpt_mtp_block_spec_for_backend``): each of the
+    ``config.mtp_num_layers`` MTP layers holds the block's last layer spec (its NPU attention,
+    MLP / MoE parts), and its ``enorm`` / ``hnorm`` / ``final_layernorm`` and ``eh_proj`` are the
+    provider's (``SequenceParallelNorm``, i.e. ``NPURMSNorm`` for RMSNorm;
+    ``ColumnParallelLinear``): in ``param_layout="te"`` with TE's ``_extra_state`` entries, like
+    the block's own norms. Pass the result to
+    ``GPTModel(..., mtp_block_spec=...)``; without it a config with ``mtp_num_layers`` builds
+    no MTP layers, and Megatron's ``GPTModel`` then splits the decoder output as if it had.
+
+    Args:
+        config: the Megatron ``TransformerConfig`` (``mtp_num_layers``; None / 0: no MTP).
+        block: ``get_gpt_decoder_block_npu_spec(config, ...)`` (a ``TransformerBlockSubmodules``).
+        kernel, param_layout, rms_norm_kernel: as for ``get_gpt_decoder_block_npu_spec``.
+        vp_stage, pp_rank: this stage; MTP layers are built on the last pipeline stage only.
+
+    Returns:
+        ``MultiTokenPredictionBlockSubmodules``, or None (no MTP, or none on this stage).
+    """
+    _check_kernel(kernel)
+    _check_layout(param_layout)
+    build = getattr(megatron_specs, "get_gpt_mtp_block_spec_for_backend", None)
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    if build is None:  # pragma: no cover - megatron-core < 0.14
+        raise ValueError(
+            f"mtp_num_layers: {config.mtp_num_layers} needs get_gpt_mtp_block_spec_for_backend, "
+            "which the installed megatron-core lacks; set mtp_num_layers=None or upgrade"
+        )
+    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
+                               rms_norm_kernel=rms_norm_kernel)  # fmt: skip
+    return build(config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
 def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     """One place that picks a GPT layer spec.
 

@@ -10,16 +10,33 @@ against the installed one, in ``tests/transformer/test_router.py``.
 ``config.moe_router_dtype`` (``"fp32"`` / ``"fp64"``; None: the input's dtype) with a plain
 matmul, through an autograd function that, like Megatron's, keeps the input and weight in their
 own dtype for backward (no saved high-precision copies) and returns gradients in those dtypes.
-Top-k, the score function, aux losses, expert bias and capacity are Megatron's ``TopKRouter``.
+Top-k, the score function (softmax / sigmoid), group-limited top-k, the top-k scaling factor,
+aux losses, expert bias and capacity are Megatron's ``TopKRouter``.
+
+``_apply_expert_bias`` (the expert-bias token count, ``moe_router_enable_expert_bias``) is
+Megatron's own function run eagerly. megatron-core 0.16.1 decorates it with ``@jit_fuser``
+(``router.py``, ``TopKRouter._apply_expert_bias``), which is ``torch.compile`` on torch >= 2.2:
+the first call of every new token count compiles the one-line ``local_tokens_per_expert +=
+routing_map.sum(0)`` through dynamo and inductor (measured on this project's 2-core CPU: 3 to 13
+s per compilation, against 0.01 s eager) and needs a C++ toolchain. Here the undecorated function
+(``inspect.unwrap``: what ``torch.compile`` wraps) runs as is: the same statement, the same
+counts. Megatron's ``finalize_model_grads`` then updates ``expert_bias`` from them
+(``get_updated_expert_bias``) as for its own router.
+
 Nothing is patched; the weight is not moved between devices (the model is placed as a whole).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+_MEGATRON_APPLY_EXPERT_BIAS = inspect.unwrap(TopKRouter._apply_expert_bias)
+"""Megatron's ``TopKRouter._apply_expert_bias`` without its ``@jit_fuser`` (torch.compile) wrapper."""
 
 
 class _GatingLinear(torch.autograd.Function):
@@ -56,3 +73,9 @@ class NPUTopKRouter(TopKRouter):
         """Router logits ``[S, B, E]`` (or ``[T, E]``) in the router dtype, from ``[S, B, H]``."""
         dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
         return _GatingLinear.apply(input, self.weight, self.bias, dtype)
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None) -> None:
+        """Megatron's count for the expert-bias update, eagerly: ``local_tokens_per_expert [E]
+        += routing_map [T, E] .sum(0)`` when ``moe_router_enable_expert_bias`` and grad mode are
+        on (``padding_mask`` as Megatron's: True = padding)."""
+        _MEGATRON_APPLY_EXPERT_BIAS(self, routing_map, padding_mask)

@@ -62,6 +62,62 @@ def tiny_hf_model(tmp_path_factory) -> str:
     return str(path)
 
 
+# A DeepSeek-V3-shaped checkpoint, tiny: MLA with q_lora_rank (q/k head dim 16 + 8 = 24 > v 16,
+# the ratio of DeepSeek-V3's 192 / 128), 2 layers of which the first dense (first_k_dense_replace),
+# then 8 routed experts in 2 groups with a sigmoid router, expert bias (e_score_correction_bias),
+# group-limited top-2 (1 group of 2; 2 // 1 = 2 is what Megatron's group score needs), top-k
+# scaling 2.5, one shared expert, and yarn RoPE (factor 4 over 32 positions).
+DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+    max_position_embeddings=128, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                         original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                         mscale=1.0, mscale_all_dim=1.0),
+)  # fmt: skip
+
+
+def tiny_deepseek_v3_config(**overrides):
+    """transformers' ``DeepseekV3Config`` of the tiny model, ``overrides`` applied."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**{**DEEPSEEK_V3, **overrides})
+
+
+def save_tiny_deepseek_v3(path, **overrides):
+    """Save the tiny DeepSeek-V3 (safetensors, fp32, random weights, the word-level tokenizer)
+    to ``path``; returns the transformers ``DeepseekV3ForCausalLM`` (eval mode).
+
+    The norms are moved away from 1 and ``e_score_correction_bias`` (a buffer, zero when built)
+    drawn from N(0, 0.05^2), so that a dropped norm or expert bias changes the output.
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_model(tmp_path_factory) -> str:
+    """The path of the tiny DeepSeek-V3 checkpoint (:func:`save_tiny_deepseek_v3`)."""
+    path = tmp_path_factory.mktemp("tiny_deepseek_v3")
+    save_tiny_deepseek_v3(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def cpu_runtime():
     """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""

@@ -2,7 +2,8 @@
 
 ``config`` needs ``num_layers``, ``normalization``, ``qk_layernorm``, ``num_moe_experts``,
 ``moe_grouped_gemm`` and ``moe_layer_freq`` (a Megatron ``TransformerConfig`` or a
-``SimpleNamespace``).
+``SimpleNamespace``); ``moe_router_enable_expert_bias``, ``moe_shared_expert_intermediate_size``
+and ``moe_shared_expert_gate`` are read where present.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def _applies(when: str, config, layer_is_moe: bool | None) -> bool:
         "sequential experts": not grouped,
         "grouped experts": grouped,
         "add_bias_linear": bool(getattr(config, "add_bias_linear", False)),
+        "expert bias": bool(getattr(config, "moe_router_enable_expert_bias", False)),
+        "shared experts": getattr(config, "moe_shared_expert_intermediate_size", None) is not None,
+        "shared expert gate": bool(getattr(config, "moe_shared_expert_gate", False)),
     }
     return all(conditions[part.strip()] for part in when.split(","))
 
@@ -41,8 +45,8 @@ def _experts(name: str, config) -> range:
 def expected_names(config, kind: str) -> set[str]:
     """Names from the YAML: ``kind`` = parameters | state_dict | sharded."""
     fields = {"parameters": ("parameters",),
-              "state_dict": ("parameters", "extra_state", "state_dict_only"),
-              "sharded": ("parameters", "extra_state", "sharded_only")}[kind]  # fmt: skip
+              "state_dict": ("parameters", "extra_state", "buffers", "state_dict_only"),
+              "sharded": ("parameters", "extra_state", "buffers", "sharded_only")}[kind]  # fmt: skip
     moe_pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
     names = set()
     for group in NAMES["groups"].values():

@@ -79,3 +79,45 @@ def test_moe_gpt_from_the_npu_spec_trains_on_cpu():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+DEEPSEEK_MOE = dict(  # the DeepSeek-V3 MoE layer, scaled down: 8 experts, 2 groups of 4, 1 of
+    # them, top-2 (Megatron's group score, the best topk // group_topk = 2, is the Hugging Face one)
+    num_moe_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=True, moe_layer_freq=[0, 1],
+    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+)  # fmt: skip
+EXPERT_BIAS = torch.tensor([0.2, -0.3, 0.0, 0.1, -0.1, 0.3, 0.05, -0.2])
+
+
+@pytest.mark.parametrize(
+    "param_layout,grouped_gemm,dispatcher",
+    [("local", False, "allgather"), ("te", True, "alltoall")],
+)
+def test_deepseek_moe_layers_match_megatrons(param_layout, grouped_gemm, dispatcher):
+    """A dense first layer (``moe_layer_freq=[0, 1]``), then the DeepSeek-V3 MoE layer: sigmoid
+    router with a (non-zero) expert bias, group-limited top-k, top-k scaling, gated shared
+    experts. Logits and every gradient equal Megatron's MoE layer (SequentialMLP)."""
+    config = moe_config(shared_expert=True, dispatcher=dispatcher, moe_grouped_gemm=grouped_gemm,
+                        **DEEPSEEK_MOE)  # fmt: skip
+    local, npu, names = twin_moe_models(config, param_layout=param_layout)
+    dense, moe = npu.decoder.layers
+    assert type(dense.mlp).__name__ == "NPUMLP" and type(moe.mlp.router).__name__ == "NPUTopKRouter"
+    assert type(moe.mlp.shared_experts).__name__ == "NPUSharedExpertMLP"
+    assert moe.mlp.shared_experts.use_shared_expert_gate
+    if grouped_gemm:
+        assert "decoder.layers.1.mlp.experts.linear_fc1.weight7" in npu.state_dict()
+        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in npu.state_dict()
+    for model in (local, npu):
+        model.decoder.layers[1].mlp.router.expert_bias.copy_(EXPERT_BIAS)
+    ids, pos = batch(b=2, s=16)
+    want, want_grads = _logits_and_grads(local, ids, pos)
+    got, got_grads = _logits_and_grads(npu, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert {names[n] for n in want_grads} == set(got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[names[name]], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert got_grads["decoder.layers.1.mlp.shared_experts.gate_weight"].abs().sum() > 0
+    moe.mlp.router.expert_bias.zero_()  # the bias steers the choice: without it, other logits
+    assert (_logits_and_grads(npu, ids, pos)[0] - got).abs().max() > 1e-4

@@ -50,6 +50,24 @@ def test_te_layout_names_are_the_te_specs(moe, qk, normalization, grouped):
     assert on_disk == {disk_key(n, config) for n in sharded}
 
 
+DEEPSEEK_MOE = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_deepseek_moe_layer_names_are_the_te_specs(grouped):
+    """A dense first layer, then an MoE layer with the router's expert bias and gated shared
+    experts: their names too (the same four sets as above)."""
+    config = tiny_config(**MOE, **DEEPSEEK_MOE, moe_layer_freq=[0, 1], moe_grouped_gemm=grouped)
+    model = gpt(config, _block(config))
+    assert "decoder.layers.1.mlp.router.expert_bias" in model.state_dict()
+    assert {n for n, _ in model.named_parameters()} == expected_names(config, "parameters")
+    assert set(model.state_dict()) == expected_names(config, "state_dict")
+    sharded = model.sharded_state_dict()
+    assert set(sharded) == expected_names(config, "sharded")
+    assert {value.key for value in sharded.values()} == {disk_key(n, config) for n in sharded}
+
+
 def test_layer_spec_has_te_parameter_names():
     from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec, get_gpt_layer_spec
 

@@ -107,3 +107,102 @@ def test_routing_is_megatrons_same_as_its_fallback_branch():
     assert not hasattr(moe_utils, "te_general_gemm")  # we did not patch Megatron
     torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
     assert torch.equal(routing_map, want_map)
+
+
+# -- the DeepSeek-V3 router: sigmoid scores, expert bias, group-limited top-k, scaling ---------
+
+DEEPSEEK = dict(num_moe_experts=16, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True)  # fmt: skip
+DEEPSEEK_CASES = {  # DeepSeek-V3 itself: 256 experts, 8 groups of 32, 4 of them, top-8, 2.5
+    "groups": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                   moe_router_topk_scaling_factor=2.5),  # 16 experts, 4 groups of 4, 2 of them
+    "no_groups": dict(moe_router_topk=2, moe_router_topk_scaling_factor=None),
+}  # fmt: skip
+BIAS = 0.2 * torch.randn(16, generator=torch.Generator().manual_seed(2))
+
+
+def deepseek_v3_gate(logits, bias, topk, groups, group_topk, scale):
+    """DeepSeek-V3's gate, written from its description (not Megatron's code): sigmoid scores;
+    the experts are chosen on score + bias, within the ``group_topk`` groups whose two best
+    (score + bias) are largest; the weights are the chosen *scores* (no bias), normalised to sum
+    1, times ``scale``. ``logits [T, E]`` -> dense weights ``[T, E]`` (0 = not chosen)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias if bias is not None else scores
+    if groups:
+        per_group = choice.view(len(choice), groups, -1)
+        best_groups = per_group.topk(2, dim=-1).values.sum(-1).topk(group_topk, dim=-1).indices
+        keep = torch.zeros_like(per_group[..., 0], dtype=torch.bool)
+        keep.scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], 1), -torch.inf)
+    chosen = choice.topk(topk, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    weights = weights / weights.sum(-1, keepdim=True) * (scale or 1.0)
+    return torch.zeros_like(scores).scatter(1, chosen, weights)
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
+def test_deepseek_routing_equals_megatrons_and_the_gates_definition(case):
+    """Probabilities, routing map and the router weight's gradient of ``NPUTopKRouter`` against
+    Megatron's ``TopKRouter.routing`` (on the logits its non-TE branch computes) and against an
+    independent DeepSeek-V3 gate; the expert bias changes the choice, so a dropped one shows."""
+    from megatron.core.transformer.moe import moe_utils
+
+    fields = DEEPSEEK_CASES[case]
+    config = _config(**DEEPSEEK, **fields)
+    ours, theirs = _routers(config)
+    with torch.no_grad():
+        for router in (ours, theirs):
+            router.expert_bias.copy_(BIAS)
+    x = torch.randn(16, 2, config.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    probs, routing_map = ours(x)
+    logits = torch.mm(x.view(-1, config.hidden_size), theirs.weight.t())
+    with torch.compiler.set_stance("force_eager"):  # its @jit_fuser count: no compile here
+        want_probs, want_map = theirs.routing(logits.view(16, 2, 16))
+    assert not hasattr(moe_utils, "te_general_gemm")  # Megatron not patched
+    torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
+    assert torch.equal(routing_map, want_map)
+
+    args = (fields["moe_router_topk"], fields.get("moe_router_num_groups"),
+            fields.get("moe_router_group_topk"), fields["moe_router_topk_scaling_factor"])  # fmt: skip
+    reference = deepseek_v3_gate(logits, BIAS, *args)
+    torch.testing.assert_close(probs, reference, rtol=1e-6, atol=1e-6)
+    assert torch.equal(routing_map, reference > 0)
+    assert routing_map.sum(-1).eq(fields["moe_router_topk"]).all()
+    assert not torch.equal(reference > 0, deepseek_v3_gate(logits, None, *args) > 0)
+    if args[1]:  # the groups limit the choice
+        assert not torch.equal(reference > 0, deepseek_v3_gate(logits, BIAS, args[0], None, None,
+                                                               args[3]) > 0)  # fmt: skip
+
+    upstream = torch.randn(probs.shape, generator=torch.Generator().manual_seed(4))
+    (probs * upstream).sum().backward()
+    weight = theirs.weight.detach().clone().requires_grad_(True)
+    logits = torch.mm(x.view(-1, config.hidden_size), weight.t())
+    (deepseek_v3_gate(logits, BIAS, *args) * upstream).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_bias_counts_are_megatrons_and_run_eagerly():
+    """``local_tokens_per_expert`` (what Megatron's ``finalize_model_grads`` turns into the
+    expert-bias update) counts every routed token in training forwards, none under no_grad; the
+    count runs Megatron's own function without its torch.compile wrapper (no dynamo frame)."""
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch._dynamo.utils import counters
+
+    config = _config(**DEEPSEEK, **DEEPSEEK_CASES["groups"])
+    ours, _ = _routers(config)
+    assert inspect.unwrap(TopKRouter._apply_expert_bias) is not TopKRouter._apply_expert_bias
+    frames = sum(counters["frames"].values())
+    total = torch.zeros(16)
+    for seed in (5, 6):
+        x = torch.randn(9, 2, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+        _, routing_map = ours(x)
+        total += routing_map.sum(0)
+    torch.testing.assert_close(ours.local_tokens_per_expert, total, rtol=0, atol=0)
+    assert total.sum() == 2 * 18 * 4
+    with torch.no_grad():
+        ours(torch.randn(4, 2, config.hidden_size))
+    torch.testing.assert_close(ours.local_tokens_per_expert, total, rtol=0, atol=0)
+    assert sum(counters["frames"].values()) == frames

@@ -21,7 +21,11 @@ change four things, nothing else:
    ``provider.transformer_layer_spec``. The bridge modules are not patched. With mbridge the
    engine also applies ``use_npu_spec``'s config fixes (``rope_theta``, ``head_dim``, the
    router's softmax form of the Hugging Face model: ``match_hf_routing``) to the bridge and to
-   ``self.tf_config``; an explicit ``override_transformer_config`` value wins.
+   ``self.tf_config``; an explicit ``override_transformer_config`` value wins. A model whose
+   mbridge bridge cannot build its config on this stack (DeepSeek-V3, see
+   :mod:`mcore_npu.integrations.mbridge_fixes`) gets the plugin's bridge, built before any
+   config, in verl's steps (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
+   prediction through mbridge is refused (mbridge builds it from TE's spec).
    Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) must be importable: if
    ``import megatron.bridge`` fails, the build stops at once with a ``ValueError`` naming the
    missing module and ``vanilla_mbridge=True`` as the way out (:func:`require_megatron_bridge`;
@@ -57,8 +61,15 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-from mcore_npu.integrations.hf import expose_hf_config_fields, match_hf_routing
+from mcore_npu.integrations.hf import (
+    bridge_from_config,
+    expose_hf_config_fields,
+    match_hf_routing,
+    refuse_mbridge_mtp,
+)
+from mcore_npu.integrations.mbridge_fixes import needs_fixed_bridge
 from mcore_npu.integrations.verl.recipe import apply_recipe
+from mcore_npu.integrations.verl.tf_config import build_mbridge_tf_config
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
 __all__ = [
@@ -180,7 +191,12 @@ class _NPUEngineMixin:
     def _build_tf_config(self):
         require_megatron_bridge(self.engine_config)
         self._apply_recipe()
-        super()._build_tf_config()
+        if self.engine_config.vanilla_mbridge and needs_fixed_bridge(self.model_config.hf_config):
+            # mbridge's own bridge cannot build this config (DeepSeek-V3): the plugin builds
+            # the bridge, in verl's steps (tf_config.py); mbridge and verl stay unpatched
+            build_mbridge_tf_config(self, bridge_from_config)
+        else:
+            super()._build_tf_config()
         self._install_npu_layer_spec()
         if self.provider is None:
             self._match_hf_config()
@@ -214,6 +230,7 @@ class _NPUEngineMixin:
         at it, so the two stay one object, as verl built them.
         """
         bridge, tf_config = self.bridge, self.tf_config
+        refuse_mbridge_mtp(tf_config)  # mbridge would build TE's MTP layers
         expose_hf_config_fields(bridge.hf_config)
         match_hf_routing(bridge)
         tf_config.moe_router_pre_softmax = bridge.config.moe_router_pre_softmax

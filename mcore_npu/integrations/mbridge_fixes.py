@@ -1,0 +1,161 @@
+"""mbridge bridges whose Megatron config this stack cannot build as they stand: the plugin's
+subclasses, which fix the keywords the bridge's constructor gives its config class.
+
+mbridge 0.15.1 builds a bridge's ``TransformerConfig`` inside the bridge's constructor
+(``Bridge.__init__`` -> ``_build_config`` -> ``LLMBridge._build_base_config(**keywords)`` ->
+``TransformerConfigClass(**keywords, **extra_args)``), so there is no bridge object to fix before
+the config exists. For ``deepseek_v3`` (``mbridge/models/deepseek_v3.py``,
+``DeepseekV3Bridge._build_config``) with transformers 5 and megatron-core 0.16.1:
+
+1. ``rotary_base=hf_config.rope_theta``: transformers 5 keeps ``rope_theta`` in
+   ``rope_parameters`` only (``AttributeError``). Not here: ``hf.expose_hf_config_fields``
+   writes it onto the config object before the bridge is built.
+2. ``max_position_embeddings=...``: megatron-core 0.16.1's ``MLATransformerConfig`` calls the
+   field ``original_max_position_embeddings`` (``TypeError: unexpected keyword``). Renamed here
+   when the config class has the new name and lacks the old one.
+3. The RoPE scaling: mbridge reads it only ``if "rope_scaling" in hf_config``, which a
+   transformers 5 config answers False (it keeps ``rope_parameters``; ``rope_scaling`` is a
+   property), and takes the type from the key ``"type"``, which transformers 5 spells
+   ``"rope_type"``. A yarn checkpoint silently became plain RoPE with mbridge's defaults
+   (factor 1, original length 4096). Here every yarn value present in ``rope_parameters``
+   (``factor``, ``mscale``, ``mscale_all_dim``, ``original_max_position_embeddings``,
+   ``beta_fast``, ``beta_slow``) replaces mbridge's, and the type is taken from
+   ``rope_type`` / ``type`` (``default`` -> ``rope``, ``yarn`` -> ``yarn``; others refused).
+4. Group-limited routing: mbridge passes neither ``n_group`` nor ``topk_group``; mapped here to
+   ``moe_router_num_groups`` / ``moe_router_group_topk`` when the groups limit anything.
+
+Routings that Megatron's sigmoid router cannot compute are refused (``ValueError``): top-k
+weights not renormalised (``norm_topk_prob: false``, or top-1 with it), and group scores other
+than the two best experts' sum (Megatron sums the best ``topk // group_topk``).
+
+Keywords the caller gives through ``bridge.set_extra_args`` (verl's
+``override_transformer_config``) still win: ``_build_base_config`` applies ``extra_args`` after
+these keywords. The subclasses derive from mbridge's classes (``isinstance`` holds, the weight
+maps are the same); mbridge's modules and classes are not changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+# model_type -> (module, class) of the mbridge bridge the plugin subclasses
+FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
+
+_RENAMED_KEYWORDS = {"max_position_embeddings": "original_max_position_embeddings"}
+_MLA_ROPE_TYPES = {"default": "rope", "rope": "rope", "yarn": "yarn"}
+# Hugging Face rope_parameters key -> MLATransformerConfig field (as mbridge maps them)
+_ROPE_KEYWORDS = {"factor": "rotary_scaling_factor", "mscale": "mscale",
+                  "mscale_all_dim": "mscale_all_dim", "beta_fast": "beta_fast",
+                  "beta_slow": "beta_slow",
+                  "original_max_position_embeddings": "original_max_position_embeddings"}  # fmt: skip
+
+
+def needs_fixed_bridge(hf_config) -> bool:
+    """Whether mbridge's own bridge for this Hugging Face config cannot build its config."""
+    return getattr(hf_config, "model_type", None) in FIXED_BRIDGES
+
+
+def fixed_bridge_class(model_type: str) -> type:
+    """The plugin's subclass of mbridge's bridge for ``model_type`` (one class per type)."""
+    if model_type not in FIXED_BRIDGES:
+        raise ValueError(
+            f"model_type: {model_type!r} needs no fixed bridge (those: {', '.join(FIXED_BRIDGES)}); "
+            "use mbridge.AutoBridge.from_config"
+        )
+    return _fixed_class(model_type)
+
+
+@functools.cache
+def _fixed_class(model_type: str) -> type:
+    module, name = FIXED_BRIDGES[model_type]
+    base = getattr(importlib.import_module(module), name)
+    return type(f"NPU{name}", (_ConfigKeywordFixes, base), {"__module__": __name__})
+
+
+class _ConfigKeywordFixes:
+    """Mixin for an mbridge ``LLMBridge``: the config keywords fixed (see the module docstring)."""
+
+    def _build_base_config(self, text_config_key=None, **keywords):
+        keywords = deepseek_v3_keywords(self.hf_config, self.TransformerConfigClass, keywords)
+        return super()._build_base_config(text_config_key=text_config_key, **keywords)
+
+
+def deepseek_v3_keywords(hf_config, config_class: type, keywords: dict) -> dict:
+    """The keywords of ``DeepseekV3Bridge._build_config`` with fixes 2-4 applied (a new dict).
+
+    Raises:
+        ValueError: a routing or RoPE type of the Hugging Face config that Megatron cannot
+            compute (the field, its value, what to do).
+    """
+    keywords = _renamed_for(config_class, keywords)
+    keywords.update(_rope_scaling(hf_config, keywords))
+    keywords.update(_group_limited_routing(hf_config, keywords))
+    _check_topk_weights(hf_config)
+    return keywords
+
+
+def _renamed_for(config_class: type, keywords: dict) -> dict:
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    renamed = dict(keywords)
+    for old, new in _RENAMED_KEYWORDS.items():
+        if old in renamed and old not in fields and new in fields:
+            renamed[new] = renamed.pop(old)
+    return renamed
+
+
+def _rope_parameters(hf_config) -> dict:
+    """transformers 5: ``rope_parameters``; before: ``rope_scaling`` (None without scaling)."""
+    return dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+
+
+def _rope_scaling(hf_config, keywords: dict) -> dict:
+    """The RoPE keywords from ``rope_parameters`` (those the bridge passes; see fix 3)."""
+    rope = _rope_parameters(hf_config)
+    fixed = {field: rope[key] for key, field in _ROPE_KEYWORDS.items()
+             if key in rope and field in keywords}  # fmt: skip
+    kind = rope.get("type", rope.get("rope_type"))
+    if kind is None or "rope_type" not in keywords:
+        return fixed
+    if kind not in _MLA_ROPE_TYPES:
+        raise ValueError(
+            f"rope_parameters.rope_type: {kind!r}; Megatron's MLA has rope_type 'rope' or "
+            "'yarn' only (MLATransformerConfig); use a default or yarn RoPE checkpoint"
+        )
+    return {**fixed, "rope_type": _MLA_ROPE_TYPES[kind]}
+
+
+def _group_limited_routing(hf_config, keywords: dict) -> dict:
+    """``n_group`` / ``topk_group`` -> Megatron's group-limited top-k, when they limit anything."""
+    groups = int(getattr(hf_config, "n_group", None) or 1)
+    chosen = int(getattr(hf_config, "topk_group", None) or groups)
+    if groups <= 1 or chosen >= groups:
+        return {}
+    topk = int(hf_config.num_experts_per_tok)
+    if topk // chosen != 2:
+        raise ValueError(
+            f"topk_group: {chosen} with num_experts_per_tok={topk}; the Hugging Face model "
+            "scores each expert group by its two best experts, Megatron's group-limited top-k "
+            f"by its best topk // group_topk = {topk // chosen}; this checkpoint's routing "
+            "cannot be reproduced (DeepSeek-V3 has 8 // 4 = 2)"
+        )
+    fixed = {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
+    return {key: value for key, value in fixed.items() if key not in keywords}
+
+
+def _check_topk_weights(hf_config) -> None:
+    """Megatron's sigmoid router renormalises the top-k weights exactly when top-k > 1."""
+    topk = int(hf_config.num_experts_per_tok)
+    normalised = bool(getattr(hf_config, "norm_topk_prob", True))
+    if normalised != (topk > 1):
+        raise ValueError(
+            f"norm_topk_prob: {normalised} with num_experts_per_tok={topk}; Megatron's sigmoid "
+            "router (moe_utils.topk_routing_with_score_function) renormalises the top-k weights "
+            "exactly when top-k > 1, and no TransformerConfig field changes that; this "
+            "checkpoint's expert weights cannot be reproduced"
+        )

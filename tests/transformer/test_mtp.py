@@ -1,0 +1,73 @@
+"""Multi-token prediction on the NPU spec: ``get_gpt_mtp_block_npu_spec`` against Megatron's
+``get_gpt_mtp_block_spec`` (local spec), with the same weights: the main loss and every
+gradient, the MTP layer's included (they get gradients from the MTP loss only), within 1e-5;
+and TE's names (``_extra_state``) on the MTP norms and projection in the te layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.transformer.megatron_models import VOCAB, batch, tiny_config
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+
+def _mtp_gpt(config, block, mtp, seed=0):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    return GPTModel(config, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=64,
+                    position_embedding_type="rope", mtp_block_spec=mtp)  # fmt: skip
+
+
+def _npu(config, layout):
+    from mcore_npu.transformer.layer_specs import (
+        get_gpt_decoder_block_npu_spec,
+        get_gpt_mtp_block_npu_spec,
+    )
+
+    kernels = dict(kernel="reference", param_layout=layout)
+    block = get_gpt_decoder_block_npu_spec(config, normalization=config.normalization, **kernels)
+    return _mtp_gpt(config, block, get_gpt_mtp_block_npu_spec(config, block, **kernels), seed=3)
+
+
+def _loss_and_grads(model, ids, pos):
+    model.zero_grad()
+    loss = model(ids, pos, None, labels=torch.roll(ids, -1, dims=1))
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_npu_mtp_block_matches_megatrons():
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    config = tiny_config(mtp_num_layers=1)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization=config.normalization)  # fmt: skip
+    megatron = _mtp_gpt(config, block, get_gpt_mtp_block_spec(config, block, False))
+    npu = _npu(config, "local")
+    assert type(npu.mtp.layers[0].enorm).__name__ == "NPURMSNorm"  # npu_rms_norm (reference)
+    npu.load_state_dict(megatron.state_dict(), strict=True)
+    ids, pos = batch(b=2, s=16)
+    want, want_grads = _loss_and_grads(megatron, ids, pos)
+    got, got_grads = _loss_and_grads(npu, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(got_grads) == set(want_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert got_grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_npu_mtp_block_has_te_names_in_the_te_layout():
+    from mcore_npu.transformer.layer_specs import get_gpt_mtp_block_npu_spec
+
+    config = tiny_config(mtp_num_layers=1)
+    names = {n for n in _npu(config, "te").state_dict() if n.startswith("mtp.layers.0.")}
+    for part in ("enorm", "hnorm", "final_layernorm", "eh_proj"):
+        assert {f"mtp.layers.0.{part}.weight", f"mtp.layers.0.{part}._extra_state"} <= names
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in names
+    assert get_gpt_mtp_block_npu_spec(tiny_config(), None) is None  # no mtp_num_layers: no MTP
