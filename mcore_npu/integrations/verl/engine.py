@@ -5,7 +5,7 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change four things, nothing else:
+change five things, nothing else:
 
 0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
    (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
@@ -32,6 +32,11 @@ change four things, nothing else:
    ``actual_seq_qlen`` from ``cu_seqlens``. Nothing is read from or written to globals.
    (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed it only
    logs that it skipped.)
+4. **Checkpoint loading** (``load_checkpoint``): without TE or Apex, Megatron's distributed
+   optimizer runs over torch's Adam, and a load into a fresh worker asserts on its empty state
+   and then restores the step counter as 0, one tensor shared by all parameters. The engine
+   loads through :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run
+   continues exactly (on an NPU as on a CPU; TE/Apex optimizers are left alone).
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
@@ -190,6 +195,23 @@ class _NPUEngineMixin:
             raise ValueError(
                 "engine_config.use_mbridge: the NPU Megatron engine builds its model through a "
                 "bridge (mbridge or Megatron-Bridge); got no bridge. Set use_mbridge=True."
+            )
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        """verl's ``load_checkpoint``, with the Adam state restored exactly.
+
+        Without TE or Apex (an NPU without MindSpeed, or a CPU) Megatron's distributed optimizer
+        runs over torch's Adam: loading into a fresh worker asserts on its empty state, and the
+        restored step counter is the fresh optimizer's 0, shared by every parameter
+        (:mod:`mcore_npu.training.optimizer_resume` names the lines). The load runs inside
+        :func:`~mcore_npu.training.optimizer_resume.exact_adam_resume`, which changes nothing
+        for TE/Apex optimizers.
+        """
+        from mcore_npu.training.optimizer_resume import exact_adam_resume
+
+        with exact_adam_resume(self.optimizer):
+            return super().load_checkpoint(
+                local_path, hdfs_path, del_local_after_load=del_local_after_load, **kwargs
             )
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
