@@ -47,6 +47,7 @@ MindSpeed engine, so on Ascend (or with ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VEN
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import sys
 from functools import partial
@@ -140,11 +141,36 @@ class _NPUEngineMixin:
     npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
 
     def _build_tf_config(self):
+        self._check_optimizer_config()
         self._apply_recipe()
         super()._build_tf_config()
         self._install_npu_layer_spec()
         if self.provider is None:
             self._match_hf_config()
+
+    def _check_optimizer_config(self) -> None:
+        """Refuse, before any model is built, an optimizer Megatron cannot build without TE.
+
+        ``use_precision_aware_optimizer=True`` (the large Ascend recipes set it, with
+        ``override_optimizer_config.optimizer_cpu_offload``): megatron-core 0.16.1's
+        ``OptimizerConfig.__post_init__`` calls ``is_te_min_version("2.1.0")`` for it
+        (``megatron/core/optimizer/optimizer_config.py:383``), which raises ``TypeError`` when
+        Transformer Engine is not installed, with or without CPU offload. No Transformer Engine
+        exists for Ascend NPUs.
+        """
+        if self.engine_config.forward_only or self.optimizer_config is None:
+            return
+        if not getattr(self.optimizer_config, "use_precision_aware_optimizer", False):
+            return
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(
+                "optim.use_precision_aware_optimizer=True: megatron-core's OptimizerConfig "
+                "checks the Transformer Engine version for it (optimizer_config.py:383, "
+                "is_te_min_version) and fails without Transformer Engine, which Ascend NPUs do "
+                "not have (also with optimizer_cpu_offload). Set "
+                "optim.use_precision_aware_optimizer=False: the Adam state stays fp32, and "
+                "megatron.optimizer_offload=True keeps it in host memory between steps."
+            )
 
     def _apply_recipe(self) -> None:
         """The recipe vocabulary (``specs/recipe_keys.yaml``), before verl reads the overrides.

@@ -1,0 +1,410 @@
+"""verl 0.9.1's whole training loop with the plugin's engine, on CPU, one process (no Ray).
+
+verl's ``TrainingWorker`` (its engine picked by verl's registry for ``("npu", "huawei")``) runs
+``reset()`` = ``engine.initialize()`` to the end: the bf16 model, Megatron's distributed optimizer
+with fp32 main parameters, verl's LR scheduler and checkpoint manager. Then it is driven as verl's
+trainers drive it (``tests/integrations/verl_loop.py``): ``train_batch`` with verl's SFT loss,
+``infer_batch`` + ``train_mini_batch`` with verl's PPO loss on a GRPO rollout batch, the critic
+with verl's value loss, ``save_checkpoint`` / ``load_checkpoint`` into a fresh worker, and
+``get_per_tensor_param`` (the weights verl sends to the rollout) into ``transformers``.
+
+What makes ``initialize()`` and ``train_batch`` finish on a CPU are the shims of
+``mcore_npu.training.cpu_support`` (applied by the ``cpu_runtime`` fixture; their table names
+the Megatron / verl lines). What makes resume exact is the engine's ``load_checkpoint``
+(``mcore_npu.training.optimizer_resume``), needed wherever Megatron's distributed optimizer runs
+over torch's Adam: on an NPU as here. Nothing in verl or Megatron is mocked; the only stand-in in
+this folder is the NPU allocator of ``test_workers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+import transformers
+from safetensors.torch import load_file
+from verl.utils.device import get_device_name
+from verl.workers.engine.megatron import MegatronEngineWithLMHead
+
+from mcore_npu.integrations.verl.engine import (
+    NPUMegatronEngineWithLMHead,
+    NPUMegatronEngineWithValueHead,
+)
+from mcore_npu.transformer.attention import NPUFusionAttention
+from tests.integrations import verl_loop as loop
+
+pytestmark = pytest.mark.usefixtures("cpu_runtime")
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory) -> str:
+    return loop.save_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory) -> str:
+    return loop.save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+def _gpt(engine):
+    model = engine.module[0]
+    while not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _losses(metrics) -> list[float]:
+    return [m["loss"] for m in metrics]
+
+
+# ---------------------------------------------------------------------------------------------
+# initialize() and SFT through train_batch
+# ---------------------------------------------------------------------------------------------
+
+SFT_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def sft_run(qwen3):
+    """30 ``train_batch`` steps of verl's SFT loss, thd (``use_remove_padding=True``)."""
+    worker = loop.new_worker(
+        loop.worker_config(qwen3, total_steps=SFT_STEPS, lr=2e-3), loop.sft_loss_fn()
+    )
+    return worker, loop.train_sft(worker, SFT_STEPS)
+
+
+def test_initialize_builds_megatrons_distributed_optimizer_with_fp32_main_params(sft_run):
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    worker, _ = sft_run
+    engine = worker.engine
+    assert type(engine) is NPUMegatronEngineWithLMHead
+    assert isinstance(engine.optimizer, ChainedOptimizer)
+    (optimizer,) = engine.optimizer.chained_optimizers
+    assert isinstance(optimizer, DistributedOptimizer)
+    assert type(optimizer.optimizer) in (torch.optim.Adam, torch.optim.AdamW)  # no Apex, no TE
+    model_params = [p for group in optimizer.model_float16_groups for p in group]
+    main_params = [p for group in optimizer.shard_fp32_from_float16_groups for p in group]
+    assert model_params and len(main_params) == len(model_params)
+    assert {p.dtype for p in model_params} == {torch.bfloat16}
+    assert {p.dtype for p in main_params} == {torch.float32}
+    assert isinstance(engine.lr_scheduler, OptimizerParamScheduler)
+    assert engine.checkpoint_mananager is not None  # (verl's spelling)
+    layers = _gpt(engine).decoder.layers
+    assert all(isinstance(x.self_attention.core_attention, NPUFusionAttention) for x in layers)
+
+
+def test_thirty_sft_steps_lower_the_loss_by_a_third(sft_run):
+    _, metrics = sft_run
+    losses = _losses(metrics)
+    assert len(losses) == SFT_STEPS
+    drop = 1 - losses[-1] / losses[0]
+    assert drop >= 0.30, f"{losses[0]:.4f} -> {losses[-1]:.4f} ({drop:.1%})"
+    last = metrics[-1]
+    assert last["grad_norm"] > 0 and last["lr"] >= 0
+    assert last["mfu"] > 0  # verl's FLOPs counter ran (global_token_num was passed)
+
+
+def test_bshd_sft_steps_start_where_thd_does_and_fall(qwen3, sft_run):
+    """bshd (``use_remove_padding=False``: the engine's mask-free path) on the same weights and
+    batch: the first loss equals thd's to bf16 precision, and the loss falls."""
+    _, thd = sft_run
+    config = loop.worker_config(qwen3, remove_padding=False, total_steps=SFT_STEPS, lr=2e-3)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    losses = _losses(loop.train_sft(worker, 4))
+    assert abs(losses[0] - thd[0]["loss"]) < 2e-2, (losses[0], thd[0]["loss"])
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_qwen3_moe_sft_steps_lower_the_loss(qwen3_moe):
+    worker = loop.new_worker(loop.worker_config(qwen3_moe, total_steps=10), loop.sft_loss_fn())
+    from mcore_npu.training.optimizer_resume import torch_adam_distributed_optimizers
+
+    # dense and expert parameters: two distributed optimizers, both repaired on resume
+    assert len(torch_adam_distributed_optimizers(worker.engine.optimizer)) == 2
+    losses = _losses(loop.train_sft(worker, 5))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+# ---------------------------------------------------------------------------------------------
+# the GRPO actor update and the critic
+# ---------------------------------------------------------------------------------------------
+
+UPDATES = 5
+
+
+def test_grpo_actor_update_lowers_the_policy_loss(qwen3):
+    """verl's PPO loss (vanilla clipped policy loss) on a GRPO rollout batch: old log-probs from
+    ``infer_batch`` (as ``compute_log_prob``), GRPO advantages from verl's
+    ``compute_grpo_outcome_advantage``, 5 ``train_mini_batch`` updates; the loss on the same
+    batch, re-measured with ``infer_batch`` after each update, goes down every time."""
+    worker = loop.new_worker(loop.worker_config(qwen3, total_steps=10, lr=1e-4), loop.ppo_loss_fn())
+    batch = loop.rollout_batch(0)
+    batch["old_log_probs"] = loop.old_log_probs(worker, batch)
+    batch["advantages"] = loop.grpo_advantages(batch)
+    assert batch["advantages"].abs().sum() > 0
+    losses = [loop.forward_loss(worker, batch)]
+    for _ in range(UPDATES):
+        metrics = loop.update(worker, batch)
+        assert metrics["grad_norm"][0] > 0
+        losses.append(loop.forward_loss(worker, batch))
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert metrics["actor/ppo_kl"][0] != 0  # the policy moved away from the rollout's
+
+
+def test_critic_value_loss_falls(qwen3):
+    """``NPUMegatronEngineWithValueHead`` (verl's ``value_model``) through verl's value loss."""
+    config = loop.worker_config(qwen3, model_type="value_model", total_steps=10)
+    worker = loop.new_worker(config, loop.value_loss_fn())
+    assert type(worker.engine) is NPUMegatronEngineWithValueHead
+    assert _gpt(worker.engine).output_layer.weight.shape[0] == 1  # the value head
+    batch = loop.rollout_batch(0)
+    generator = torch.Generator().manual_seed(3)
+    batch["values"] = 0.1 * torch.randn(batch["response_mask"].shape, generator=generator)
+    batch["returns"] = torch.randn(batch["response_mask"].shape, generator=generator)
+    losses = [loop.forward_loss(worker, batch)]
+    for _ in range(UPDATES):
+        loop.update(worker, batch)
+        losses.append(loop.forward_loss(worker, batch))
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: resume through verl's save_checkpoint / load_checkpoint
+# ---------------------------------------------------------------------------------------------
+
+RESUME_AT, RESUME_END = 5, 10
+
+
+def _resume_config(path, fully_reshardable: bool):
+    return loop.worker_config(path, total_steps=RESUME_END,
+                              dist_ckpt_optim_fully_reshardable=fully_reshardable)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["dp_reshardable", "fully_reshardable"])
+def uninterrupted(request, qwen3, tmp_path_factory):
+    """10 SFT steps, saved through verl after step 5: ``(format, losses 6-10, checkpoint)``."""
+    config = _resume_config(qwen3, request.param)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    loop.train_sft(worker, RESUME_AT)
+    checkpoint = tmp_path_factory.mktemp("resume")
+    worker.save_checkpoint(str(checkpoint), global_step=RESUME_AT)
+    later = _losses(loop.train_sft(worker, RESUME_END - RESUME_AT))
+    return request.param, later, str(checkpoint)
+
+
+def test_resume_in_a_fresh_worker_is_exact(qwen3, uninterrupted):
+    fully_reshardable, later, checkpoint = uninterrupted
+    worker = loop.new_worker(_resume_config(qwen3, fully_reshardable), loop.sft_loss_fn())
+    worker.load_checkpoint(checkpoint)
+    optimizer = worker.engine.optimizer.chained_optimizers[0].optimizer
+    steps = [state["step"] for state in optimizer.state.values()]
+    assert {float(step) for step in steps} == {float(RESUME_AT)}
+    assert len({id(step) for step in steps}) == len(steps)  # one counter per parameter
+    resumed = _losses(loop.train_sft(worker, RESUME_END - RESUME_AT))
+    error = max(abs(a - b) for a, b in zip(resumed, later, strict=True))
+    assert error <= 1e-6, (resumed, later)
+
+
+def test_checkpoint_holds_te_names_and_the_distributed_optimizer(uninterrupted):
+    """The model's parameters are TE names; with ``fully_reshardable`` the optimizer's state is
+    keyed by them, the default format keeps the distributed optimizer's buckets."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fully_reshardable, _, checkpoint = uninterrupted
+    root = Path(checkpoint)
+    keys = set(
+        FileSystemReader(root / "optimizer" / "dist_ckpt").read_metadata().state_dict_metadata
+    )
+    if fully_reshardable:
+        te = [k for k in keys if "self_attention.linear_qkv.layer_norm_weight" in k]
+        assert te and not [k for k in keys if "input_layernorm" in k], sorted(keys)[:20]
+    else:
+        assert any(".bucket_idx_0.exp_avg" in k for k in keys), sorted(keys)[:20]
+    contents = json.loads((root / "ckpt_contents.json").read_text())["contents"]
+    assert contents["model"]["format"] == "huggingface"  # verl: the bridge writes the weights
+    assert {"optimizer", "lr_scheduler", "rng_state"} <= set(contents), contents
+
+
+def test_without_the_engines_load_verls_megatron_load_fails_or_drifts(qwen3, uninterrupted):
+    """Controls, so the exact resume above can be seen to matter: verl's own
+    ``MegatronEngine.load_checkpoint`` into a fresh worker asserts (the empty torch-Adam state);
+    past that assertion (the fresh state allocated, nothing else), the step counter comes back
+    as 0 and the resumed losses drift from the uninterrupted ones."""
+    from mcore_npu.training.optimizer_resume import torch_adam_distributed_optimizers
+
+    fully_reshardable, later, checkpoint = uninterrupted
+    config = _resume_config(qwen3, fully_reshardable)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    with pytest.raises(AssertionError):
+        MegatronEngineWithLMHead.load_checkpoint(worker.engine, checkpoint)
+    if fully_reshardable:  # the per-parameter copy then raises KeyError('step'): shown once
+        worker = loop.new_worker(config, loop.sft_loss_fn())
+        _allocate_like_adam(worker.engine.optimizer)
+        with pytest.raises(KeyError, match="step"):
+            MegatronEngineWithLMHead.load_checkpoint(worker.engine, checkpoint)
+        return
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    _allocate_like_adam(worker.engine.optimizer)
+    MegatronEngineWithLMHead.load_checkpoint(worker.engine, checkpoint)
+    (member,) = torch_adam_distributed_optimizers(worker.engine.optimizer)
+    assert {float(s["step"]) for s in member.optimizer.state.values()} == {0.0}
+    resumed = _losses(loop.train_sft(worker, RESUME_END - RESUME_AT))
+    assert resumed[0] == pytest.approx(later[0], abs=1e-6)  # computed before the first update
+    assert max(abs(a - b) for a, b in zip(resumed[1:], later[1:])) > 1e-3, (resumed, later)
+
+
+def _allocate_like_adam(optimizer) -> None:
+    """What torch's Adam holds before its first step (zero moments, step 0), per parameter."""
+    from mcore_npu.training.optimizer_resume import torch_adam_distributed_optimizers
+
+    for member in torch_adam_distributed_optimizers(optimizer):
+        inner = member.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                      exp_avg_sq=torch.zeros_like(p))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# the weights the rollout gets: get_per_tensor_param, and the checkpoint's hf_model
+# ---------------------------------------------------------------------------------------------
+
+EXPORT_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def exported(qwen3, tmp_path_factory):
+    """A worker after 3 optimizer steps; its ``get_per_tensor_param`` tensors; the HF model
+    verl's checkpoint manager writes (``save_contents`` with ``hf_model``)."""
+    import dataclasses
+
+    config = loop.worker_config(qwen3, total_steps=EXPORT_STEPS)
+    config = dataclasses.replace(
+        config,
+        checkpoint_config=dataclasses.replace(
+            config.checkpoint_config, save_contents=["model", "optimizer", "extra", "hf_model"]
+        ),
+    )
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    loop.train_sft(worker, EXPORT_STEPS)
+    generator, peft = worker.engine.get_per_tensor_param()
+    tensors = {name: tensor.detach().clone() for name, tensor in generator}
+    checkpoint = tmp_path_factory.mktemp("export")
+    worker.save_checkpoint(str(checkpoint), global_step=EXPORT_STEPS)
+    return worker, tensors, peft, checkpoint
+
+
+def _hf_model(qwen3, state: dict):
+    """The transformers Qwen3 model of the checkpoint's config, fp32, holding ``state``."""
+    config = transformers.AutoConfig.from_pretrained(qwen3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return model
+
+
+def test_exported_names_are_exactly_the_hf_names(qwen3, exported):
+    _, tensors, peft, _ = exported
+    assert peft is None
+    want = set(load_file(os.path.join(qwen3, "model.safetensors")))
+    assert set(tensors) == want, sorted(set(tensors) ^ want)
+    initial = load_file(os.path.join(qwen3, "model.safetensors"))
+    moved = [
+        n for n in tensors if not torch.equal(tensors[n].float(), initial[n].bfloat16().float())
+    ]
+    assert len(moved) > len(tensors) // 2  # the trained weights, not the initial ones
+
+
+def _engine_logits(worker, ids: torch.Tensor) -> torch.Tensor:
+    """``[S, V]`` fp32 logits of the engine's GPTModel for one sequence (cast to fp32 first)."""
+    model = _gpt(worker.engine)
+    model.float()
+    with torch.no_grad():
+        logits = model(input_ids=ids.unsqueeze(0), position_ids=torch.arange(len(ids))[None],
+                       attention_mask=None)  # fmt: skip
+    return logits[0].float()
+
+
+def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported):
+    """The exported tensors in a transformers Qwen3 (fp32): its logits equal the engine's forward
+    on the same (bf16-valued) weights in fp32 within 1e-4; so do verl's log-probs. And the
+    checkpoint manager's ``hf_model`` holds the same tensors."""
+    worker, tensors, _, checkpoint = exported
+    hf = _hf_model(qwen3, tensors)
+    ids = loop.sft_samples(7)[0]
+    with torch.no_grad():
+        want = hf(input_ids=ids.unsqueeze(0)).logits[0].float()
+    got = _engine_logits(worker, ids)  # casts the engine's model: the last use of this worker
+    error = float((got - want).abs().max())
+    assert error < 1e-4, error
+    saved = load_file(str(next((checkpoint / "model" / "huggingface").glob("*.safetensors"))))
+    assert set(saved) == set(tensors)
+    assert all(torch.equal(saved[n], tensors[n]) for n in tensors)
+    config = transformers.AutoConfig.from_pretrained(checkpoint / "model" / "huggingface")
+    assert config.model_type == "qwen3" and config.num_hidden_layers == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# offload
+# ---------------------------------------------------------------------------------------------
+
+
+def _snapshot(engine) -> dict[str, torch.Tensor]:
+    """Model params, fp32 main params and Adam moments, by position (clones)."""
+    (member,) = engine.optimizer.chained_optimizers
+    out = {f"param.{i}": p.detach().clone() for i, p in enumerate(engine.module[0].parameters())}
+    for i, p in enumerate(q for group in member.shard_fp32_from_float16_groups for q in group):
+        out[f"main.{i}"] = p.detach().clone()
+    for i, state in enumerate(member.optimizer.state.values()):
+        out[f"exp_avg.{i}"] = state["exp_avg"].clone()
+        out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].clone()
+    return out
+
+
+def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, sft_run):
+    """``param_offload`` / ``optimizer_offload``: verl frees the model's parameter and gradient
+    buffers between calls and copies them back (host memory on a CPU too, so the round trip is
+    real); the optimizer state's ``.to("cpu")`` is a no-op on a CPU. Training with both on gives
+    the losses of training without (bit for bit), and an explicit round trip restores the state
+    bit for bit."""
+    _, plain = sft_run
+    config = loop.worker_config(qwen3, total_steps=SFT_STEPS, lr=2e-3, param_offload=True,
+                                optimizer_offload=True)  # fmt: skip
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    engine = worker.engine
+    buffer = engine.module[0].buffers[0]
+    assert buffer.param_data.untyped_storage().size() == 0  # offloaded after initialize()
+    losses = _losses(loop.train_sft(worker, 3))
+    assert losses == _losses(plain[:3])
+    device = get_device_name()  # verl's name for the device ("cuda" on its fallback platform)
+    engine.to(device, model=True, optimizer=True, grad=True)
+    before = _snapshot(engine)
+    engine.to("cpu", model=True, optimizer=True, grad=True)
+    assert buffer.param_data.untyped_storage().size() == 0
+    engine.to(device, model=True, optimizer=True, grad=True)
+    after = _snapshot(engine)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_precision_aware_optimizer_without_te_is_refused_before_the_model(qwen3):
+    import dataclasses
+
+    config = loop.worker_config(qwen3)
+    config = dataclasses.replace(
+        config,
+        optimizer_config=dataclasses.replace(
+            config.optimizer_config, use_precision_aware_optimizer=True
+        ),
+    )
+    with pytest.raises(ValueError, match=r"use_precision_aware_optimizer=False") as refused:
+        loop.new_worker(config, loop.sft_loss_fn())
+    assert "Transformer Engine" in str(refused.value)
