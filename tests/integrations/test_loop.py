@@ -38,18 +38,11 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.transformer.attention import NPUFusionAttention
 from tests.integrations import verl_loop as loop
+from tests.integrations.conftest import SFT_STEPS
+
+DENSE = loop.FAMILY_SETTINGS["qwen3"]  # the settings of the dense SFT run (conftest)
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
-
-
-@pytest.fixture(scope="session")
-def qwen3(tmp_path_factory) -> str:
-    return loop.save_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
-
-
-@pytest.fixture(scope="session")
-def qwen3_moe(tmp_path_factory) -> str:
-    return loop.save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
 
 
 def _gpt(engine):
@@ -67,24 +60,13 @@ def _losses(metrics) -> list[float]:
 # initialize() and SFT through train_batch
 # ---------------------------------------------------------------------------------------------
 
-SFT_STEPS = 30
 
-
-@pytest.fixture(scope="module")
-def sft_run(qwen3):
-    """30 ``train_batch`` steps of verl's SFT loss, thd (``use_remove_padding=True``)."""
-    worker = loop.new_worker(
-        loop.worker_config(qwen3, total_steps=SFT_STEPS, lr=2e-3), loop.sft_loss_fn()
-    )
-    return worker, loop.train_sft(worker, SFT_STEPS)
-
-
-def test_initialize_builds_megatrons_distributed_optimizer_with_fp32_main_params(sft_run):
+def test_initialize_builds_megatrons_distributed_optimizer_with_fp32_main_params(dense_sft_run):
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    worker, _ = sft_run
+    worker, _ = dense_sft_run
     engine = worker.engine
     assert type(engine) is NPUMegatronEngineWithLMHead
     assert isinstance(engine.optimizer, ChainedOptimizer)
@@ -102,8 +84,8 @@ def test_initialize_builds_megatrons_distributed_optimizer_with_fp32_main_params
     assert all(isinstance(x.self_attention.core_attention, NPUFusionAttention) for x in layers)
 
 
-def test_thirty_sft_steps_lower_the_loss_by_a_third(sft_run):
-    _, metrics = sft_run
+def test_thirty_sft_steps_lower_the_loss_by_a_third(dense_sft_run):
+    _, metrics = dense_sft_run
     losses = _losses(metrics)
     assert len(losses) == SFT_STEPS
     drop = 1 - losses[-1] / losses[0]
@@ -113,24 +95,24 @@ def test_thirty_sft_steps_lower_the_loss_by_a_third(sft_run):
     assert last["mfu"] > 0  # verl's FLOPs counter ran (global_token_num was passed)
 
 
-def test_bshd_sft_steps_start_where_thd_does_and_fall(qwen3, sft_run):
+def test_bshd_sft_steps_start_where_thd_does_and_fall(qwen3, dense_sft_run):
     """bshd (``use_remove_padding=False``: the engine's mask-free path) on the same weights and
     batch: the first loss equals thd's to bf16 precision, and the loss falls."""
-    _, thd = sft_run
-    config = loop.worker_config(qwen3, remove_padding=False, total_steps=SFT_STEPS, lr=2e-3)
+    _, thd = dense_sft_run
+    config = loop.worker_config(qwen3, remove_padding=False, **DENSE)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     losses = _losses(loop.train_sft(worker, 4))
     assert abs(losses[0] - thd[0]["loss"]) < 2e-2, (losses[0], thd[0]["loss"])
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def test_qwen3_moe_sft_steps_lower_the_loss(qwen3_moe):
-    worker = loop.new_worker(loop.worker_config(qwen3_moe, total_steps=10), loop.sft_loss_fn())
+def test_qwen3_moe_sft_steps_lower_the_loss(moe_sft_run):
     from mcore_npu.training.optimizer_resume import torch_adam_distributed_optimizers
 
+    worker, metrics = moe_sft_run
     # dense and expert parameters: two distributed optimizers, both repaired on resume
     assert len(torch_adam_distributed_optimizers(worker.engine.optimizer)) == 2
-    losses = _losses(loop.train_sft(worker, 5))
+    losses = _losses(metrics)
     assert losses[-1] < losses[0] - 0.1, losses
 
 
@@ -369,15 +351,14 @@ def _snapshot(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, sft_run):
+def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, dense_sft_run):
     """``param_offload`` / ``optimizer_offload``: verl frees the model's parameter and gradient
     buffers between calls and copies them back (host memory on a CPU too, so the round trip is
     real); the optimizer state's ``.to("cpu")`` is a no-op on a CPU. Training with both on gives
     the losses of training without (bit for bit), and an explicit round trip restores the state
     bit for bit."""
-    _, plain = sft_run
-    config = loop.worker_config(qwen3, total_steps=SFT_STEPS, lr=2e-3, param_offload=True,
-                                optimizer_offload=True)  # fmt: skip
+    _, plain = dense_sft_run
+    config = loop.worker_config(qwen3, **DENSE, param_offload=True, optimizer_offload=True)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     engine = worker.engine
     buffer = engine.module[0].buffers[0]

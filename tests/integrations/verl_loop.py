@@ -31,6 +31,11 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attentio
              tie_word_embeddings=False, hidden_act="silu")  # fmt: skip
 
 
+# per family: the schedule of the SFT runs compared across layouts (conftest's one-process runs,
+# verl_loop_ranks.py's torchrun layouts): the same settings, the same seeded batch
+FAMILY_SETTINGS = {"qwen3": {"total_steps": 30, "lr": 2e-3}, "qwen3_moe": {"total_steps": 10}}
+
+
 def hf_config(family: str):
     """The tiny Qwen3 (``"qwen3"``) or Qwen3-MoE (``"qwen3_moe"``: 4 experts, top-2) config."""
     import transformers
