@@ -89,6 +89,7 @@ def test_thirty_sft_steps_lower_the_loss_by_a_third(dense_sft_run):
     losses = _losses(metrics)
     assert len(losses) == SFT_STEPS
     drop = 1 - losses[-1] / losses[0]
+    print(f"SFT thd: {losses[0]:.4f} -> {losses[-1]:.4f} over {SFT_STEPS} steps ({drop:.1%})")
     assert drop >= 0.30, f"{losses[0]:.4f} -> {losses[-1]:.4f} ({drop:.1%})"
     last = metrics[-1]
     assert last["grad_norm"] > 0 and last["lr"] >= 0
@@ -102,6 +103,7 @@ def test_bshd_sft_steps_start_where_thd_does_and_fall(qwen3, dense_sft_run):
     config = loop.worker_config(qwen3, remove_padding=False, **DENSE)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     losses = _losses(loop.train_sft(worker, 4))
+    print(f"bshd: first loss {losses[0]:.6f} vs thd {thd[0]['loss']:.6f}; 4 steps: {losses}")
     assert abs(losses[0] - thd[0]["loss"]) < 2e-2, (losses[0], thd[0]["loss"])
     assert losses[-1] < losses[0] - 0.1, losses
 
@@ -114,6 +116,92 @@ def test_qwen3_moe_sft_steps_lower_the_loss(moe_sft_run):
     assert len(torch_adam_distributed_optimizers(worker.engine.optimizer)) == 2
     losses = _losses(metrics)
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def _own_trainer(qwen3):
+    """The plugin's own trainer (``mcore_npu.training.train.Trainer``) for the tiny Qwen3: the
+    same architecture from the trainer's YAML keys, bf16 (what verl forces), TE names."""
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.train import Trainer
+
+    hf = transformers.AutoConfig.from_pretrained(qwen3)
+    overrides = [
+        "model.num_layers=2", f"model.hidden_size={hf.hidden_size}",
+        f"model.num_attention_heads={hf.num_attention_heads}",
+        f"model.num_query_groups={hf.num_key_value_heads}",
+        f"model.ffn_hidden_size={hf.intermediate_size}", f"model.vocab_size={hf.vocab_size}",
+        "model.normalization=RMSNorm", "model.qk_layernorm=true", "model.activation=swiglu",
+        "model.add_bias_linear=false", "model.share_embeddings_and_output_weights=false",
+        f"model.rotary_base={int(hf.rope_parameters['rope_theta'])}",
+        f"model.extra.layernorm_epsilon={hf.rms_norm_eps}", "model.param_layout=te",
+        "model.max_sequence_length=64", "train.seq_length=32", "train.dtype=bf16",
+        "attention.backend=npu_fusion", "train.progress=false",
+    ]  # fmt: skip
+    return Trainer(load_config(None, overrides))
+
+
+def _packed(samples):
+    """The SFT samples as the trainer's one packed micro-batch ``[1, T]``: labels are the next
+    token of the same sample; the loss mask is verl's SFT mask (``loss_mask`` rolled by one:
+    the prompt's and each sample's last position carry no loss)."""
+    from mcore_npu.training.data import MicroBatch
+
+    tokens = torch.cat(samples)[None]
+    labels = torch.cat([torch.roll(s, -1) for s in samples])[None]
+    mask = torch.cat([(torch.arange(len(s)) >= loop.PROMPT - 1) & (torch.arange(len(s)) < len(s) - 1)
+                      for s in samples]).float()[None]  # fmt: skip
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    ends = torch.tensor([len(s) for s in samples]).cumsum(0)
+    cu = torch.cat([torch.zeros(1), ends]).to(torch.int32)
+    return MicroBatch(tokens, labels, mask, positions, cu_seqlens=cu,
+                      max_seqlen=max(len(s) for s in samples),
+                      seq_ends=tuple(int(e) for e in ends))  # fmt: skip
+
+
+def test_one_step_equals_the_plugins_own_trainer(tmp_path):
+    """verl's ``train_batch`` (SFT loss, thd, one micro-batch) and the plugin's own trainer
+    (its model, packed thd micro-batch, masked-mean loss, DDP, through Megatron's schedule) on
+    the same weights and batch: the same loss and the same fp32 gradients.
+
+    Both are bf16 models (verl's engine cannot be fp32) computing the same bf16 operations in
+    the same order, so the tolerance stays at fp32 level: loss within 1e-5, every gradient
+    within 1e-5 of the largest gradient element (measured: see the README). The trainer's
+    byte-level data needs a vocabulary of at least 257, so this Qwen3 has 264 (the trainer's
+    default)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    qwen3 = loop.save_checkpoint("qwen3", tmp_path, vocab=264)
+    config = loop.worker_config(qwen3, micro_batch=len(loop.SFT_LENGTHS), **DENSE)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    gpt = _gpt(worker.engine)
+    verl_grads = {}
+    step = worker.engine.optimizer_step
+
+    def snapshot_then_step():  # a spy on verl's own call: the gradients before the update
+        verl_grads.update({n: p.main_grad.clone() for n, p in gpt.named_parameters()})
+        return step()
+
+    worker.engine.optimizer_step = snapshot_then_step
+    weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
+    (metrics,) = loop.train_sft(worker, 1)
+
+    trainer = _own_trainer(qwen3)
+    own = trainer.model.module.module  # DDP -> Float16Module -> GPTModel
+    own.load_state_dict(weights, strict=True)
+    trainer.model.zero_grad_buffer()
+    losses = get_forward_backward_func()(
+        forward_step_func=trainer._forward_step, data_iterator=iter([_packed(loop.sft_samples(0))]),
+        model=[trainer.model], num_microbatches=1, seq_length=1, micro_batch_size=1,
+        forward_only=False,
+    )  # fmt: skip
+    own_loss = float(losses[0]["lm loss"])
+    own_grads = {n: p.main_grad for n, p in own.named_parameters()}
+    assert own_grads.keys() == verl_grads.keys()
+    scale = max(float(g.abs().max()) for g in verl_grads.values())
+    grad_error = max(float((own_grads[n] - verl_grads[n]).abs().max()) for n in own_grads)
+    print(f"loss {metrics['loss']:.7f} vs {own_loss:.7f}; grads {grad_error:.2e} of {scale:.2e}")
+    assert abs(metrics["loss"] - own_loss) <= 1e-5
+    assert grad_error <= 1e-5 * scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +226,7 @@ def test_grpo_actor_update_lowers_the_policy_loss(qwen3):
         metrics = loop.update(worker, batch)
         assert metrics["grad_norm"][0] > 0
         losses.append(loop.forward_loss(worker, batch))
+    print(f"GRPO policy loss on the batch: {losses}")
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert metrics["actor/ppo_kl"][0] != 0  # the policy moved away from the rollout's
 
@@ -156,6 +245,7 @@ def test_critic_value_loss_falls(qwen3):
     for _ in range(UPDATES):
         loop.update(worker, batch)
         losses.append(loop.forward_loss(worker, batch))
+    print(f"critic value loss on the batch: {losses}")
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
@@ -193,6 +283,8 @@ def test_resume_in_a_fresh_worker_is_exact(qwen3, uninterrupted):
     assert len({id(step) for step in steps}) == len(steps)  # one counter per parameter
     resumed = _losses(loop.train_sft(worker, RESUME_END - RESUME_AT))
     error = max(abs(a - b) for a, b in zip(resumed, later, strict=True))
+    print(f"resume ({'fully_reshardable' if fully_reshardable else 'dp_reshardable'}): "
+          f"max |loss - uninterrupted| over steps 6-10 = {error:.2e}")  # fmt: skip
     assert error <= 1e-6, (resumed, later)
 
 
@@ -240,6 +332,8 @@ def test_without_the_engines_load_verls_megatron_load_fails_or_drifts(qwen3, uni
     (member,) = torch_adam_distributed_optimizers(worker.engine.optimizer)
     assert {float(s["step"]) for s in member.optimizer.state.values()} == {0.0}
     resumed = _losses(loop.train_sft(worker, RESUME_END - RESUME_AT))
+    drift = max(abs(a - b) for a, b in zip(resumed[1:], later[1:]))
+    print(f"verl's own load (step counter 0): losses 7-10 drift by up to {drift:.2e}")
     assert resumed[0] == pytest.approx(later[0], abs=1e-6)  # computed before the first update
     assert max(abs(a - b) for a, b in zip(resumed[1:], later[1:])) > 1e-3, (resumed, later)
 
@@ -315,6 +409,19 @@ def _engine_logits(worker, ids: torch.Tensor) -> torch.Tensor:
     return logits[0].float()
 
 
+def _verl_log_probs(worker, ids: torch.Tensor) -> torch.Tensor:
+    """``[S - 1]``: verl's ``infer_batch`` log-probs of the next tokens of one sequence."""
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.get_tensordict(
+        {"input_ids": tu.nested_tensor_from_tensor_list([ids]),
+         "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(ids)])},
+        {"temperature": 1.0, "compute_loss": False, "micro_batch_size_per_gpu": 1},
+    )  # fmt: skip
+    (row,) = tu.get(worker.infer_batch(data), "log_probs").unbind()
+    return row[:-1].float()
+
+
 def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported):
     """The exported tensors in a transformers Qwen3 (fp32): its logits equal the engine's forward
     on the same (bf16-valued) weights in fp32 within 1e-4; so do verl's log-probs. And the
@@ -326,7 +433,13 @@ def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported
         want = hf(input_ids=ids.unsqueeze(0)).logits[0].float()
     got = _engine_logits(worker, ids)  # casts the engine's model: the last use of this worker
     error = float((got - want).abs().max())
+    print(f"exported weights in transformers: max |logit - engine| = {error:.2e}")
     assert error < 1e-4, error
+    log_probs = _verl_log_probs(worker, ids)  # verl's infer_batch, the model now fp32
+    want_lp = torch.log_softmax(want, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    lp_error = float((log_probs - want_lp).abs().max())
+    print(f"verl's log-probs vs transformers': {lp_error:.2e}")
+    assert lp_error < 1e-4
     saved = load_file(str(next((checkpoint / "model" / "huggingface").glob("*.safetensors"))))
     assert set(saved) == set(tensors)
     assert all(torch.equal(saved[n], tensors[n]) for n in tensors)

@@ -36,27 +36,29 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attentio
 FAMILY_SETTINGS = {"qwen3": {"total_steps": 30, "lr": 2e-3}, "qwen3_moe": {"total_steps": 10}}
 
 
-def hf_config(family: str):
+def hf_config(family: str, vocab: int = VOCAB):
     """The tiny Qwen3 (``"qwen3"``) or Qwen3-MoE (``"qwen3_moe"``: 4 experts, top-2) config."""
     import transformers
 
+    shape = {**SHAPE, "vocab_size": vocab}
     if family == "qwen3":
-        return transformers.Qwen3Config(**SHAPE, intermediate_size=128)
+        return transformers.Qwen3Config(**shape, intermediate_size=128)
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=32,
+        return transformers.Qwen3MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32,
                                            num_experts=4, num_experts_per_tok=2,
                                            norm_topk_prob=True)  # fmt: skip
     raise ValueError(f"family: {family!r}; use 'qwen3' or 'qwen3_moe'")
 
 
-def save_checkpoint(family: str, path) -> str:
-    """Random fp32 weights (seed 0) and a word-level tokenizer (``t0`` = pad) in ``path``."""
+def save_checkpoint(family: str, path, vocab: int = VOCAB) -> str:
+    """Random fp32 weights (seed 0) and a word-level tokenizer (``t0`` = pad, 128 words) in
+    ``path``; ``vocab``: the model's vocabulary (the samples use ids below 128)."""
     import transformers
 
     from tests.integrations.conftest import _save_word_level_tokenizer
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab))
     model.save_pretrained(path, safe_serialization=True)
     _save_word_level_tokenizer(path)
     return str(path)
