@@ -32,11 +32,13 @@ change five things, nothing else:
    ``actual_seq_qlen`` from ``cu_seqlens``. Nothing is read from or written to globals.
    (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed it only
    logs that it skipped.)
-4. **Checkpoint loading** (``load_checkpoint``): without TE or Apex, Megatron's distributed
-   optimizer runs over torch's Adam, and a load into a fresh worker asserts on its empty state
-   and then restores the step counter as 0, one tensor shared by all parameters. The engine
-   loads through :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run
-   continues exactly (on an NPU as on a CPU; TE/Apex optimizers are left alone).
+4. **The optimizer without TE or Apex** (as on an NPU without MindSpeed): Megatron's
+   distributed optimizer runs over torch's Adam, and a load into a fresh worker asserts on its
+   empty state and then restores the step counter as 0, one tensor shared by all parameters.
+   ``load_checkpoint`` loads through
+   :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run continues
+   exactly (TE/Apex optimizers are left alone). ``use_precision_aware_optimizer=True``, which
+   megatron-core cannot build without TE, is refused before any model is built.
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
