@@ -118,6 +118,17 @@ def test_qwen3_moe_sft_steps_lower_the_loss(moe_sft_run):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+def test_qwen3_moe_bshd_starts_where_thd_does_and_falls(qwen3_moe, moe_sft_run):
+    _, thd = moe_sft_run
+    config = loop.worker_config(
+        qwen3_moe, remove_padding=False, **loop.FAMILY_SETTINGS["qwen3_moe"]
+    )
+    losses = _losses(loop.train_sft(loop.new_worker(config, loop.sft_loss_fn()), 3))
+    print(f"MoE bshd: first loss {losses[0]:.6f} vs thd {thd[0]['loss']:.6f}; 3 steps: {losses}")
+    assert abs(losses[0] - thd[0]["loss"]) < 2e-2, (losses[0], thd[0]["loss"])
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
 def _own_trainer(qwen3):
     """The plugin's own trainer (``mcore_npu.training.train.Trainer``) for the tiny Qwen3: the
     same architecture from the trainer's YAML keys, bf16 (what verl forces), TE names."""
@@ -231,12 +242,16 @@ def test_grpo_actor_update_lowers_the_policy_loss(qwen3):
     assert metrics["actor/ppo_kl"][0] != 0  # the policy moved away from the rollout's
 
 
-def test_critic_value_loss_falls(qwen3):
-    """``NPUMegatronEngineWithValueHead`` (verl's ``value_model``) through verl's value loss."""
-    config = loop.worker_config(qwen3, model_type="value_model", total_steps=10)
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["thd", "bshd"])
+def test_critic_value_loss_falls(qwen3, remove_padding):
+    """``NPUMegatronEngineWithValueHead`` (verl's ``value_model``) through verl's value loss,
+    thd and bshd (the value engine's mask-free path)."""
+    config = loop.worker_config(qwen3, model_type="value_model", total_steps=10,
+                                remove_padding=remove_padding)  # fmt: skip
     worker = loop.new_worker(config, loop.value_loss_fn())
     assert type(worker.engine) is NPUMegatronEngineWithValueHead
     assert _gpt(worker.engine).output_layer.weight.shape[0] == 1  # the value head
+    mask_free = _count_calls(worker.engine, "_mask_free_step")
     batch = loop.rollout_batch(0)
     generator = torch.Generator().manual_seed(3)
     batch["values"] = 0.1 * torch.randn(batch["response_mask"].shape, generator=generator)
@@ -245,8 +260,21 @@ def test_critic_value_loss_falls(qwen3):
     for _ in range(UPDATES):
         loop.update(worker, batch)
         losses.append(loop.forward_loss(worker, batch))
-    print(f"critic value loss on the batch: {losses}")
+    print(f"critic value loss ({'thd' if remove_padding else 'bshd'}) on the batch: {losses}")
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert (len(mask_free) > 0) is (not remove_padding)  # bshd: the engine's mask-free path
+
+
+def _count_calls(engine, name: str) -> list:
+    """Record each call of ``engine.<name>`` (an instance-level spy that calls through)."""
+    calls, method = [], getattr(engine, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return method(*args, **kwargs)
+
+    setattr(engine, name, spy)
+    return calls
 
 
 # ---------------------------------------------------------------------------------------------
