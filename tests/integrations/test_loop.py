@@ -13,7 +13,9 @@ What makes ``initialize()`` and ``train_batch`` finish on a CPU are the shims of
 the Megatron / verl lines). What makes resume exact is the engine's ``load_checkpoint``
 (``mcore_npu.training.optimizer_resume``), needed wherever Megatron's distributed optimizer runs
 over torch's Adam: on an NPU as here. Nothing in verl or Megatron is mocked; the only stand-in in
-this folder is the NPU allocator of ``test_workers.py``.
+this folder is the NPU allocator of ``test_workers.py``. Two tests put an instance-level spy on
+one engine method (``optimizer_step``: the gradients before the update; ``_mask_free_step``:
+that bshd took it), which records and calls through.
 """
 
 from __future__ import annotations

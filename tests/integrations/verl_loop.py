@@ -16,7 +16,6 @@ and fp32 gradient buffers: Megatron's mixed-precision distributed optimizer, as 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from contextlib import contextmanager
 from functools import partial
@@ -218,13 +217,6 @@ def train_sft(worker, steps: int, *, seed: int = 0, dp_rank: int = 0, dp_size: i
     return metrics
 
 
-def eval_sft(worker, *, seed: int = 0) -> float:
-    """verl's ``infer_batch`` SFT loss on the seeded batch (no update)."""
-    from verl.utils import tensordict_utils as tu
-
-    return tu.get(worker.infer_batch(sft_batch(seed)), "metrics")["loss"]
-
-
 # ---------------------------------------------------------------------------------------------
 # PPO / GRPO: a rollout batch, left-right padded as the rollout returns it
 # ---------------------------------------------------------------------------------------------
@@ -339,9 +331,3 @@ def forward_loss(worker, batch, **meta) -> float:
     size = batch.batch_size[0]
     data = to_engine_layout(batch, global_batch_size=size, compute_loss=True, **meta)
     return tu.get(worker.infer_batch(data), "metrics")["loss"]
-
-
-def replace_engine(config, **fields):
-    """``config`` with more ``McoreEngineConfig`` fields."""
-    return dataclasses.replace(config, engine_config=dataclasses.replace(config.engine_config,
-                                                                         **fields))  # fmt: skip
