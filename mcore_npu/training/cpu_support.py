@@ -27,6 +27,21 @@ uneven sequence-parallel gather       ``UnevenGatherOnGloo``: each rank's rows p
 (the alltoall dispatcher under        longest, one even ``all_gather_into_tensor``, padding
 EP x TP: ``all_gather`` with          dropped (gloo's list ``all_gather`` refuses unequal
 ``output_split_sizes``)               sizes; its uneven ``reduce_scatter`` works)
+mixed-precision optimizers' type      ``CudaTypeNames`` while ``DistributedOptimizer`` /
+check (``param.type()`` against       ``Float16OptimizerWithFloat16Params`` are constructed:
+``'torch.cuda.BFloat16Tensor'`` ...:  ``Tensor.type()`` (no argument) of a CPU tensor
+``distrib_optimizer.py:361, 420,      answers the CUDA name of its dtype; the fp32 main
+582``; ``optimizer.py:671, 690``)     params are built as on CUDA. Only inside those two
+                                      constructors
+``torch.cuda.mem_get_info()``         ``(0, 0)``: no device memory (verl's
+(verl's ``log_gpu_memory_usage``,     ``log_gpu_memory_usage`` at the end of
+``verl/utils/profiler/                ``engine.initialize()`` then logs 0.00/0.00 GB)
+performance.py:54``)
+``torch.cuda.get_device_name()``      ``"CPU"`` (verl's FLOPs table has a CPU entry, so
+(verl's FLOPs counter,                ``train_batch`` reports an ``mfu`` against it)
+``verl/utils/flops_counter.py:80``,
+whenever ``global_token_num`` is
+given, as verl's SFT trainer does)
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -37,6 +52,7 @@ undoes it (for tests).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +80,54 @@ class CudaFactoriesOnCpu(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+class CudaTypeNames(TorchFunctionMode):
+    """``Tensor.type()`` without an argument answers ``'torch.cuda.<Name>Tensor'`` for a CPU tensor
+    of dtype float32 / float16 / bfloat16 (what the tensor would be called on CUDA).
+
+    Megatron's mixed-precision optimizers sort parameters into fp16/bf16 (fp32 main copy made)
+    and fp32 by comparing ``param.type()`` with CUDA type names, and raise ``TypeError`` on
+    anything else. Active only while those constructors run (see ``_with_cuda_type_names``);
+    ``tensor.type(dtype)`` conversions and every other call are untouched.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[tensor.dtype]
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(init):
+    """``init`` (an optimizer constructor) run under :class:`CudaTypeNames`."""
+
+    @functools.wraps(init)
+    def constructor(self, *args, **kwargs):
+        with CudaTypeNames():
+            init(self, *args, **kwargs)
+
+    constructor.__wrapped_cpu_shim__ = init
+    return constructor
+
+
+def _no_device_memory(device=None) -> tuple[int, int]:
+    """``torch.cuda.mem_get_info`` on a CPU: ``(free, total) = (0, 0)``, no device memory."""
+    return 0, 0
+
+
+def _cpu_device_name(device=None) -> str:
+    """``torch.cuda.get_device_name`` on a CPU."""
+    return "CPU"
 
 
 def _is_cuda(device) -> bool:
@@ -218,6 +282,19 @@ def apply() -> None:
     originals["_gather_along_first_dim"] = mappings._gather_along_first_dim
     mappings._gather_along_first_dim = UnevenGatherOnGloo(mappings._gather_along_first_dim)
 
+    from megatron.core.optimizer import distrib_optimizer
+
+    for cls in (
+        distrib_optimizer.DistributedOptimizer,
+        megatron_optimizer.Float16OptimizerWithFloat16Params,
+    ):
+        originals[f"{cls.__name__}.__init__"] = cls.__dict__["__init__"]
+        cls.__init__ = _with_cuda_type_names(cls.__dict__["__init__"])
+    for name in ("mem_get_info", "get_device_name"):
+        originals[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
+    torch.cuda.mem_get_info = _no_device_memory
+    torch.cuda.get_device_name = _cpu_device_name
+
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
@@ -248,8 +325,15 @@ def revert() -> None:
     mp_random._get_cuda_rng_state = originals["_get_cuda_rng_state"]
     mp_random._set_cuda_rng_state = originals["_set_cuda_rng_state"]
     megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
-    for name in ("Stream", "current_stream", "stream"):
+    for name in ("Stream", "current_stream", "stream", "mem_get_info", "get_device_name"):
         setattr(torch.cuda, name, originals[f"torch.cuda.{name}"])
+    from megatron.core.optimizer import distrib_optimizer
+
+    for cls in (
+        distrib_optimizer.DistributedOptimizer,
+        megatron_optimizer.Float16OptimizerWithFloat16Params,
+    ):
+        cls.__init__ = originals[f"{cls.__name__}.__init__"]
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = originals["maybe_move_tensor_to_cpu"]

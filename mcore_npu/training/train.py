@@ -100,7 +100,6 @@ class Trainer(ExpandableSegmentsMixin):
             expandable_segments_strict=cfg.memory.strict,
         )
         self.cfg = cfg
-        _check_dtype_supported(cfg)
         par = cfg.parallel
         layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context, par.expert)
         self.runtime = runtime.initialize(
@@ -412,18 +411,6 @@ def _prepare_run_folder(cfg) -> run_folder.FolderLock | None:
 
 def _due(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
-
-
-def _check_dtype_supported(cfg) -> None:
-    from mcore_npu.allocator import device
-
-    if cfg.train.dtype != "fp32" and device.current_accelerator() == "cpu":
-        raise ConfigError(
-            "train.dtype",
-            cfg.train.dtype,
-            "Megatron's mixed-precision optimizer only takes CUDA/NPU tensors",
-            "use train.dtype=fp32 on a CPU, or run on an NPU/GPU",
-        )
 
 
 def _packed_seq_params(batch: MicroBatch):

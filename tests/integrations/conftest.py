@@ -181,3 +181,50 @@ def npu_engine_env(monkeypatch):
     """Make verl's EngineRegistry look up ``("npu", "huawei")``, as on an Ascend machine."""
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "npu")
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "huawei")
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's training loop (test_loop.py, test_loop_parallel.py): checkpoints and one-process runs
+# ---------------------------------------------------------------------------------------------
+
+SFT_STEPS = 30  # the dense SFT run; its first steps are also the one-process reference
+MOE_STEPS = 5
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory) -> str:
+    """A tiny Qwen3 (hidden 64, 2 layers, vocab 128, random weights) and its tokenizer."""
+    from tests.integrations import verl_loop
+
+    return verl_loop.save_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (4 experts, top-2) and its tokenizer."""
+    from tests.integrations import verl_loop
+
+    return verl_loop.save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def dense_sft_run(cpu_runtime, qwen3):
+    """``(worker, metrics)``: 30 ``train_batch`` steps of verl's SFT loss on the tiny Qwen3, thd,
+    one process, with ``verl_loop.FAMILY_SETTINGS["qwen3"]``."""
+    from tests.integrations import verl_loop
+
+    settings = verl_loop.FAMILY_SETTINGS["qwen3"]
+    worker = verl_loop.new_worker(verl_loop.worker_config(qwen3, **settings),
+                                  verl_loop.sft_loss_fn())  # fmt: skip
+    return worker, verl_loop.train_sft(worker, SFT_STEPS)
+
+
+@pytest.fixture(scope="session")
+def moe_sft_run(cpu_runtime, qwen3_moe):
+    """``(worker, metrics)``: 5 SFT steps on the tiny Qwen3-MoE, thd, one process."""
+    from tests.integrations import verl_loop
+
+    settings = verl_loop.FAMILY_SETTINGS["qwen3_moe"]
+    worker = verl_loop.new_worker(verl_loop.worker_config(qwen3_moe, **settings),
+                                  verl_loop.sft_loss_fn())  # fmt: skip
+    return worker, verl_loop.train_sft(worker, MOE_STEPS)

@@ -14,11 +14,11 @@ file) and per layout the recipe uses (thd: ``use_remove_padding=True``; bshd: Fa
   fp32 after the bridge loads the weights in bf16, and transformers gets the same bf16-rounded
   weights in fp32; see test_engine_moe.py), every gradient is finite and most are non-zero.
 
-As in test_engine.py the build stops before the optimizer (Megatron's mixed-precision optimizer
-wants CUDA tensors): ``_build_tf_config`` and ``_build_megatron_module`` are the steps
-``engine.initialize()`` runs first. Keys that switch a fused path (``apply_rope_fusion`` ->
-``rope_kernel``, ``moe_permute_fusion`` -> ``moe_permute_kernel``) reach the spec, and the built
-layers hold the fused modules (``NPURotarySelfAttention``, ``NPUMoELayer``) exactly when asked.
+As in test_engine.py only the model is needed: ``_build_tf_config`` and
+``_build_megatron_module`` are the steps ``engine.initialize()`` runs first. Keys that switch a
+fused path (``apply_rope_fusion`` -> ``rope_kernel``, ``moe_permute_fusion`` ->
+``moe_permute_kernel``) reach the spec, and the built layers hold the fused modules
+(``NPURotarySelfAttention``, ``NPUMoELayer``) exactly when asked.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change four things, nothing else:
+change five things, nothing else:
 
 0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
    (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
@@ -40,6 +40,13 @@ change four things, nothing else:
    ``actual_seq_qlen`` from ``cu_seqlens``. Nothing is read from or written to globals.
    (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed it only
    logs that it skipped.)
+4. **The optimizer without TE or Apex** (as on an NPU without MindSpeed): Megatron's
+   distributed optimizer runs over torch's Adam, and a load into a fresh worker asserts on its
+   empty state and then restores the step counter as 0, one tensor shared by all parameters.
+   ``load_checkpoint`` loads through
+   :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run continues
+   exactly (TE/Apex optimizers are left alone). ``use_precision_aware_optimizer=True``, which
+   megatron-core cannot build without TE, is refused before any model is built.
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
@@ -50,6 +57,7 @@ MindSpeed engine, so on Ascend (or with ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VEN
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import sys
 from functools import partial
@@ -190,6 +198,7 @@ class _NPUEngineMixin:
 
     def _build_tf_config(self):
         require_megatron_bridge(self.engine_config)
+        self._check_optimizer_config()
         self._apply_recipe()
         if self.engine_config.vanilla_mbridge and needs_fixed_bridge(self.model_config.hf_config):
             # mbridge's own bridge cannot build this config (DeepSeek-V3): the plugin builds
@@ -200,6 +209,30 @@ class _NPUEngineMixin:
         self._install_npu_layer_spec()
         if self.provider is None:
             self._match_hf_config()
+
+    def _check_optimizer_config(self) -> None:
+        """Refuse, before any model is built, an optimizer Megatron cannot build without TE.
+
+        ``use_precision_aware_optimizer=True`` (the large Ascend recipes set it, with
+        ``override_optimizer_config.optimizer_cpu_offload``): megatron-core 0.16.1's
+        ``OptimizerConfig.__post_init__`` calls ``is_te_min_version("2.1.0")`` for it
+        (``megatron/core/optimizer/optimizer_config.py:383``), which raises ``TypeError`` when
+        Transformer Engine is not installed, with or without CPU offload. No Transformer Engine
+        exists for Ascend NPUs.
+        """
+        if self.engine_config.forward_only or self.optimizer_config is None:
+            return
+        if not getattr(self.optimizer_config, "use_precision_aware_optimizer", False):
+            return
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(
+                "optim.use_precision_aware_optimizer=True: megatron-core's OptimizerConfig "
+                "checks the Transformer Engine version for it (optimizer_config.py:383, "
+                "is_te_min_version) and fails without Transformer Engine, which Ascend NPUs do "
+                "not have (also with optimizer_cpu_offload). Set "
+                "optim.use_precision_aware_optimizer=False: the Adam state stays fp32, and "
+                "megatron.optimizer_offload=True keeps it in host memory between steps."
+            )
 
     def _apply_recipe(self) -> None:
         """The recipe vocabulary (``specs/recipe_keys.yaml``), before verl reads the overrides.
@@ -251,6 +284,23 @@ class _NPUEngineMixin:
             raise ValueError(
                 "engine_config.use_mbridge: the NPU Megatron engine builds its model through a "
                 "bridge (mbridge or Megatron-Bridge); got no bridge. Set use_mbridge=True."
+            )
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        """verl's ``load_checkpoint``, with the Adam state restored exactly.
+
+        Without TE or Apex (an NPU without MindSpeed, or a CPU) Megatron's distributed optimizer
+        runs over torch's Adam: loading into a fresh worker asserts on its empty state, and the
+        restored step counter is the fresh optimizer's 0, shared by every parameter
+        (:mod:`mcore_npu.training.optimizer_resume` names the lines). The load runs inside
+        :func:`~mcore_npu.training.optimizer_resume.exact_adam_resume`, which changes nothing
+        for TE/Apex optimizers.
+        """
+        from mcore_npu.training.optimizer_resume import exact_adam_resume
+
+        with exact_adam_resume(self.optimizer):
+            return super().load_checkpoint(
+                local_path, hdfs_path, del_local_after_load=del_local_after_load, **kwargs
             )
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
