@@ -54,25 +54,36 @@ def test_npu_spec_equals_megatrons_mla(packed, q_lora_rank):
         assert logits <= TOLERANCE and grads <= TOLERANCE, (rope_kernel, logits, grads)
 
 
-def test_yarn_scale_and_plain_rope():
-    """MLA's softmax scale carries yarn's mscale (mscale_all_dim); rope_type='rope' also equals
-    Megatron (its RotaryEmbedding on the rope slice), fused or not."""
+def test_mindspeed_yarn_keys_reach_mla_and_plain_rope_too():
+    """verl's DeepSeek recipe spells yarn the MindSpeed way; through the recipe vocabulary it
+    becomes Megatron's MLA config, whose softmax scale carries yarn's mscale (mscale_all_dim)
+    and whose NPU-spec model equals Megatron's. rope_type='rope' also equals Megatron (its
+    RotaryEmbedding on the rope slice), fused or not."""
     import math
 
     from megatron.core.models.common.embeddings import _yarn_get_mscale
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    config = mla_config(mscale_all_dim=0.7)
-    model = gpt(config, npu_block(config))
-    mscale = _yarn_get_mscale(4.0, 0.7)
-    assert model.decoder.layers[0].self_attention.core_attention.softmax_scale == pytest.approx(
+    from mcore_npu.transformer.recipe_keys import RecipeContext, translate
+
+    recipe = {"rope_scaling_type": "yarn", "yarn_scaling_factor": 8.0,
+              "rope_scaling_mscale": 1.0, "rope_scaling_mscale_all_dim": 0.7}  # fmt: skip
+    plan = translate(recipe, RecipeContext(config_class=MLATransformerConfig, num_layers=2))
+    assert plan.megatron == {"rope_type": "yarn", "rotary_scaling_factor": 8.0, "mscale": 1.0,
+                             "mscale_all_dim": 0.7}  # fmt: skip
+    for config in (mla_config(**plan.megatron), mla_config(rope_type="rope")):
+        oracle = megatron_oracle(config)
+        want = logits_and_grads(oracle, False)
+        for rope_kernel in ("off", "reference"):
+            model = gpt(config, npu_block(config, rope_kernel=rope_kernel), seed=5)
+            model.load_state_dict(oracle.state_dict())
+            assert max(_worst(logits_and_grads(model, False), want)) <= TOLERANCE
+            scale = model.decoder.layers[0].self_attention.core_attention.softmax_scale
+            assert scale == oracle.decoder.layers[0].self_attention.softmax_scale
+    yarn = gpt(mla_config(**plan.megatron), npu_block(mla_config(**plan.megatron)))
+    mscale = _yarn_get_mscale(8.0, 0.7)
+    assert yarn.decoder.layers[0].self_attention.core_attention.softmax_scale == pytest.approx(
         mscale * mscale / math.sqrt(24))  # fmt: skip
-    plain = mla_config(rope_type="rope")
-    oracle = megatron_oracle(plain)
-    want = logits_and_grads(oracle, False)
-    for rope_kernel in ("off", "reference"):
-        model = gpt(plain, npu_block(plain, rope_kernel=rope_kernel), seed=5)
-        model.load_state_dict(oracle.state_dict())
-        assert max(_worst(logits_and_grads(model, False), want)) <= TOLERANCE
 
 
 def test_layer_spec_builds_mla_in_both_layouts():
