@@ -13,7 +13,10 @@ thd (packed)   q ``[t, np, hn]``, k/v ``[t, ng, hn]``  TND                     `
 =============  =================================  ===========================  ==============
 
 (np: query heads, ng: kv groups, hn: head dim.) K/V are never repeated: the operator does GQA
-natively with ``head_num = np``. The mask arguments come from ``mcore_npu.masks.describe_mask``:
+natively with ``head_num = np``. Multi-latent attention hands v a smaller head dim hv (Dv < D):
+the output is then ``[.., np*hv]``, and ``value_padding`` (the spec's ``mla_value_padding``)
+decides whether v goes to the operator as it is or padded with zeros to hn, the output sliced
+back (``mcore_npu.ops.value_padding``). The mask arguments come from ``mcore_npu.masks.describe_mask``:
 causal attention uses the cached compressed mask (sparse_mode 2/3), sliding windows mode 4,
 packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
 polarity (True = masked out) is the operator's, so explicit masks pass through untouched.

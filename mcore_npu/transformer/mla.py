@@ -72,15 +72,17 @@ __all__ = ["NPUMLASelfAttention", "megatron_mla_constructs"]
 
 
 def megatron_mla_constructs() -> bool:
-    """Whether Megatron's ``MultiLatentAttention.__init__`` runs here: False exactly where its
-    module says ``HAVE_TE`` while ``TELinear`` is not a class (TE's ``MagicMock`` stand-in)."""
+    """Whether Megatron's ``MultiLatentAttention.__init__`` is used as it is: False where its
+    module says ``HAVE_TE`` while ``TELinear`` is not a class (TE's ``MagicMock`` stand-in), so
+    that ``isinstance(..., TELinear)`` raises wherever it is evaluated (megatron-core 0.16.x
+    always, 0.15.x with fp8)."""
     te_linear = getattr(megatron_mla, "TELinear", None)
     return not getattr(megatron_mla, "HAVE_TE", False) or isinstance(te_linear, type)
 
 
 class _MLAConstruction(MultiLatentAttention):
     """``MultiLatentAttention.__init__`` (megatron-core 0.16.1 ``multi_latent_attention.py``
-    lines 90-199), run where Megatron's own raises; see the module doc."""
+    lines 90-199), run where TE's stand-in would make Megatron's raise; see the module doc."""
 
     def __init__(self, config, submodules, layer_number, attn_mask_type, attention_type,
                  cp_comm_type=None, pg_collection=None, **kwargs):  # fmt: skip
@@ -212,7 +214,7 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
             self._up_and_rotate, rotate=self._rotation(hidden_states, packed_seq_params, tokens)
         )
         if self.recompute_up_proj:  # as Megatron (0.16.1 lines 838-843)
-            quantization = config.fp8 or config.fp4
+            quantization = config.fp8 or getattr(config, "fp4", None)
             self.qkv_up_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=quantization)
             query, key, value = self.qkv_up_checkpoint.checkpoint(
                 up, q_compressed, kv_compressed, k_pos_emb
@@ -255,13 +257,15 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
         if kv_combined.size(-1) != config.kv_lora_rank + rope:
             kv_combined = gather_from_tensor_model_parallel_region(kv_combined)
             kv_compressed, k_pos_emb = torch.split(kv_combined, split, dim=-1)
-            k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb, group=self.tp_group)
+            k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb, group=self.pg_collection.tp)
             if config.sequence_parallel:
                 kv_compressed = scatter_to_sequence_parallel_region(kv_compressed)
         else:
             kv_compressed, k_pos_emb = torch.split(kv_combined, split, dim=-1)
             if self.pg_collection.tp.size() > 1 and config.sequence_parallel:
-                k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)
+                k_pos_emb = gather_from_sequence_parallel_region(
+                    k_pos_emb, group=self.pg_collection.tp
+                )
         if packed_seq_params is not None:  # [t, 1, ...] -> [t, ...]
             q_compressed, kv_compressed, k_pos_emb = (
                 t.squeeze(1) for t in (q_compressed, kv_compressed, k_pos_emb)
@@ -292,7 +296,7 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
     def _rotation(self, hidden_states, packed_seq_params, tokens: int):
         """The rope step: ``rotary_mul`` with cached cos/sin (``rope_kernel`` set), else
         Megatron's ``apply_rotary_pos_emb`` with the angles Megatron gives it (0.16.1 lines
-        547-567, 774-818)."""
+        541-576, 776-819)."""
         config = self.config
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, config,
