@@ -101,14 +101,16 @@ def megatron_mla_without_te():
 
 
 def megatron_oracle(config, seed=0):
-    """Megatron's own MLA GPT (local spec, its MLASelfAttention), DefinitionAttention inside."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """Megatron's own MLA GPT (its local block spec: dense and MoE layers as ``config`` says,
+    its MLASelfAttention), DefinitionAttention inside."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=config.qk_layernorm,
-                                    normalization=config.normalization)  # fmt: skip
-    spec.submodules.self_attention.submodules.core_attention = DefinitionAttention
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization=config.normalization)  # fmt: skip
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = DefinitionAttention
     with megatron_mla_without_te():
-        return gpt(config, spec, seed)
+        return gpt(config, block, seed)
 
 
 def packed_params(lengths=PACKED):

@@ -117,15 +117,20 @@ def test_layer_spec_builds_mla_in_both_layouts():
     assert max(_worst(got, want)) <= 1e-6
 
 
-NAME_CASES = [(32, True, "RMSNorm"), (None, True, "RMSNorm"), (32, False, "RMSNorm"),
-              (32, True, "LayerNorm")]  # fmt: skip
+NAME_CASES = [(32, True, "RMSNorm", False), (None, True, "RMSNorm", False),
+              (32, False, "RMSNorm", False), (32, True, "LayerNorm", False),
+              (32, True, "RMSNorm", True)]  # fmt: skip
+MOE = dict(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1],
+           moe_token_dispatcher_type="allgather")  # fmt: skip
 
 
-@pytest.mark.parametrize("q_lora_rank,qk,normalization", NAME_CASES)
-def test_te_layout_names_are_the_te_mla_specs(q_lora_rank, qk, normalization):
+@pytest.mark.parametrize("q_lora_rank,qk,normalization,moe", NAME_CASES)
+def test_te_layout_names_are_the_te_mla_specs(q_lora_rank, qk, normalization, moe):
     """Parameters, state_dict, sharded_state_dict and disk keys equal specs/param_names_te.yaml
-    (Megatron's TE MLA spec); the local layout has the names of Megatron's own local MLA spec."""
-    config = mla_config(q_lora_rank, qk_layernorm=qk, normalization=normalization)
+    (Megatron's TE MLA spec; moe: a dense first layer, then an MoE layer, as DeepSeek-V3); the
+    local layout has the names of Megatron's own local MLA spec."""
+    config = mla_config(q_lora_rank, qk_layernorm=qk, normalization=normalization,
+                        **(MOE if moe else {}))  # fmt: skip
     model = gpt(config, npu_block(config, param_layout="te"))
     assert {n for n, _ in model.named_parameters()} == expected_names(config, "parameters")
     assert set(model.state_dict()) == expected_names(config, "state_dict")
