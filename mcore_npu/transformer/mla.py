@@ -70,6 +70,11 @@ from mcore_npu.transformer.rope import RopeCosSinCache, packed_positions
 
 __all__ = ["NPUMLASelfAttention", "megatron_mla_constructs"]
 
+RETURNS_LATENTS = "q_compressed" in MultiLatentAttention.forward.__code__.co_varnames
+"""Whether Megatron's MLA forward takes ``(query, key, value, q_compressed, kv_compressed)``
+from ``get_query_key_value_tensors`` (0.16) or ``(query, key, value)`` (0.15): read from the
+forward's own local names, not from the version."""
+
 
 def megatron_mla_constructs() -> bool:
     """Whether Megatron's ``MultiLatentAttention.__init__`` is used as it is: False where its
@@ -193,8 +198,9 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,
                                     inference_context=None, *, inference_params=None):  # fmt: skip
-        """``(query, key, value, q_compressed, kv_compressed)``: Megatron's, or this module's
-        training path (``rope_kernel`` set, or tensor parallelism; see the class doc).
+        """``(query, key, value, q_compressed, kv_compressed)`` (``(query, key, value)`` where
+        Megatron's forward takes three, 0.15): Megatron's, or this module's training path
+        (``rope_kernel`` set, or tensor parallelism; see the module doc).
 
         Shapes (n: heads per TP rank, D = qk_head_dim + qk_pos_emb_head_dim): sbhd query/key
         ``[s, b, n, D]``, value ``[s, b, n, v_head_dim]``; thd ``[t, n, D]`` / ``[t, n, Dv]``.
@@ -221,6 +227,8 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
             )
         else:
             query, key, value = up(q_compressed, kv_compressed, k_pos_emb)
+        if not RETURNS_LATENTS:
+            return query, key, value
         return query, key, value, q_compressed, kv_compressed
 
     def _runs_here(self, inference_context) -> bool:

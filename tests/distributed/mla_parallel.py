@@ -1,4 +1,5 @@
-"""A multi-latent-attention GPT under CP=2 (p2p, all_gather) and TP=2 against one process.
+"""A multi-latent-attention GPT under CP=2 (p2p, all_gather; a2a once) and TP=2 against one
+process.
 
 Runs inside the CP=2 torchrun launch of ``cp_attention.py`` (:func:`cases`; alone:
 ``torchrun --nproc-per-node 2 tests/distributed/mla_parallel.py``). Each layout gets its own
@@ -31,6 +32,7 @@ CP_CASES = [
     {"comm": "all_gather", "format": "thd"},
     {"comm": "p2p", "format": "sbhd", "mla_value_padding": "on", "rope_kernel": "reference"},
     {"comm": "all_gather", "format": "thd", "rope_kernel": "reference"},
+    {"comm": "a2a", "format": "sbhd"},
 ]
 TP_CASES = [
     {"format": "sbhd"},

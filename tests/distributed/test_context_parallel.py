@@ -225,7 +225,7 @@ def test_fused_rope_equals_megatrons_rope_under_cp2(report):
 def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     """A tiny DeepSeek-V3-shaped MLA GPT (q_lora_rank, yarn RoPE, D = 24 > Dv = 12; NPU spec, TE
     layout; tests/distributed/mla_parallel.py): CP=2 with p2p and all_gather (sbhd and packed
-    thd, the padded value path and fused RoPE once each) and TP=2 (sbhd, thd, no q_lora_rank,
+    thd, the padded value path and fused RoPE once each; a2a sbhd) and TP=2 (sbhd, thd, no q_lora_rank,
     sequence parallel): step-0 logits, every gradient and 5 Adam steps' losses within 1e-5 of
     one process, the worst over both ranks."""
     results = report["MLA"]

@@ -17,6 +17,7 @@ from mcore_npu.ops import reference, value_padding
 from tests.transformer.mla_models import (
     gpt,
     logits_and_grads,
+    megatron_mla_without_te,
     megatron_oracle,
     mla_config,
     npu_block,
@@ -115,6 +116,23 @@ def test_layer_spec_builds_mla_in_both_layouts():
     local_names = match_names(want[1], te_grads)  # {te name: local name}
     got = (te_logits, {local_names[name]: grad for name, grad in te_grads.items()})
     assert max(_worst(got, want)) <= 1e-6
+
+
+def test_where_megatrons_constructor_works_it_is_megatrons():
+    """With the upstream fix (or TE installed) the probe says Megatron's own
+    MultiLatentAttention.__init__ works, and NPUMLASelfAttention calls it; the model is the
+    same. Here the fix is played by Megatron's module flag set to False in this test only."""
+    from mcore_npu.transformer import mla
+
+    config = mla_config()
+    oracle = megatron_oracle(config)
+    with megatron_mla_without_te():
+        assert mla.megatron_mla_constructs()
+        model = gpt(config, npu_block(config), seed=5)
+    assert not mla.megatron_mla_constructs()  # the flag is back
+    model.load_state_dict(oracle.state_dict(), strict=True)
+    got, want = logits_and_grads(model, False), logits_and_grads(oracle, False)
+    assert max(_worst(got, want)) <= TOLERANCE
 
 
 NAME_CASES = [(32, True, "RMSNorm", False), (None, True, "RMSNorm", False),
