@@ -36,12 +36,20 @@ def _worst(got, want) -> tuple[float, float]:
     return (got[0] - want[0]).abs().max().item(), grads
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["sbhd", "thd"])
-@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q_lora", "no_q_lora"])
-def test_npu_spec_equals_megatrons_mla(packed, q_lora_rank):
+EQUALITY = [(packed, q_lora, True) for packed in (False, True) for q_lora in (32, None)]
+EQUALITY.append((False, 32, False))  # no latent norms
+
+
+EQUALITY_IDS = [f"{'thd' if p else 'sbhd'}-{'q_lora' if q else 'no_q_lora'}"
+                f"{'' if qk else '-no_latent_norms'}" for p, q, qk in EQUALITY]  # fmt: skip
+
+
+@pytest.mark.parametrize("packed,q_lora_rank,qk", EQUALITY, ids=EQUALITY_IDS)
+def test_npu_spec_equals_megatrons_mla(packed, q_lora_rank, qk):
     """Logits and every gradient within 1e-5 of Megatron's MLASelfAttention (yarn RoPE), with
-    Megatron's RoPE (rope_kernel off) and with the fused path on the rope slice (reference)."""
-    config = mla_config(q_lora_rank)
+    Megatron's RoPE (rope_kernel off) and with the fused path on the rope slice (reference);
+    qk: the latent norms (qk_layernorm)."""
+    config = mla_config(q_lora_rank, qk_layernorm=qk)
     oracle = megatron_oracle(config)
     want = logits_and_grads(oracle, packed)
     for rope_kernel in ("off", "reference"):
