@@ -171,7 +171,8 @@ def _takes(target, name: str) -> bool:
 
 
 class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
-    """Megatron's ``MLASelfAttention``, constructible without TE, optionally with fused RoPE.
+    """Megatron's ``MLASelfAttention``, constructible without TE; its q/k/v training path runs
+    here with fused RoPE or under tensor parallelism (see the module doc).
 
     Args:
         config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection:

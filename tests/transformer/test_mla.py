@@ -143,6 +143,20 @@ def test_where_megatrons_constructor_works_it_is_megatrons():
     assert max(_worst(got, want)) <= TOLERANCE
 
 
+@pytest.mark.parametrize("rope_kernel", ["off", "reference"])
+def test_recomputed_up_projections_change_nothing(rope_kernel):
+    """recompute_modules=["mla_up_proj"]: Megatron's recompute of the up projections and RoPE
+    (its path, and this module's with fused RoPE) gives the same logits and gradients."""
+    plain, recompute = mla_config(), mla_config(recompute_granularity="selective",
+                                                recompute_modules=["mla_up_proj"])  # fmt: skip
+    want = gpt(plain, npu_block(plain, rope_kernel=rope_kernel), seed=5)
+    model = gpt(recompute, npu_block(recompute, rope_kernel=rope_kernel), seed=5)
+    assert model.decoder.layers[0].self_attention.recompute_up_proj
+    model.load_state_dict(want.state_dict())
+    got = logits_and_grads(model, False)
+    assert max(_worst(got, logits_and_grads(want, False))) <= 1e-6
+
+
 NAME_CASES = [(32, True, "RMSNorm", False), (None, True, "RMSNorm", False),
               (32, False, "RMSNorm", False), (32, True, "LayerNorm", False),
               (32, True, "RMSNorm", True)]  # fmt: skip
