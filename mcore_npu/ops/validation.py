@@ -211,23 +211,26 @@ def _geometry(report, query, key, value, head_num, layout) -> AttentionProblem:
                 "pass head_num = H_q / head_dim",
             )
         head_dim = hidden_q // head_num
-        if key.shape[-1] % head_dim or value.shape[-1] % head_dim:
+        if key.shape[-1] % head_dim:
             report.fail(
                 ValueError,
                 "key",
-                f"key/value hidden sizes {key.shape[-1]}/"
-                f"{value.shape[-1]} are not multiples of head_dim={head_dim}",
-                "give key and value Nkv * head_dim features",
+                f"key hidden size {key.shape[-1]} is not a multiple of head_dim={head_dim}",
+                "give key Nkv * head_dim features",
             )
         heads_kv = key.shape[-1] // head_dim
-        if value.shape[-1] != key.shape[-1]:
+        # Dv < D (MLA): the value's hidden size is Nkv * Dv, Nkv taken from the key (for MLA's
+        # heads, Nkv = head_num, so Dv = H_v / head_num)
+        if heads_kv and value.shape[-1] % heads_kv:
             report.fail(
                 ValueError,
                 "value",
-                "in BSH/SBH value must have key's hidden size",
-                "use layout BSND/BNSD/TND for Dv != D",
+                f"hidden size {value.shape[-1]} is not a multiple of the {heads_kv} kv heads "
+                f"(key hidden size {key.shape[-1]} / head_dim {head_dim})",
+                "give value Nkv * Dv features (Dv <= head_dim)",
             )
-        dims = (query.shape[b_axis], query.shape[s_axis], key.shape[s_axis], head_dim, head_dim)
+        head_dim_v = value.shape[-1] // heads_kv if heads_kv else head_dim
+        dims = (query.shape[b_axis], query.shape[s_axis], key.shape[s_axis], head_dim, head_dim_v)
         batches = (query.shape[b_axis], key.shape[b_axis], value.shape[b_axis])
         kv_seqs = (key.shape[s_axis], value.shape[s_axis])
     else:

@@ -69,10 +69,17 @@ class AttentionCase:
     seed: int
     forward: Tolerance
     grad: Tolerance
+    head_dim_v: int | None = None  # None = head_dim; smaller for MLA's value (Dv < D)
+
+    @property
+    def value_dim(self) -> int:
+        """Dv: the value's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def id(self) -> str:
-        return f"{self.layout}/{self.mode.name}/{self.heads_name}/{self.lengths_name}/{self.dtype}"
+        name = f"{self.layout}/{self.mode.name}/{self.heads_name}/{self.lengths_name}/{self.dtype}"
+        return name if self.head_dim_v is None else f"{name}/Dv{self.head_dim_v}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,34 +107,50 @@ class CaseInputs:
 
 
 def load_cases(path: str | Path | None = None) -> list[AttentionCase]:
-    """Expand the table into cases (its ``exclusions`` removed), in a stable order."""
+    """Expand the table into cases (its ``exclusions`` removed), in a stable order: the main
+    grid, then the ``value_head_dim`` section (Dv < D, Multi-Latent Attention's value)."""
     path = Path(path) if path is not None else DEFAULT_TABLE
     if not path.is_file():
         raise FileNotFoundError(
             f"case table {path} not found; pass --cases /path/to/specs/attention_cases.yaml"
         )
     table = yaml.safe_load(path.read_text())
+    modes = {m["name"]: ModeSpec(**_mode_fields(m)) for m in table["modes"]}
+    cases = _expand(table, list(modes.values()), table["geometry"]["heads"],
+                    table["geometry"]["lengths"], table["dtypes"], None)  # fmt: skip
+    extra = table.get("value_head_dim")
+    if extra:
+        geometry = table["geometry"]
+        cases += _expand(
+            table, [modes[name] for name in extra["modes"]],
+            {name: geometry["heads"][name] for name in extra["heads"]},
+            {name: geometry["lengths"][name] for name in extra["lengths"]}, extra["dtypes"],
+            int(extra["head_dim_v"]),
+        )  # fmt: skip
+    return cases
+
+
+def _expand(table, modes, heads, lengths, dtypes, head_dim_v) -> list[AttentionCase]:
     geometry = table["geometry"]
-    modes = [ModeSpec(**_mode_fields(m)) for m in table["modes"]]
     excluded = {(e["mode"], e["lengths"]) for e in table.get("exclusions", [])}
     cases = []
-    for layout, mode, (heads_name, heads), (lengths_name, lengths), dtype in itertools.product(
-        table["layouts"], modes, geometry["heads"].items(), geometry["lengths"].items(),
-        table["dtypes"],
-    ):  # fmt: skip
+    for layout, mode, (heads_name, pair), (lengths_name, sizes), dtype in itertools.product(
+        table["layouts"], modes, heads.items(), lengths.items(), dtypes
+    ):
         if mode.layouts is not None and layout not in mode.layouts:
             continue
         if (mode.name, lengths_name) in excluded:
             continue
-        shape = lengths["packed"] if layout == "TND" else lengths["dense"]
+        shape = sizes["packed"] if layout == "TND" else sizes["dense"]
         tolerance = table["tolerances"][dtype]
         cases.append(
             AttentionCase(
-                layout=layout, mode=mode, heads_name=heads_name, heads=tuple(heads),
+                layout=layout, mode=mode, heads_name=heads_name, heads=tuple(pair),
                 lengths_name=lengths_name, lengths=_freeze(shape), dtype=dtype,
                 batch=geometry["batch"], head_dim=geometry["head_dim"],
                 scale=float(geometry["scale"]), seed=int(table["seed"]),
                 forward=Tolerance(**tolerance["forward"]), grad=Tolerance(**tolerance["grad"]),
+                head_dim_v=head_dim_v,
             )
         )  # fmt: skip
     return cases
@@ -154,10 +177,10 @@ def make_inputs(
     """Seeded inputs for ``case`` (values independent of dtype and device)."""
     dtype = dtype or case.torch_dtype
     gen = torch.Generator().manual_seed(_case_seed(case))
-    q_shape, kv_shape = _shapes(case)
+    q_shape, k_shape, v_shape = _shapes(case)
     q, k, v = (
         torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)  # cast on CPU
-        for shape in (q_shape, kv_shape, kv_shape)
+        for shape in (q_shape, k_shape, v_shape)
     )
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
@@ -171,6 +194,8 @@ def make_inputs(
 
 def _case_seed(case: AttentionCase) -> int:
     key = f"{case.seed}/{case.layout}/{case.mode.name}/{case.heads_name}/{case.lengths_name}"
+    if case.head_dim_v is not None:
+        key += f"/Dv{case.head_dim_v}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:6], "little")
 
 
@@ -182,17 +207,18 @@ def _ends(lengths) -> list[int]:
     return ends
 
 
-def _shapes(case: AttentionCase) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    (nq, nkv), d, b = case.heads, case.head_dim, case.batch
+def _shapes(case: AttentionCase) -> tuple[tuple[int, ...], ...]:
+    """``(query, key, value)`` shapes (the value with Dv features per head)."""
+    (nq, nkv), d, dv, b = case.heads, case.head_dim, case.value_dim, case.batch
     if case.layout == "TND":
         tq, tkv = sum(s for s, _ in case.lengths), sum(s for _, s in case.lengths)
-        return (tq, nq, d), (tkv, nkv, d)
+        return (tq, nq, d), (tkv, nkv, d), (tkv, nkv, dv)
     sq, skv = case.lengths
     return {
-        "BSH": ((b, sq, nq * d), (b, skv, nkv * d)),
-        "SBH": ((sq, b, nq * d), (skv, b, nkv * d)),
-        "BSND": ((b, sq, nq, d), (b, skv, nkv, d)),
-        "BNSD": ((b, nq, sq, d), (b, nkv, skv, d)),
+        "BSH": ((b, sq, nq * d), (b, skv, nkv * d), (b, skv, nkv * dv)),
+        "SBH": ((sq, b, nq * d), (skv, b, nkv * d), (skv, b, nkv * dv)),
+        "BSND": ((b, sq, nq, d), (b, skv, nkv, d), (b, skv, nkv, dv)),
+        "BNSD": ((b, nq, sq, d), (b, nkv, skv, d), (b, nkv, skv, dv)),
     }[case.layout]
 
 

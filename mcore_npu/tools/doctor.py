@@ -689,6 +689,28 @@ def check_moe_permute(probe: _Probe) -> Check:
     return Check("moe permute", OK, detail)
 
 
+def check_mla_value(probe: _Probe) -> Check:
+    """Which path multi-latent attention's smaller value head (Dv < D) takes with
+    ``mla_value_padding: auto`` on this machine: one probe call of the installed operator on
+    the NPU (``mcore_npu.ops.value_padding``), or the reference off-NPU."""
+    if probe.torch is None:
+        return _not_checked("mla value")
+    padding = importlib.import_module("mcore_npu.ops.value_padding")
+    accelerator = probe.accelerator or accelerators.current_accelerator()
+    if accelerator != "npu":
+        return Check("mla value", OK, "Dv < D unpadded: the reference kernel takes it in every "
+                     "layout (mla_value_padding auto; on pads anyway)")  # fmt: skip
+    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
+    if padding.takes_smaller_value(torch_npu, "npu"):
+        return Check("mla value", OK, "Dv < D unpadded: npu_fusion_attention returns Dv-wide "
+                     "outputs (probe on the NPU; mla_value_padding auto)")  # fmt: skip
+    return Check("mla value", WARN, "Dv < D padded: v padded to D and the output sliced "
+                 "(mla_value_padding auto)", "this torch_npu does not return a Dv-wide output "
+                 "for Dv < D (probe on the NPU); the padding costs (D - Dv) / Dv more value "
+                 "memory", "a torch-npu / CANN release with Dv < D (MindSpeed-LLM recommends "
+                 "CANN >= 8.2.RC1 for it); the results are the same either way")  # fmt: skip
+
+
 def _rotary_detail(op) -> str:
     """Whether ``npu_rotary_mul`` takes ``rotary_mode`` (its signature, never its version)."""
     takes = importlib.import_module("mcore_npu.ops.fused_rotary").rotary_mul_takes_mode(op)
@@ -711,6 +733,7 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("attention", check_attention),
     ("fused ops", check_fused_ops),
     ("moe permute", check_moe_permute),
+    ("mla value", check_mla_value),
 )
 """The report's lines, in order. Each takes the shared probe and returns one Check."""
 

@@ -13,7 +13,10 @@ thd (packed)   q ``[t, np, hn]``, k/v ``[t, ng, hn]``  TND                     `
 =============  =================================  ===========================  ==============
 
 (np: query heads, ng: kv groups, hn: head dim.) K/V are never repeated: the operator does GQA
-natively with ``head_num = np``. The mask arguments come from ``mcore_npu.masks.describe_mask``:
+natively with ``head_num = np``. Multi-latent attention hands v a smaller head dim hv (Dv < D):
+the output is then ``[.., np*hv]``, and ``value_padding`` (the spec's ``mla_value_padding``)
+decides whether v goes to the operator as it is or padded with zeros to hn, the output sliced
+back (``mcore_npu.ops.value_padding``). The mask arguments come from ``mcore_npu.masks.describe_mask``:
 causal attention uses the cached compressed mask (sparse_mode 2/3), sliding windows mode 4,
 packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
 polarity (True = masked out) is the operator's, so explicit masks pass through untouched.
@@ -45,7 +48,8 @@ from mcore_npu.masks import (
     TopLeftCausalMask,
     describe_mask,
 )
-from mcore_npu.ops import KERNELS, fusion_attention
+from mcore_npu.ops import KERNELS, fusion_attention, resolve_kernel
+from mcore_npu.ops import value_padding as padding
 from mcore_npu.transformer import context_parallel
 from mcore_npu.transformer.extra_state import EmptyExtraState
 
@@ -72,6 +76,13 @@ class NPUFusionAttention(MegatronModule):
             or ``"reference"``. Set through ``ModuleSpec.params`` by the layer specs.
         seq_lengths_memo: shared by all layers of a model so that cu_seqlens is converted to
             host offsets once per step; a private one if None.
+        k_channels, v_channels: the q/k and the value head dims, as Multi-Latent Attention
+            passes them (``qk_head_dim + qk_pos_emb_head_dim`` and ``v_head_dim``); None =
+            ``config.kv_channels``. The scale defaults to ``1/sqrt(k_channels)``; the value's
+            head dim is read from the value itself.
+        value_padding: ``"auto"`` | ``"on"`` | ``"off"``: whether a value head dim smaller than
+            the query's is padded to it for the operator (``mcore_npu.ops.value_padding``;
+            the spec's ``mla_value_padding``).
         **kwargs: the process-group argument Megatron passes (``pg_collection`` since 0.15,
             ``model_comm_pgs`` in 0.13-0.14, nothing before); used when present.
     """
@@ -88,10 +99,14 @@ class NPUFusionAttention(MegatronModule):
         *,
         kernel: str = "auto",
         seq_lengths_memo: SeqLengthsMemo | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        value_padding: str = "auto",
         **kwargs,
     ):
         super().__init__(config=config)
         _check_supported(config, kernel)
+        self.value_padding = padding.check_mode(value_padding)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -103,7 +118,7 @@ class NPUFusionAttention(MegatronModule):
         tp_size = _tensor_parallel_size(kwargs)
         self.num_heads_per_partition = _divide(config.num_attention_heads, tp_size, "heads")
         self.num_query_groups_per_partition = _divide(config.num_query_groups, tp_size, "groups")
-        self.head_dim = config.kv_channels
+        self.head_dim = config.kv_channels if k_channels is None else k_channels
         self.softmax_scale = _softmax_scale(softmax_scale, self.head_dim)
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
@@ -134,7 +149,23 @@ class NPUFusionAttention(MegatronModule):
         packed_seq_params=None,
         **kwargs,
     ) -> torch.Tensor:
-        """sbhd: ``[sq, b, np, hn]`` -> ``[sq, b, np*hn]``; thd: ``[t, np, hn]`` -> ``[t, np*hn]``."""
+        """sbhd: ``[sq, b, np, hn]`` -> ``[sq, b, np*hv]``; thd: ``[t, np, hn]`` -> ``[t, np*hv]``
+        (hv: the value's head dim, hn for all but Multi-Latent Attention)."""
+        head_dim_v = value.shape[-1]
+        if head_dim_v < query.shape[-1] and self._pads_value(query.device):
+            value = padding.pad(value, query.shape[-1])  # MLA on an older torch_npu
+            out = self._attend(query, key, value, attention_mask, attn_mask_type,
+                               attention_bias, packed_seq_params)  # fmt: skip
+            return padding.unpad(out, self.num_heads_per_partition, head_dim_v)
+        return self._attend(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                            packed_seq_params)  # fmt: skip
+
+    def _pads_value(self, device) -> bool:
+        """Whether v (Dv < D) is padded to D here (``value_padding``; auto: a probe of torch_npu)."""
+        return padding.pads(self.value_padding, resolve_kernel(self.kernel, device), device)
+
+    def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                packed_seq_params) -> torch.Tensor:  # fmt: skip
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         seq_q, seq_kv = query.shape[0], key.shape[0]
         mask = describe_mask(
@@ -164,6 +195,7 @@ class NPUFusionAttention(MegatronModule):
                 q, k, v, self.num_heads_per_partition, layout,
                 kernel=self.kernel, scale=self.softmax_scale, keep_prob=keep_prob, **op_kwargs,
             )  # fmt: skip
+        _check_value_width(out, value.shape[-1], self.num_heads_per_partition, layout)
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
 
     def _context_parallel(
@@ -250,6 +282,22 @@ class NPUFusionAttention(MegatronModule):
         if keep_prob >= 1.0 or self.config.sequence_parallel:
             return contextlib.nullcontext()
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _check_value_width(out: torch.Tensor, head_dim_v: int, heads: int, layout: str) -> None:
+    """The operator returned Dv per head: an older torch_npu returns D there; refuse, with the fix.
+
+    out: SBH ``[s, b, heads * Dv]`` or TND ``[t, heads, Dv]``.
+    """
+    want = head_dim_v if layout == "TND" else heads * head_dim_v
+    if out.shape[-1] != want:
+        raise RuntimeError(
+            f"npu_fusion_attention ({layout}) returned {out.shape[-1]} features where {want} "
+            f"were due ({heads} heads of the value's {head_dim_v}): this torch_npu does not take "
+            "a value head dim smaller than the query's (Dv < D, Multi-Latent Attention) "
+            "unpadded; fix: mla_value_padding='auto' or 'on' (pads v to D), or a torch-npu / "
+            "CANN release that does"
+        )
 
 
 def _has_padding(memo, real, padded) -> bool:

@@ -13,7 +13,10 @@ releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
   ``NPUSharedExpertMLP``;
 - the layer -> ``NPUTransformerLayer``, which gives an MLP slot holding a subclass of Megatron's
   MLP / MoE classes the layer's process groups, as Megatron does for its own classes (and so
-  without Megatron's "Unknown MLP type" warning; ``mcore_npu/transformer/layer.py``).
+  without Megatron's "Unknown MLP type" warning; ``mcore_npu/transformer/layer.py``);
+- with ``multi_latent_attention=True``, Megatron's ``MLASelfAttention`` -> ``NPUMLASelfAttention``
+  (``mcore_npu/transformer/mla.py``: buildable without Transformer Engine), its latent norms
+  swapped like the other norms; ``mla_value_padding`` picks the padded or unpadded value.
 
 The fused operators follow ``kernel`` unless ``rms_norm_kernel`` / ``swiglu_kernel`` /
 ``grouped_matmul_kernel`` say otherwise; ``"off"`` keeps Megatron's module for that part
@@ -27,7 +30,9 @@ The fused operators follow ``kernel`` unless ``rms_norm_kernel`` / ``swiglu_kern
   and of a dense MLP is fused into ``linear_qkv`` / ``linear_fc1`` (``NormColumnParallelLinear``,
   ``layer_norm_weight``), ``input_layernorm`` / ``pre_mlp_layernorm`` become ``IdentityOp``
   (an MoE layer keeps ``pre_mlp_layernorm``), and the slots where TE stores ``_extra_state``
-  carry an empty one. The lists are in ``specs/param_names_te.yaml``.
+  carry an empty one. Multi-latent attention as Megatron's TE MLA spec: ``input_layernorm`` stays,
+  the latent norms go into ``linear_q_up_proj`` / ``linear_kv_up_proj`` (``layer_norm_weight``).
+  The lists are in ``specs/param_names_te.yaml``.
 - ``"local"``: the names of Megatron's local spec (``input_layernorm.weight``, ...).
 
 The numbers are the same in both layouts, parameter for parameter. Nothing is patched; Megatron's
@@ -51,18 +56,21 @@ from megatron.core.models.gpt import gpt_layer_specs as megatron_specs
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
 from mcore_npu.transformer.layer import NPUTransformerLayer
+from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
 from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
-                  "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel")  # fmt: skip
+                  "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel",
+                  "mla_value_padding")  # fmt: skip
 
 
 def get_gpt_layer_npu_spec(
@@ -74,6 +82,7 @@ def get_gpt_layer_npu_spec(
     grouped_matmul_kernel: str | None = None,
     moe_permute_kernel: str | None = "off",
     rope_kernel: str | None = "off",
+    mla_value_padding: str = "auto",
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
@@ -85,10 +94,15 @@ def get_gpt_layer_npu_spec(
             operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
         moe_permute_kernel: the fused MoE token permute (``NPUMoELayer``'s alltoall / allgather
             dispatchers); ``"off"`` (default) = Megatron's ``MoELayer``, None = ``kernel``.
-        rope_kernel: fused RoPE (``npu_rotary_mul``, ``NPURotarySelfAttention``); ``"off"``
+        rope_kernel: fused RoPE (``npu_rotary_mul``, ``NPURotarySelfAttention``; with
+            multi-latent attention on the rope slice of ``NPUMLASelfAttention``); ``"off"``
             (default) = Megatron's own RoPE, None = ``kernel``.
+        mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: multi-latent attention's value
+            head (Dv < D) padded to D for the operator, or not (auto: where the installed
+            torch_npu needs it; see ``mcore_npu.ops.value_padding``).
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
-            (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ...).
+            (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``,
+            ``multi_latent_attention``, ...).
 
     Returns:
         A ``ModuleSpec`` for ``TransformerLayer``, to pass as ``transformer_layer_spec``. With
@@ -102,7 +116,8 @@ def get_gpt_layer_npu_spec(
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
                                grouped_matmul_kernel=grouped_matmul_kernel,
                                moe_permute_kernel=moe_permute_kernel,
-                               rope_kernel=rope_kernel)  # fmt: skip
+                               rope_kernel=rope_kernel,
+                               mla_value_padding=mla_value_padding)  # fmt: skip
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
     grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
     return _swap_npu_parts(spec, provider, grouped)
@@ -118,6 +133,7 @@ def get_gpt_decoder_block_npu_spec(
     grouped_matmul_kernel: str | None = None,
     moe_permute_kernel: str | None = "off",
     rope_kernel: str | None = "off",
+    mla_value_padding: str = "auto",
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -129,7 +145,8 @@ def get_gpt_decoder_block_npu_spec(
     Args:
         config: Megatron ``TransformerConfig``.
         kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
-            rope_kernel, moe_permute_kernel: as for ``get_gpt_layer_npu_spec``; with ``"te"``
+            rope_kernel, moe_permute_kernel, mla_value_padding: as for
+            ``get_gpt_layer_npu_spec`` (``config.multi_latent_attention`` builds MLA); with ``"te"``
             the final norm has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block
             spec's.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
@@ -149,7 +166,8 @@ def get_gpt_decoder_block_npu_spec(
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
                                grouped_matmul_kernel=grouped_matmul_kernel,
                                moe_permute_kernel=moe_permute_kernel,
-                               rope_kernel=rope_kernel)  # fmt: skip
+                               rope_kernel=rope_kernel,
+                               mla_value_padding=mla_value_padding)  # fmt: skip
     grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
@@ -238,8 +256,11 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool)
     subs = layer.submodules
     attention = subs.self_attention.submodules
     attention.core_attention = provider.core_attention()
-    if isinstance(subs.self_attention, ModuleSpec) and subs.self_attention.module is SelfAttention:
+    module = subs.self_attention.module if isinstance(subs.self_attention, ModuleSpec) else None
+    if module is SelfAttention:
         subs.self_attention = provider.self_attention(subs.self_attention)
+    elif module is MLASelfAttention:
+        subs.self_attention = provider.mla_self_attention(subs.self_attention)
     for owner, name in (
         (subs, "input_layernorm"),
         (subs, "pre_mlp_layernorm"),
@@ -283,21 +304,38 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
 
 def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
     """The TE spec's structure, as in Megatron 0.16.1's ``get_gpt_layer_with_transformer_engine_spec``
-    (see specs/param_names_te.yaml): the input norm inside ``linear_qkv``, a dense MLP built by
-    ``get_mlp_module_spec_for_backend`` (its norm inside ``linear_fc1``), an MoE layer's
-    ``pre_mlp_layernorm`` kept."""
+    (see specs/param_names_te.yaml): the input norm inside ``linear_qkv`` (MLA: the latent norms
+    inside the up projections), a dense MLP built by ``get_mlp_module_spec_for_backend`` (its
+    norm inside ``linear_fc1``), an MoE layer's ``pre_mlp_layernorm`` kept."""
     subs = layer.submodules
-    if subs.self_attention.module not in (SelfAttention, NPURotarySelfAttention):
+    if subs.self_attention.module is NPUMLASelfAttention:
+        _fuse_latent_norms(subs.self_attention.submodules, provider)
+    elif subs.self_attention.module in (SelfAttention, NPURotarySelfAttention):
+        subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
+        subs.input_layernorm = IdentityOp
+    else:
         raise ValueError(
             f"param_layout='te': {subs.self_attention.module.__name__} layers are not mapped to "
-            "the TE names (only SelfAttention is); pass param_layout='local'"
+            "the TE names (only SelfAttention and MLASelfAttention are); pass "
+            "param_layout='local'"
         )
-    subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
-    subs.input_layernorm = IdentityOp
     if subs.mlp.module is MLP:
         subs.mlp = _dense_mlp(provider, subs.mlp)
         subs.pre_mlp_layernorm = IdentityOp
     subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
+
+
+def _fuse_latent_norms(attention, provider: NPUSpecProvider) -> None:
+    """Megatron 0.16.1's TE MLA spec (``get_gpt_layer_with_transformer_engine_spec``, MLA
+    branch): a latent norm (``qk_layernorm``) moves into its up projection
+    (``NormColumnParallelLinear``: ``layer_norm_weight``), the norm slot becomes ``IdentityOp``;
+    without one the up projection stays a plain column-parallel linear. The down projections
+    stay Megatron's ``ColumnParallelLinear`` (``MLASelfAttention`` accepts no other class
+    without TE; the names are TE's, the tensors the same), ``input_layernorm`` stays."""
+    for norm, up in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+        if getattr(attention, norm) is not IdentityOp:
+            setattr(attention, up, provider.column_parallel_layer_norm_linear())
+            setattr(attention, norm, IdentityOp)
 
 
 def _dense_mlp(provider: NPUSpecProvider, local_mlp: ModuleSpec) -> ModuleSpec:

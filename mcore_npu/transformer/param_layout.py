@@ -9,6 +9,13 @@ layout keeps them as modules. Per layer (``...`` = ``decoder.layers.{i}.``)::
     ...pre_mlp_layernorm.weight        ...mlp.linear_fc1.layer_norm_weight   (dense layers)
     ...pre_mlp_layernorm.bias          ...mlp.linear_fc1.layer_norm_bias     (dense layers)
 
+Multi-latent attention keeps ``input_layernorm`` in both (Megatron's TE MLA spec does not fuse
+it); its latent norms move into the up projections::
+
+    ...self_attention.q_layernorm.weight   ...self_attention.linear_q_up_proj.layer_norm_weight
+    ...self_attention.kv_layernorm.weight  ...self_attention.linear_kv_up_proj.layer_norm_weight
+    (and .bias / layer_norm_bias with LayerNorm)
+
 MoE layers keep ``pre_mlp_layernorm`` in both layouts (but Megatron's local spec writes it to
 disk as ``mlp.linear_fc1.layer_norm_*`` through its ``sharded_state_dict_keys_map``). Every
 other name is the same in both, except ``_extra_state`` entries, which only the TE layout has
@@ -23,6 +30,8 @@ EXTRA_STATE = "_extra_state"
 _RENAMES = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+    ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),  # MLA
+    ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"),  # MLA
 )
 
 

@@ -23,7 +23,10 @@ spec wherever a class goes. The fused operators (``npu_rms_norm`` in every RMSNo
 ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` say otherwise; ``"off"``
 keeps Megatron's own module for that part. ``rope_kernel`` (default ``"off"``: Megatron's own
 RoPE; None = ``kernel``) puts ``NPURotarySelfAttention`` (``npu_rotary_mul``) in the
-``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider. Whether the installed megatron-core has the protocol and the builders is probed
+``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider.
+Multi-latent attention layers get ``NPUMLASelfAttention`` (``mla_self_attention(spec)``, fused
+RoPE on the rope slice with ``rope_kernel``); ``mla_value_padding`` reaches every core attention.
+Whether the installed megatron-core has the protocol and the builders is probed
 (``HAVE_BACKEND_PROVIDER``, ``backend_builders()``), never read from its version.
 """
 
@@ -34,10 +37,11 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.masks import SeqLengthsMemo
-from mcore_npu.ops import KERNELS
+from mcore_npu.ops import KERNELS, value_padding
 from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
 from mcore_npu.transformer.backends import PARAM_LAYOUTS
 from mcore_npu.transformer.experts import NPUGroupedMLP
+from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.norms import SequenceParallelNorm
@@ -71,6 +75,9 @@ class NPUSpecProvider(BackendSpecProvider):
             ``moe_permute_fusion=False``) keeps Megatron's ``MoELayer``, None = ``kernel``.
         rope_kernel: fused RoPE (``npu_rotary_mul``) in self-attention; ``"off"`` (default, as
             Megatron's ``apply_rope_fusion=False``) = Megatron's own RoPE, None = ``kernel``.
+        mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: whether multi-latent attention's
+            smaller value head (Dv < D) is padded to D for the operator
+            (``mcore_npu.ops.value_padding``; auto: where the installed torch_npu needs it).
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class NPUSpecProvider(BackendSpecProvider):
         grouped_matmul_kernel: str | None = None,
         moe_permute_kernel: str | None = "off",
         rope_kernel: str | None = "off",
+        mla_value_padding: str = "auto",
     ):
         if param_layout not in PARAM_LAYOUTS:
             raise ValueError(
@@ -97,6 +105,7 @@ class NPUSpecProvider(BackendSpecProvider):
                  "moe_permute": moe_permute_kernel}  # fmt: skip
         self.fused = {name: _fused_kernel(name, value, kernel) for name, value in fused.items()}
         self.rope_cache = RopeCosSinCache()  # cos/sin once per step for every layer
+        self.mla_value_padding = value_padding.check_mode(mla_value_padding)
         self.kernel = kernel
         self.param_layout = param_layout
         self.seq_lengths_memo = (
@@ -192,9 +201,18 @@ class NPUSpecProvider(BackendSpecProvider):
         return ModuleSpec(module=NPURotarySelfAttention, params=params,
                           submodules=attention.submodules)  # fmt: skip
 
+    def mla_self_attention(self, attention: ModuleSpec) -> ModuleSpec:
+        """Megatron's ``MLASelfAttention`` spec -> ``NPUMLASelfAttention`` (buildable without
+        TE; ``rope_kernel`` on the rope slice unless ``"off"``)."""
+        params = {**attention.params, "rope_kernel": self._on("rope"),
+                  "seq_lengths_memo": self.seq_lengths_memo}  # fmt: skip
+        return ModuleSpec(module=NPUMLASelfAttention, params=params,
+                          submodules=attention.submodules)  # fmt: skip
+
     def core_attention(self) -> ModuleSpec:
         module = TELayoutNPUFusionAttention if self.te_layout else NPUFusionAttention
-        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo}
+        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo,
+                  "value_padding": self.mla_value_padding}  # fmt: skip
         return ModuleSpec(module=module, params=params)
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):

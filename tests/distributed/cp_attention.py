@@ -28,7 +28,7 @@ from mcore_npu.ops import reference
 from mcore_npu.training import runtime
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
-from tests.distributed import cp_rope
+from tests.distributed import cp_rope, mla_parallel
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
@@ -438,6 +438,7 @@ def main():
         results.append(check_thd("all_gather", 4, 2, AttnMaskType.causal, kernel="torch_npu"))
     finally:
         del sys.modules["torch_npu"]
+    mla = mla_parallel.cases()  # an MLA GPT: CP=2 and TP=2 against one process (own layouts)
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
@@ -452,6 +453,8 @@ def main():
         print("MEMO " + json.dumps(memo), flush=True)
         for result in rope:
             print("ROPE " + json.dumps(result), flush=True)
+        for result in mla:
+            print("MLA " + json.dumps(result), flush=True)
         print("STANDIN_THD_GATHER " + json.dumps({"padded": PADDED, "forward": thd_stand_in.forward_calls}),
               flush=True)  # fmt: skip
     runtime.shutdown()

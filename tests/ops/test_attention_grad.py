@@ -18,11 +18,18 @@ from mcore_npu.tools.cases import load_cases, make_inputs, shrink
 
 
 def _one_per_mode_and_layout():
+    """One case per layout and mode (GQA), and one per layout and mode of the table's
+    ``value_head_dim`` section (MLA's Dv < D: MHA, head dims 4 and 2)."""
     chosen = {}
     for case in load_cases():
+        lengths = ((5, 7), (0, 0), (6, 6)) if case.layout == "TND" else (6, 9)
+        if case.head_dim_v is not None:
+            key = (case.layout, case.mode.name, "Dv")
+            if key not in chosen and case.dtype == "float32":
+                chosen[key] = shrink(case, batch=2, head_dim=4, head_dim_v=2, lengths=lengths)
+            continue
         key = (case.layout, case.mode.name)
         if key not in chosen and case.heads_name == "GQA" and case.dtype == "float32":
-            lengths = ((5, 7), (0, 0), (6, 6)) if case.layout == "TND" else (6, 9)
             chosen[key] = shrink(case, batch=2, head_dim=4, heads=(4, 2), lengths=lengths)
     return list(chosen.values())
 
@@ -54,7 +61,8 @@ def _grad_kwargs(inputs):
     return kwargs
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.layout}/{c.mode.name}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[
+    f"{c.layout}/{c.mode.name}" + ("/Dv" if c.head_dim_v else "") for c in CASES])  # fmt: skip
 def test_grad_matches_autograd(case, tiles):
     inputs = make_inputs(case, dtype=torch.float64)
     gen = torch.Generator().manual_seed(7)
@@ -72,6 +80,13 @@ def test_grad_matches_autograd(case, tiles):
         torch.testing.assert_close(r, w, rtol=1e-9, atol=1e-10, msg=name)
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
     assert given[3].numel() == 0  # no pse: empty dpse
+
+
+def test_value_head_dim_below_head_dim_is_covered_in_every_layout():
+    dv = {(c.layout, c.mode.sparse_mode) for c in CASES if c.head_dim_v is not None}
+    assert {layout for layout, _ in dv} == {"BSH", "SBH", "BSND", "BNSD", "TND"}
+    assert {mode for _, mode in dv} == {0, 1, 2, 3}
+    assert all(c.value_dim < c.head_dim for c in CASES if c.head_dim_v is not None)
 
 
 def test_every_mode_and_layout_is_covered():

@@ -29,6 +29,7 @@ NAMES = [
     "attention",
     "fused ops",
     "moe permute",
+    "mla value",
 ]
 ENV_NOISE = (
     "PYTORCH_NPU_ALLOC_CONF",
@@ -275,3 +276,28 @@ def test_text_format_marks_problems_and_aligns_values():
     assert text[4] == "cann:      WARN not sourced"
     assert text[-1] == "summary:   1 error: torch-npu: CANN not sourced"
     assert doctor.summary(checks[:1] + checks[2:]) == "healthy (1 warning)"
+
+
+@pytest.mark.parametrize("takes", [True, False])
+def test_mla_value_line_reports_the_probed_path(monkeypatch, takes):
+    """On an NPU the line reports what one probe call of the installed operator found (the
+    probe itself runs against stand-ins in tests/transformer/test_mla.py); elsewhere the
+    reference takes Dv < D unpadded."""
+    import types
+
+    from mcore_npu.ops import value_padding
+
+    cpu = doctor.check_mla_value(doctor._probe_torch())
+    assert cpu.status == doctor.OK and "unpadded" in cpu.detail and "reference" in cpu.detail
+    stand_in = types.ModuleType("torch_npu")  # no NPU here: a stand-in module
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    asked = []
+    monkeypatch.setattr(value_padding, "_probe", lambda module, dev: asked.append(dev) or takes)
+    probe = doctor._Probe(torch=doctor._probe_torch().torch, accelerator="npu")
+    check = doctor.check_mla_value(probe)
+    assert asked == ["npu"]
+    if takes:
+        assert check.status == doctor.OK and check.detail.startswith("Dv < D unpadded")
+    else:
+        assert check.status == doctor.WARN and check.detail.startswith("Dv < D padded")
+        assert "CANN" in check.fix

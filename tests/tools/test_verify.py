@@ -48,9 +48,11 @@ def test_filtered_run_passes_and_says_the_hardware_was_skipped(capsys):
     out = capsys.readouterr().out
     assert out.splitlines()[0] == verify.NO_NPU_NOTE
     rows = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(rows) == 27 and all(row.startswith("PASS") for row in rows)
+    # 27 of the main grid (3 groupings x 3 lengths x 3 dtypes), 6 with Dv < D (MHA, 3 x 2)
+    assert len(rows) == 33 and all(row.startswith("PASS") for row in rows)
+    assert sum("/Dv8" in row for row in rows) == 6
     assert all(len(row.split()) == 6 for row in rows)  # status, id, forward, dq, dk, dv
-    assert _summary(out) == (27, 27, 0)
+    assert _summary(out) == (33, 33, 0)
 
 
 def test_json_run_reports_every_quantity(capsys):
@@ -226,7 +228,7 @@ def test_hardware_path_passes_a_correct_kernel(pretend_npu, capsys):
     assert main(["verify", "--filter", "causal_bottom_right/MHA/q_longer"]) == 0
     out = capsys.readouterr().out
     assert "mode hardware" in out and verify.NO_NPU_NOTE not in out
-    assert _summary(out) == (15, 15, 0)
+    assert _summary(out) == (25, 25, 0)  # 15 of the main grid, 10 with Dv < D (ids .../Dv8)
 
 
 def test_hardware_path_ignores_what_the_kernel_does_on_invalid_rows(pretend_npu):
@@ -257,11 +259,11 @@ def test_hardware_path_fails_a_wrong_kernel_with_its_max_error(pretend_npu, caps
     pretend_npu(_stand_in(lambda out, *_: out + 0.01))
     assert main(["verify", "--filter", INVALID_ROWS_CASE]) == 1
     captured = capsys.readouterr()
-    assert _summary(captured.out) == (1, 0, 1)
+    assert _summary(captured.out) == (2, 0, 2)  # the case and its Dv < D twin (.../Dv8)
     fail_row = next(line for line in captured.out.splitlines() if line.startswith("FAIL"))
     assert fail_row.split()[2] == "1.0e-02!"  # forward, flagged
     assert "forward: max error 1.000e-02 > bound" in captured.out
-    assert captured.err.strip() == "mcore-npu verify: 1 cases: 0 passed, 1 failed"
+    assert captured.err.strip() == "mcore-npu verify: 2 cases: 0 passed, 2 failed"
 
 
 def test_hardware_path_compares_gradients_too(pretend_npu):

@@ -3,7 +3,8 @@
 ``config`` needs ``num_layers``, ``normalization``, ``qk_layernorm``, ``num_moe_experts``,
 ``moe_grouped_gemm`` and ``moe_layer_freq`` (a Megatron ``TransformerConfig`` or a
 ``SimpleNamespace``); ``moe_router_enable_expert_bias``, ``moe_shared_expert_intermediate_size``
-and ``moe_shared_expert_gate`` are read where present.
+and ``moe_shared_expert_gate`` are read where present, ``multi_latent_attention`` and
+``q_lora_rank`` where it is an MLA model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ NAMES = yaml.safe_load((Path(__file__).parents[2] / "specs" / "param_names_te.ya
 def _applies(when: str, config, layer_is_moe: bool | None) -> bool:
     """Whether a group's ``when`` clause holds for ``config`` (and this layer)."""
     grouped = bool(getattr(config, "moe_grouped_gemm", False))
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    q_lora = mla and getattr(config, "q_lora_rank", None) is not None
     conditions = {
+        "MLA": mla,
+        "not MLA": not mla,
+        "q_lora_rank": q_lora,
+        "no q_lora_rank": mla and not q_lora,
         "always": True,
         "every layer": True,
         "LayerNorm": config.normalization == "LayerNorm",

@@ -145,6 +145,7 @@ REFUSALS = [
     ({"batch_invariant_mode": True}, BASE, ["batch_invariant_mode=true", "batch-invariant"]),
     ({"use_batch_invariant_ops": True}, BASE, ["use_batch_invariant_ops=true"]),
     ({"rope_scaling_type": "yarn"}, BASE, ["rope_type", "TransformerConfig", "config.json"]),
+    ({"rope_scaling_type": "llama3"}, MLA, ["rope_scaling_type=llama3", "rope or yarn"]),
     ({"yarn_scaling_factor": 4.0}, BASE, ["rotary_scaling_factor", "config.json"]),
     ({"rope_scaling_mscale": 1.0}, BASE, ["mscale", "config.json"]),
     ({"rope_scaling_mscale_all_dim": 1.0}, BASE, ["mscale_all_dim", "config.json"]),

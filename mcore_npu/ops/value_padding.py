@@ -1,0 +1,106 @@
+"""A value head dim smaller than the query's (Dv < D, Multi-Latent Attention): padded or not.
+
+MLA's core attention gets q and k with ``D = qk_head_dim + qk_pos_emb_head_dim`` (192 in
+DeepSeek-V3) and v with ``Dv = v_head_dim`` (128). torch_npu documents ``Dq = Dk >= Dv``, and
+recent releases return the output with Dv (MindSpeed-LLM passes SBH with v at 128 under
+``--mla-fa-without-pad`` and recommends CANN >= 8.2.RC1 for it); older op-plugin releases
+allocate the output like the query, D wide. The padded path works everywhere: v is padded with
+zeros to D, and the output sliced back to Dv. It is exact: the zero columns of v only produce
+zero output columns, the scores and the softmax do not see v, and the slice's gradient is zero
+there, so dQ, dK and dV[..., :Dv] are the unpadded ones. It costs ``(D - Dv) / Dv`` more value
+memory and traffic (50 % for DeepSeek-V3).
+
+The switch ``mla_value_padding`` (:data:`MODES`):
+
+========  ===================================================================================
+``off``   never pad (the unpadded call; on an older torch_npu it fails, or its output is D wide,
+          which the caller refuses)
+``on``    always pad, whatever the kernel
+``auto``  pad when the call runs ``torch_npu`` and :func:`takes_smaller_value` says the
+          installed torch_npu does not return a Dv-wide output; the reference never needs it
+========  ===================================================================================
+
+:func:`takes_smaller_value` is a probe, not a version check: one tiny call of the installed
+operator (SBH, one head, D = 16, Dv = 8, one key, so that the output must equal v), once per
+torch_npu module and device (a weak-keyed cache: a fact about the installed stack, like the one
+compressed mask per device).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+MODES = ("auto", "on", "off")
+PROBE_HEAD_DIM, PROBE_VALUE_DIM = 16, 8
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch_npu -> {device: bool}
+
+
+def check_mode(mode: str, name: str = "mla_value_padding") -> str:
+    """``mode`` if it is one of :data:`MODES`, else a ValueError naming ``name``."""
+    if mode not in MODES:
+        raise ValueError(
+            f"{name}: unknown value {mode!r}; pass one of {', '.join(MODES)} ('auto' pads v to "
+            "the query's head dim only where the installed torch_npu needs it)"
+        )
+    return mode
+
+
+def pads(mode: str, kernel: str, device: torch.device) -> bool:
+    """Whether a call with Dv < D on ``device`` takes the padded path.
+
+    Args:
+        mode: ``"auto"`` | ``"on"`` | ``"off"``.
+        kernel: the resolved kernel (``"torch_npu"`` or ``"reference"``, after ``auto``).
+        device: where the call runs (the probe runs there).
+    """
+    check_mode(mode)
+    if mode != "auto":
+        return mode == "on"
+    if kernel != "torch_npu":
+        return False  # the reference takes Dv < D in every layout
+    from mcore_npu.ops import load_torch_npu
+
+    return not takes_smaller_value(load_torch_npu(), device)
+
+
+def takes_smaller_value(torch_npu, device: torch.device | str) -> bool:
+    """Whether ``torch_npu.npu_fusion_attention`` returns a Dv-wide output for Dv < D (SBH).
+
+    One call on ``device``: q/k ``[1, 1, 16]``, v ``[1, 1, 8]`` (one head, one key: the output
+    must be v). An exception, a D-wide output or a wrong value all read as "no".
+    """
+    known = _PROBED.setdefault(torch_npu, {})
+    key = str(device)
+    if key not in known:
+        known[key] = _probe(torch_npu, device)
+    return known[key]
+
+
+def _probe(torch_npu, device) -> bool:
+    dtype = torch.float16  # every release takes fp16 (fp32 is unverified on old ones)
+    try:
+        q = torch.ones(1, 1, PROBE_HEAD_DIM, dtype=dtype, device=device)
+        v = torch.arange(PROBE_VALUE_DIM, dtype=dtype, device=device).view(1, 1, -1)
+        with torch.no_grad():
+            out = torch_npu.npu_fusion_attention(q, q, v, 1, "SBH", scale=0.25)[0]
+        return tuple(out.shape) == tuple(v.shape) and bool(torch.equal(out.cpu(), v.cpu()))
+    except Exception:  # an older operator refuses Dv != D (or the device is unusable)
+        return False
+
+
+def describe(mode: str, kernel: str, device: torch.device) -> str:
+    """``"padded"`` or ``"unpadded"``: the path a call with Dv < D takes (for ``doctor``)."""
+    return "padded" if pads(mode, kernel, device) else "unpadded"
+
+
+def pad(value: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[..., n, Dv]`` -> ``[..., n, D]``, zeros in the new columns."""
+    return torch.nn.functional.pad(value, (0, head_dim - value.shape[-1]))
+
+
+def unpad(out: torch.Tensor, heads: int, head_dim_v: int) -> torch.Tensor:
+    """``[..., heads * D]`` -> ``[..., heads * Dv]``: each head's first Dv columns."""
+    return out.unflatten(-1, (heads, -1))[..., :head_dim_v].flatten(-2)

@@ -1,0 +1,234 @@
+"""A multi-latent-attention GPT under CP=2 (p2p, all_gather; a2a once) and TP=2 against one
+process.
+
+Runs inside the CP=2 torchrun launch of ``cp_attention.py`` (:func:`cases`; alone:
+``torchrun --nproc-per-node 2 tests/distributed/mla_parallel.py``). Each layout gets its own
+Megatron parallel state on the same two gloo ranks: first none (both ranks compute the
+one-process answer themselves, no collective involved), then CP=2, then TP=2. The model is
+tests/transformer/mla_models.py's tiny DeepSeek-V3-shaped one (q_lora_rank, yarn RoPE, D = 24,
+Dv = 12) from the NPU spec in the TE layout, reference kernels.
+
+Per case: the logits of this rank (its CP chunks; TP: gathered), every parameter gradient (CP:
+summed over the ranks, as Megatron's DP x CP reduction does; TP: this rank's shard of the
+one-process gradient) and the losses of 5 Adam steps; the worst error over the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from tests.transformer.mla_models import VOCAB, gpt, inputs, mla_config, npu_block
+
+PACKED_CP = (4, 8, 4)  # every packed length divides by 2 * CP = 4
+STEPS = 5
+
+CP_CASES = [
+    {"comm": "p2p", "format": "sbhd"},
+    {"comm": "all_gather", "format": "sbhd"},
+    {"comm": "p2p", "format": "thd"},
+    {"comm": "all_gather", "format": "thd"},
+    {"comm": "p2p", "format": "sbhd", "mla_value_padding": "on", "rope_kernel": "reference"},
+    {"comm": "all_gather", "format": "thd", "rope_kernel": "reference"},
+    {"comm": "a2a", "format": "sbhd"},
+]
+TP_CASES = [
+    {"format": "sbhd"},
+    {"format": "thd"},
+    {"format": "sbhd", "q_lora_rank": None},
+    {"format": "sbhd", "sequence_parallel": True},
+    # Megatron 0.16.1's own get_query_key_value_tensors under TP=2 (the k_pos_emb gradient of
+    # each rank's heads only): reported, expected to miss one process
+    {"format": "sbhd", "megatrons_qkv": True},
+]
+
+
+def _relayout(layout):
+    from megatron.core import parallel_state
+
+    from mcore_npu.training import runtime
+
+    parallel_state.destroy_model_parallel()
+    return runtime.initialize(layout, seed=0)
+
+
+def _model(case, **config):
+    spec_keys = {k: case[k] for k in ("mla_value_padding", "rope_kernel") if k in case}
+    q_lora = case.get("q_lora_rank", 32)
+    built = mla_config(q_lora, **config)
+    model = gpt(built, npu_block(built, param_layout="te", **spec_keys), seed=3,
+                parallel_output=False)  # fmt: skip
+    if case.get("megatrons_qkv"):
+        for layer in model.decoder.layers:
+            layer.self_attention._runs_here = lambda _context: False
+    return model
+
+
+def _batch(packed):
+    ids, pos, kwargs = inputs(packed, lengths=PACKED_CP)
+    labels = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(9))
+    return ids, pos, labels, kwargs
+
+
+def _train(model, ids, pos, labels, kwargs, reduce=None, tokens=None, tp_reduce=None):
+    """Step-0 logits and gradients, then the losses of ``STEPS`` Adam steps.
+
+    The loss is the summed cross entropy of this rank's tokens over ``tokens`` (all tokens of
+    the batch); ``reduce(tensor)`` sums a tensor over the CP ranks (None: one rank);
+    ``tp_reduce`` sums the gradients of the parameters tagged ``sequence_parallel`` over the TP
+    ranks (as Megatron's ``finalize_model_grads`` does under sequence parallelism)."""
+    tokens = ids.numel() if tokens is None else tokens
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, first = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(ids, pos, None, **kwargs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / tokens
+        loss.backward()
+        total = loss.detach().clone()
+        if reduce is not None:
+            reduce(total)
+            for p in model.parameters():
+                reduce(p.grad)
+        if tp_reduce is not None:
+            for p in model.parameters():
+                if getattr(p, "sequence_parallel", False):
+                    tp_reduce(p.grad)
+        if first is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first = (logits.detach(), grads)
+        losses.append(total.item())
+        optimizer.step()
+    return first, losses
+
+
+def _one_process(case):
+    model = _model(case)
+    ids, pos, labels, kwargs = _batch(case["format"] == "thd")
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return state, _train(model, ids, pos, labels, kwargs)
+
+
+def _worst(values, group):
+    worst = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=group)
+    return worst.tolist()
+
+
+def _cp_case(case, reference):
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
+
+    state, ((want_logits, want_grads), want_losses) = reference
+    group = parallel_state.get_context_parallel_group()
+    size, rank = group.size(), group.rank()
+    model = _model(case, context_parallel_size=size, cp_comm_type=case["comm"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[name])
+    ids, pos, labels, kwargs = _batch(case["format"] == "thd")
+    if case["format"] == "thd":
+        cu = kwargs["packed_seq_params"].cu_seqlens_q_padded
+        index = thd_get_partitioned_indices(cu, ids.shape[1], size, rank)
+        local = [t[:, index] for t in (ids, pos, labels)]
+        want_logits = want_logits[:, index]
+    else:
+        chunks = get_batch_on_this_cp_rank({"ids": ids, "pos": pos, "labels": labels,
+                                            "logits": want_logits})  # fmt: skip
+        local = [chunks[k] for k in ("ids", "pos", "labels")]
+        want_logits = chunks["logits"]
+
+    def reduce(t):
+        torch.distributed.all_reduce(t, group=group)
+
+    (logits, grads), losses = _train(model, *local, kwargs, reduce, tokens=ids.numel())
+    errors = [(logits - want_logits).abs().max().item(),
+              max((grads[n] - want_grads[n]).abs().max().item() for n in want_grads),
+              max(abs(a - b) for a, b in zip(losses, want_losses))]  # fmt: skip
+    return {**case, "cp": size, **dict(zip(("logits", "grads", "losses"), _worst(errors, group))),
+            "loss_drop": want_losses[0] - want_losses[-1]}  # fmt: skip
+
+
+def _tp_case(case, reference):
+    from megatron.core import parallel_state
+
+    state, ((want_logits, want_grads), want_losses) = reference
+    group = parallel_state.get_tensor_model_parallel_group()
+    size, rank = group.size(), group.rank()
+    sp = bool(case.get("sequence_parallel"))
+    model = _model(case, tensor_model_parallel_size=size, sequence_parallel=sp)
+    shards = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                shards[name] = p.partition_dim
+            p.copy_(_shard(state[name], shards.get(name), name, size, rank))
+
+    def tp_reduce(t):
+        torch.distributed.all_reduce(t, group=group)
+
+    (logits, grads), losses = _train(model, *_batch(case["format"] == "thd"),
+                                     tp_reduce=tp_reduce if sp else None)  # fmt: skip
+
+    def mine(name, full):
+        return _shard(full, shards.get(name), name, size, rank)
+
+    errors = [(logits - want_logits).abs().max().item(),
+              max((grads[n] - mine(n, want_grads[n])).abs().max().item() for n in want_grads),
+              max(abs(a - b) for a, b in zip(losses, want_losses))]  # fmt: skip
+    return {**case, "tp": size, "sharded": len(shards),
+            **dict(zip(("logits", "grads", "losses"), _worst(errors, group)))}  # fmt: skip
+
+
+def _shard(full, dim, name, size, rank):
+    """This TP rank's part of a one-process tensor: dim None = replicated; a gated MLP's
+    ``linear_fc1`` holds its share of the gate rows and of the up rows (Megatron's SwiGLU
+    layout), every other sharded tensor one contiguous chunk along ``dim``."""
+    if dim is None:
+        return full
+    if name.endswith("mlp.linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
+        return torch.cat([half.chunk(size, dim=0)[rank] for half in full.chunk(2, dim=0)])
+    return full.chunk(size, dim=dim)[rank]
+
+
+def cases() -> list[dict]:
+    """Every case on both ranks (collectives); call with any parallel state of 2 ranks. Leaves
+    Megatron's parallel state as it found it (the caller's layout)."""
+    from megatron.core import parallel_state
+
+    from mcore_npu.training import runtime
+
+    before = runtime.ParallelLayout(
+        tensor=parallel_state.get_tensor_model_parallel_world_size(),
+        context=parallel_state.get_context_parallel_world_size(),
+    )
+    _relayout(runtime.ParallelLayout())  # no model parallelism: the one-process answers
+    keys = {json.dumps({k: v for k, v in c.items() if k != "comm"}, sort_keys=True): c
+            for c in CP_CASES + TP_CASES}  # fmt: skip
+    references = {key: _one_process(case) for key, case in keys.items()}
+
+    def reference(case):
+        return references[json.dumps({k: v for k, v in case.items() if k != "comm"},
+                                     sort_keys=True)]  # fmt: skip
+
+    _relayout(runtime.ParallelLayout(context=2))
+    results = [_cp_case(case, reference(case)) for case in CP_CASES]
+    _relayout(runtime.ParallelLayout(tensor=2))
+    results += [_tp_case(case, reference(case)) for case in TP_CASES]
+    _relayout(before)
+    return results
+
+
+if __name__ == "__main__":
+    from mcore_npu.training import runtime
+
+    rt = runtime.initialize(runtime.ParallelLayout(context=2), seed=0)
+    found = cases()
+    if rt.launch.rank == 0:
+        for result in found:
+            print("MLA " + json.dumps(result), flush=True)
+    runtime.shutdown()
