@@ -403,30 +403,17 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_train(cfg)
 
 
-def _validate_moe_permute(cfg) -> None:
-    """``fused.moe_permute``: off (default) | auto | torch_npu | reference | null (= kernel)."""
-    value = cfg.fused["moe_permute"]
-    if value in ("False", "false"):  # YAML 1.1 reads an unquoted `off` as false
-        value = cfg.fused["moe_permute"] = "off"
-    if value is not None and value not in (*KERNELS, "off"):
-        _fail("fused.moe_permute", value, "unknown choice",
-              f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
-    if value != "off" and cfg.attention.backend not in ("npu_fusion", "auto"):
-        _fail("fused.moe_permute", value, "only the npu_fusion backend has the fused permute "
-              f"(backend is {cfg.attention.backend})", "leave it off")  # fmt: skip
-
-
-def _validate_rope(cfg) -> None:
-    """``fused.rope``: a kernel, off (the default: Megatron's RoPE) or null (= attention.kernel);
-    only the npu_fusion backend has it (Megatron's own fused RoPE needs Transformer Engine)."""
-    value = cfg.fused.rope
+def _validate_fused_switch(cfg, name: str, what: str) -> None:
+    """``fused.<name>``: a kernel, off (the default: Megatron's own module) or null
+    (= attention.kernel); only the npu_fusion backend has ``what`` without Transformer Engine."""
+    value = cfg.fused[name]
     if value in (False, "False", "false"):  # YAML 1.1 reads an unquoted `off` as false
-        value = cfg.fused.rope = "off"
+        value = cfg.fused[name] = "off"
     if value is not None and value not in (*KERNELS, "off"):
-        _fail("fused.rope", value, "unknown choice",
+        _fail(f"fused.{name}", value, "unknown choice",
               f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
     if value != "off" and cfg.attention.backend not in ("npu_fusion", "auto"):
-        _fail("fused.rope", value, "only the npu_fusion backend has a fused RoPE without "
+        _fail(f"fused.{name}", value, f"only the npu_fusion backend has {what} without "
               f"Transformer Engine (backend is {cfg.attention.backend})", "leave it off")  # fmt: skip
 
 
@@ -454,8 +441,8 @@ def _validate_choices(cfg) -> None:
         if value is not None and cfg.attention.backend not in ("npu_fusion", "auto"):
             _fail(f"fused.{name}", value, "only the npu_fusion backend has fused kernels "
                   f"(backend is {cfg.attention.backend})", "leave it null")  # fmt: skip
-    _validate_moe_permute(cfg)
-    _validate_rope(cfg)
+    _validate_fused_switch(cfg, "moe_permute", "the fused permute")
+    _validate_fused_switch(cfg, "rope", "a fused RoPE")
     if cfg.attention.kernel != "auto" and cfg.attention.backend not in ("npu_fusion", "auto"):
         _fail("attention.kernel", cfg.attention.kernel,
               f"only the npu_fusion backend has kernels (backend is {cfg.attention.backend})",
