@@ -121,9 +121,10 @@ def _copying_all_but_step(member):
     per-parameter copy (the checkpoint holds no step per parameter; :func:`_restoring_step`
     sets it from the param groups), and the copy made under ``torch.no_grad()``: with fp32
     model parameters the main parameter is a view of the model parameter, which requires grad,
-    and megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` (unlike its other
-    loaders) is not a ``no_grad`` function, so its in-place ``copy_`` raises "a view of a leaf
-    Variable that requires grad is being used in an in-place operation"."""
+    and megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` (unlike its
+    ``fully_reshardable`` loader) is not a ``no_grad`` function, so its in-place ``copy_``
+    raises "a view of a leaf Variable that requires grad is being used in an in-place
+    operation"."""
     copy_states = member._set_main_param_and_optimizer_states
 
     def set_states(model_param, tensors):
