@@ -14,7 +14,7 @@ self.dtype in ["bfloat16", "float16"]``, ``verl/workers/config/engine.py:218``);
 parallel-equality check runs in fp32, set in the test only, after verl's validation
 (``verl_loop.force_fp32``, like an oracle setting), so that TP's split matmuls can be compared at
 1e-5. verl's engine then builds an fp32 model and Megatron's distributed optimizer over fp32
-parameters; nothing else in verl forces bf16. In fp32 every layout equals one process within
+parameters; nothing else on verl's training path forces bf16. In fp32 every layout equals one process within
 1e-5. The same layouts in bf16, as verl runs them: PP=2 and DP=2 run exactly the one process's
 micro-batches through the same bf16 operations and differ only in the order of the fp32 sums:
 within 1e-5. TP=2 splits the matmuls themselves (two bf16 partial products summed), and under
@@ -83,6 +83,7 @@ def fp32_reference(qwen3, qwen3_moe) -> dict[str, list[float]]:
         config = loop.worker_config(path, **loop.FAMILY_SETTINGS[family], dtype="float32")
         worker = loop.new_worker(config, loop.sft_loss_fn())
         assert {p.dtype for p in worker.engine.module[0].parameters()} == {torch.float32}
+        assert config.engine_config.dtype == worker.engine.engine_config.dtype == "float32"
         losses[family] = [m["loss"] for m in loop.train_sft(worker, STEPS)]
         del worker
     return losses

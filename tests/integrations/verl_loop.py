@@ -143,14 +143,19 @@ def _keep_fp32(engine) -> None:
     The plugin's engine replaces its ``engine_config`` by the recipe's copy at the start of
     ``_build_tf_config`` (``dataclasses.replace``, which runs verl's validation again and so
     would refuse float32; ``mcore_npu.integrations.verl.recipe.apply_recipe``). An instance-level
-    wrapper of this one engine's ``_apply_recipe`` calls it with bf16 and writes float32 into the
-    copy afterwards, before verl's ``_build_tf_config`` reads the dtype.
+    wrapper of this one engine's ``_apply_recipe`` calls it on a bf16 config, then writes float32
+    back into the caller's config and into the copy, before verl's ``_build_tf_config`` reads the
+    dtype (so the caller's config stays fp32 for a later worker).
     """
     apply = engine._apply_recipe
 
     def apply_then_fp32():
-        object.__setattr__(engine.engine_config, "dtype", "bfloat16")
-        apply()
+        given = engine.engine_config
+        object.__setattr__(given, "dtype", "bfloat16")
+        try:
+            apply()
+        finally:
+            force_fp32(given)
         force_fp32(engine.engine_config)
 
     engine._apply_recipe = apply_then_fp32
