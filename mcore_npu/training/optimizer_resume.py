@@ -3,7 +3,7 @@
 Without Transformer Engine or Apex, megatron-core 0.16.1 builds its distributed optimizer over
 ``torch.optim.Adam`` / ``AdamW`` (``distrib_optimizer.py:21-36``: ``HAVE_APEX_OR_TE = False``).
 That is the situation on an Ascend NPU without MindSpeed, as well as on a CPU. Loading a
-checkpoint then goes wrong in two places, whatever the device:
+checkpoint then goes wrong, whatever the device:
 
 1. **A fresh optimizer cannot describe itself for loading.** A loader first builds the
    optimizer's ``sharded_state_dict(is_loading=True)``, which calls ``state_dict()``; with torch's
@@ -23,6 +23,12 @@ checkpoint then goes wrong in two places, whatever the device:
 3. **One step tensor for all parameters.** The step set in (2) is a single tensor, which torch's
    ``Optimizer.load_state_dict`` keeps as that one object: every optimizer step then adds 1 to it
    once per parameter.
+4. **fp32 parameters, ``dp_reshardable``.** With fp32 model parameters (no separate main copy)
+   the per-parameter copy of (2) writes in place into a view of a parameter that requires grad,
+   outside ``no_grad`` (``load_parameter_state_from_dp_reshardable``,
+   ``distrib_optimizer.py:1772-1804``, calling ``_set_main_param_and_optimizer_states``), and
+   autograd refuses it with a ``RuntimeError``. (bf16 / fp16 models, verl's, have fp32 main
+   copies that do not require grad and are not hit.)
 
 Together (2) and (3) restart Adam's bias correction and then run it ahead: the first resumed
 loss still matches (it is computed before the update); every later one drifts.
@@ -31,9 +37,10 @@ loss still matches (it is computed before the update); every later one drifts.
 it is given only (instance attributes, removed when the block ends; Megatron's classes are not
 touched): before the load, each such optimizer with an empty state gets the state Megatron's own
 ``init_state_fn`` allocates (zero moments) plus a zero step per parameter, so ``state_dict()``
-works; during it, the per-parameter copy leaves ``step`` alone; after Megatron's
-``load_state_dict``, every parameter gets its own step tensor holding the checkpoint's step. Optimizers over TE/Apex FusedAdam, the CPU-offload
-``HybridDeviceOptimizer`` and non-Adam optimizers are left alone.
+works; during it, the per-parameter copy leaves ``step`` alone and runs under ``no_grad``;
+after Megatron's ``load_state_dict``, every parameter gets its own step tensor holding the
+checkpoint's step. Optimizers over TE/Apex FusedAdam, the CPU-offload ``HybridDeviceOptimizer``
+and non-Adam optimizers are left alone.
 """
 
 from __future__ import annotations
@@ -112,7 +119,12 @@ def _restoring_step(member):
 def _copying_all_but_step(member):
     """``member._set_main_param_and_optimizer_states`` with the live ``step`` kept out of the
     per-parameter copy (the checkpoint holds no step per parameter; :func:`_restoring_step`
-    sets it from the param groups)."""
+    sets it from the param groups), and the copy made under ``torch.no_grad()``: with fp32
+    model parameters the main parameter is a view of the model parameter, which requires grad,
+    and megatron-core 0.16.1's ``load_parameter_state_from_dp_reshardable`` (unlike its
+    ``fully_reshardable`` loader) is not a ``no_grad`` function, so its in-place ``copy_``
+    raises "a view of a leaf Variable that requires grad is being used in an in-place
+    operation"."""
     copy_states = member._set_main_param_and_optimizer_states
 
     def set_states(model_param, tensors):
@@ -121,7 +133,8 @@ def _copying_all_but_step(member):
         state = member.optimizer.state[main_param]
         step = state.pop("step", None)
         try:
-            copy_states(model_param, tensors)
+            with torch.no_grad():
+                copy_states(model_param, tensors)
         finally:
             if step is not None:
                 state["step"] = step

@@ -176,7 +176,7 @@ def test_one_step_equals_the_plugins_own_trainer(tmp_path):
     (its model, packed thd micro-batch, masked-mean loss, DDP, through Megatron's schedule) on
     the same weights and batch: the same loss and the same fp32 gradients.
 
-    Both are bf16 models (verl's engine cannot be fp32) computing the same bf16 operations in
+    Both are bf16 models (verl's config refuses fp32) computing the same bf16 operations in
     the same order, so the tolerance stays at fp32 level: loss within 1e-5, every gradient
     within 1e-5 of the largest gradient element (measured: see the README). The trainer's
     byte-level data needs a vocabulary of at least 257, so this Qwen3 has 264 (the trainer's

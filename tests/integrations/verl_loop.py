@@ -11,7 +11,9 @@ verl's dispatch would hand it (``make_nd_compute_dataproto_dispatch_fn``).
 
 Precision: verl's ``McoreEngineConfig`` accepts only ``bfloat16`` / ``float16``
 (``verl/workers/config/engine.py:218``), so these runs are bf16 models with fp32 main parameters
-and fp32 gradient buffers: Megatron's mixed-precision distributed optimizer, as on an NPU.
+and fp32 gradient buffers: Megatron's mixed-precision distributed optimizer, as on an NPU. The
+one exception is a test oracle: ``worker_config(..., dtype="float32")`` (:func:`force_fp32`)
+writes float32 past verl's validation, for the parallel-equality checks only.
 """
 
 from __future__ import annotations
@@ -71,11 +73,14 @@ def worker_config(
     total_steps: int = 10,
     lr: float = 1e-3,
     micro_batch: int = 2,
+    dtype: str = "bfloat16",
     **engine,
 ):
     """verl's ``TrainingWorkerConfig``: Megatron, vanilla mbridge, bf16, the distributed optimizer.
 
     ``engine``: more ``McoreEngineConfig`` fields (parallel sizes, offload, checkpoint format).
+    ``dtype="float32"``: an fp32 model, for the parallel-equality checks only
+    (:func:`force_fp32`; verl's config refuses it).
     The learning rate decays linearly over ``total_steps`` (verl's default schedule) and the
     scheduler's state is part of the checkpoint (``use_checkpoint_opt_param_scheduler=True``:
     without it verl does not restore the scheduler at all, see the README).
@@ -88,7 +93,7 @@ def worker_config(
         TrainingWorkerConfig,
     )
 
-    return TrainingWorkerConfig(
+    config = TrainingWorkerConfig(
         model_type=model_type,
         model_config=HFModelConfig(
             path=model_path, load_tokenizer=True, use_remove_padding=remove_padding
@@ -108,6 +113,52 @@ def worker_config(
         ),
         checkpoint_config=CheckpointConfig(),
     )
+    if dtype == "float32":
+        force_fp32(config.engine_config)
+    elif dtype != "bfloat16":
+        raise ValueError(f"dtype: {dtype!r}; use 'bfloat16' (verl's) or 'float32' (the oracle)")
+    return config
+
+
+def force_fp32(engine_config) -> None:
+    """Set an already validated ``McoreEngineConfig`` to ``dtype="float32"``: a test oracle, not
+    a verl setting.
+
+    verl 0.9.1's config refuses float32 (``McoreEngineConfig.__post_init__``: ``assert self.dtype
+    in ["bfloat16", "float16"]``, ``verl/workers/config/engine.py:218``) and freezes the field
+    (``BaseConfig.__setattr__``), so the value is written past both, after the validation. The
+    engine then builds everything in fp32 from that one field (``_build_tf_config``:
+    ``param_dtype``, ``tf_config.bf16 = fp16 = False``; ``_build_optimizer``: Megatron's
+    optimizer with ``bf16 = fp16 = False``, i.e. the distributed optimizer over fp32
+    parameters with no separate main copy). The parallel-equality checks run this way so that
+    TP's split matmuls and EP's grouped expert matmuls can be compared with one process at
+    1e-5; in bf16 they round differently (see ``test_loop_parallel.py``).
+    """
+    object.__setattr__(engine_config, "dtype", "float32")
+
+
+def _keep_fp32(engine) -> None:
+    """The oracle of :func:`force_fp32` on the engine's own copy of the config too.
+
+    The plugin's engine replaces its ``engine_config`` by the recipe's copy at the start of
+    ``_build_tf_config`` (``dataclasses.replace``, which runs verl's validation again and so
+    would refuse float32; ``mcore_npu.integrations.verl.recipe.apply_recipe``). An instance-level
+    wrapper of this one engine's ``_apply_recipe`` calls it on a bf16 config, then writes float32
+    back into the caller's config and into the copy, before verl's ``_build_tf_config`` reads the
+    dtype (so the caller's config stays fp32 for a later worker).
+    """
+    apply = engine._apply_recipe
+
+    def apply_then_fp32():
+        given = engine.engine_config
+        object.__setattr__(given, "dtype", "bfloat16")
+        try:
+            apply()
+        finally:
+            force_fp32(given)
+        force_fp32(engine.engine_config)
+
+    engine._apply_recipe = apply_then_fp32
 
 
 @contextmanager
@@ -140,6 +191,8 @@ def new_worker(config, loss_fn, *, seed: int = 1):
 
     with npu_engine():
         worker = TrainingWorker(config)
+    if config.engine_config.dtype == "float32":
+        _keep_fp32(worker.engine)
     if device.current_accelerator() == "cpu":
         cpu_support.seed_cpu_streams(
             seed,

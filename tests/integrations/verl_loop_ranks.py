@@ -1,16 +1,25 @@
 """verl's SFT loop under torchrun: one verl ``TrainingWorker`` per rank, several layouts in turn.
 
     torchrun --standalone --nproc-per-node 2 tests/integrations/verl_loop_ranks.py \\
-        OUT QWEN3 QWEN3_MOE LAYOUT [LAYOUT ...]
+        OUT QWEN3 QWEN3_MOE RUN [RUN ...]
 
-LAYOUT is one of :data:`LAYOUTS`. Per layout, every rank builds a worker whose engine (the
-plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's parallel state
-from verl's own engine config (``MegatronEngine._init_device_mesh``), trains :data:`STEPS` steps
-of verl's SFT loss on its data-parallel share of the seeded global batch (what verl's dispatch
-would hand it), and writes the metrics it has (verl returns them on the ranks that hold outputs:
-last pipeline stage, tensor rank 0) to ``OUT/<layout>.rank<r>.json``. Between layouts Megatron's
-parallel state is destroyed; the gloo process group stays. No Ray: verl's worker methods are
-called directly, as on the driver of a single-controller run.
+RUN is a layout of :data:`LAYOUTS`, optionally with a precision: ``tp2_sp`` (fp32, the default)
+or ``tp2_sp@bf16`` (:data:`DTYPES`). fp32 is a test oracle verl's config refuses
+(``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
+engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
+parallel state from verl's own engine config (``MegatronEngine._init_device_mesh``), trains
+:data:`STEPS` steps of verl's SFT loss on its data-parallel share of the seeded global batch
+(what verl's dispatch would hand it), and writes the metrics it has (verl returns them on the
+ranks that hold outputs: last pipeline stage, tensor rank 0) to ``OUT/<run>.rank<r>.json``.
+
+The run :data:`RESUME` goes on: ``save_checkpoint`` after step :data:`STEPS` (into
+``OUT/<run>.checkpoint``), :data:`STEPS` more steps (the uninterrupted run), then on every rank
+the worker is dropped, a fresh one is built with the same config, ``load_checkpoint`` reads the
+checkpoint and trains the same :data:`STEPS` steps again; the record holds both loss lists and the
+Adam step counters of the fresh worker after the load.
+
+Between runs Megatron's parallel state is destroyed; the gloo process group stays. No Ray:
+verl's worker methods are called directly, as on the driver of a single-controller run.
 """
 
 from __future__ import annotations
@@ -34,17 +43,58 @@ LAYOUTS = {
     "dp2": ("qwen3", {}),  # the world is the data-parallel group; distributed optimizer
     "ep2": ("qwen3_moe", {"expert_model_parallel_size": 2}),
 }
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 STEPS = 5
+RESUME = "dp2@bf16"  # DP=2, the distributed optimizer sharded over both ranks, as verl runs it
 
 
-def run_layout(name: str, checkpoints: dict[str, str], out: Path) -> None:
+def parse_run(run: str) -> tuple[str, str]:
+    """``"tp2_sp@bf16"`` -> ``("tp2_sp", "bfloat16")``; no ``@``: fp32."""
+    name, _, precision = run.partition("@")
+    if name not in LAYOUTS or (precision or "fp32") not in DTYPES:
+        raise ValueError(f"run: {run!r}; use LAYOUT[@PRECISION], {list(LAYOUTS)} x {list(DTYPES)}")
+    return name, DTYPES[precision or "fp32"]
+
+
+def _losses(metrics) -> list[float] | None:
+    return [m["loss"] for m in metrics] if metrics[0] is not None else None
+
+
+def _resume(worker, config, checkpoint: Path, train) -> dict:
+    """Save after this worker's :data:`STEPS` steps, train on (the uninterrupted run), then a
+    fresh worker loads the checkpoint and trains the same steps."""
+    from tests.integrations import verl_loop as loop
+
+    worker.save_checkpoint(str(checkpoint), global_step=STEPS)
+    uninterrupted = _losses(train(worker))
+    del worker
+    gc.collect()
+    fresh = loop.new_worker(config, loop.sft_loss_fn())  # the same parallel state (verl reuses it)
+    fresh.load_checkpoint(str(checkpoint))
+    steps = [
+        state["step"]
+        for member in fresh.engine.optimizer.chained_optimizers
+        for state in member.optimizer.state.values()
+    ]
+    record = {  # the counters as loaded (Adam then adds to them in place)
+        "steps": sorted({float(step) for step in steps}),
+        "step_tensors": [len(steps), len({id(step) for step in steps})],
+    }
+    record.update(uninterrupted=uninterrupted, resumed=_losses(train(fresh)))
+    del fresh
+    gc.collect()
+    return record
+
+
+def run_layout(run: str, checkpoints: dict[str, str], out: Path) -> None:
     from megatron.core import parallel_state as mpu
 
     from tests.integrations import verl_loop as loop
 
+    name, dtype = parse_run(run)
     family, engine_fields = LAYOUTS[name]
     settings = loop.FAMILY_SETTINGS[family]  # those of the one-process reference runs
-    config = loop.worker_config(checkpoints[family], **settings, **engine_fields)
+    config = loop.worker_config(checkpoints[family], **settings, **engine_fields, dtype=dtype)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     engine = worker.engine
     layout = {
@@ -54,31 +104,40 @@ def run_layout(name: str, checkpoints: dict[str, str], out: Path) -> None:
         "ep": mpu.get_expert_model_parallel_world_size(),
         "sp": bool(engine.tf_config.sequence_parallel),
         "distributed_optimizer": bool(engine.engine_config.use_distributed_optimizer),
+        "params_dtype": str(engine.tf_config.params_dtype),
+        "model_dtype": str(next(engine.module[0].parameters()).dtype),
     }
-    metrics = loop.train_sft(worker, STEPS, dp_rank=engine.get_data_parallel_rank(),
-                             dp_size=engine.get_data_parallel_size())  # fmt: skip
+
+    def train(w):
+        return loop.train_sft(w, STEPS, dp_rank=w.engine.get_data_parallel_rank(),
+                              dp_size=w.engine.get_data_parallel_size())  # fmt: skip
+
+    metrics = train(worker)
     record = {
         "layout": layout,
         "engine": type(engine).__name__,
-        "losses": [m["loss"] for m in metrics] if metrics[0] is not None else None,
+        "losses": _losses(metrics),
         "grad_norms": [m["grad_norm"] for m in metrics] if metrics[0] is not None else None,
     }
-    (out / f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    del worker, engine
+    del engine
+    if run == RESUME:
+        record["resume"] = _resume(worker, config, out / f"{run}.checkpoint", train)
+    (out / f"{run}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    del worker
     gc.collect()
     mpu.destroy_model_parallel()
 
 
 def main(argv: list[str]) -> int:
-    out, qwen3, qwen3_moe, *layouts = argv
+    out, qwen3, qwen3_moe, *runs = argv
     from mcore_npu.training import cpu_support
 
     cpu_support.apply()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        for name in layouts:
-            run_layout(name, {"qwen3": qwen3, "qwen3_moe": qwen3_moe}, Path(out))
+        for run in runs:
+            run_layout(run, {"qwen3": qwen3, "qwen3_moe": qwen3_moe}, Path(out))
     except Exception:
         traceback.print_exc()
         return 1
