@@ -19,8 +19,9 @@ MoE families load the same way (mbridge's Qwen3-MoE and Mixtral bridges set
 ``use_npu_spec`` also fills ``rope_theta`` and ``head_dim`` where transformers >= 5 leaves them
 off the config, and matches the router's softmax form to the Hugging Face model's
 (``match_hf_routing``). Bridges whose constructor cannot build their config on this stack
-(``deepseek_v3``: ``mcore_npu.integrations.mbridge_fixes``) are built by ``bridge_from_config``
-as the plugin's subclass of mbridge's class. Multi-token prediction through mbridge is refused:
+(``deepseek_v3``: ``mcore_npu.integrations.mbridge_fixes``; it also reads unquantised
+DeepSeek-V3 checkpoints in any dtype, which mbridge's own reader cannot here) are built by
+``bridge_from_config`` as the plugin's subclass of mbridge's class. Multi-token prediction through mbridge is refused:
 mbridge builds those layers from Transformer Engine's spec (``refuse_mbridge_mtp``).
 
 Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,

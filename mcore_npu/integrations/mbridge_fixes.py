@@ -1,5 +1,6 @@
 """mbridge bridges whose Megatron config this stack cannot build as they stand: the plugin's
-subclasses, which fix the keywords the bridge's constructor gives its config class.
+subclasses, which fix the keywords the bridge's constructor gives its config class (and, for
+DeepSeek-V3, how the weights are read: fix 5).
 
 mbridge 0.15.1 builds a bridge's ``TransformerConfig`` inside the bridge's constructor
 (``Bridge.__init__`` -> ``_build_config`` -> ``LLMBridge._build_base_config(**keywords)`` ->
@@ -24,6 +25,15 @@ the config exists. For ``deepseek_v3`` (``mbridge/models/deepseek_v3.py``,
 4. Group-limited routing: mbridge passes neither ``n_group`` nor ``topk_group``; mapped here to
    ``moe_router_num_groups`` / ``moe_router_group_topk`` when the groups limit anything.
 
+5. Reading the weights: ``DeepseekV3Bridge._get_safetensor_io`` returns mbridge's FP8 reader
+   (``DequantFP8SafeTensorIO``: it imports triton, opens the files on ``device="cuda"`` and
+   needs a ``model.safetensors.index.json``) for bf16, and for any other dtype raises
+   ``TypeError`` (``raise NotImplemented(...)``). On a CPU or an NPU without triton no DeepSeek-V3
+   checkpoint loads, fp32 nowhere. Here a checkpoint without FP8 weights (no ``*_scale_inv``
+   tensor: Moonlight, Kimi, any bf16 / fp32 export) is read by mbridge's plain ``SafeTensorIO``,
+   the reader every other bridge uses, in any dtype; FP8 checkpoints (DeepSeek-V3's own release)
+   still go to mbridge's FP8 reader.
+
 Routings that Megatron's sigmoid router cannot compute are refused (``ValueError``): top-k
 weights not renormalised (``norm_topk_prob: false``, or top-1 with it), and group scores other
 than the two best experts' sum (Megatron sums the best ``topk // group_topk``).
@@ -42,6 +52,7 @@ import importlib
 
 # model_type -> (module, class) of the mbridge bridge the plugin subclasses
 FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
+FP8_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales (DeepSeek-V3's FP8 release)
 
 _RENAMED_KEYWORDS = {"max_position_embeddings": "original_max_position_embeddings"}
 _MLA_ROPE_TYPES = {"default": "rope", "rope": "rope", "yarn": "yarn"}
@@ -71,7 +82,8 @@ def fixed_bridge_class(model_type: str) -> type:
 def _fixed_class(model_type: str) -> type:
     module, name = FIXED_BRIDGES[model_type]
     base = getattr(importlib.import_module(module), name)
-    return type(f"NPU{name}", (_ConfigKeywordFixes, base), {"__module__": __name__})
+    mixins = (_ConfigKeywordFixes, _UnquantisedSafetensors)
+    return type(f"NPU{name}", (*mixins, base), {"__module__": __name__})
 
 
 class _ConfigKeywordFixes:
@@ -80,6 +92,24 @@ class _ConfigKeywordFixes:
     def _build_base_config(self, text_config_key=None, **keywords):
         keywords = deepseek_v3_keywords(self.hf_config, self.TransformerConfigClass, keywords)
         return super()._build_base_config(text_config_key=text_config_key, **keywords)
+
+
+class _UnquantisedSafetensors:
+    """Mixin for mbridge's ``DeepseekV3Bridge``: checkpoints without FP8 weights are read by
+    mbridge's plain ``SafeTensorIO`` in any dtype (fix 5 of the module docstring)."""
+
+    def _get_safetensor_io(self, weights_path: str):
+        from mbridge.core.safetensor_io import SafeTensorIO
+
+        plain = SafeTensorIO(self._get_actual_hf_path(weights_path))
+        if has_fp8_weights(plain.load_hf_weight_names()):
+            return super()._get_safetensor_io(weights_path)  # mbridge's FP8 reader
+        return plain
+
+
+def has_fp8_weights(names) -> bool:
+    """Whether a checkpoint's tensor names include FP8 block scales (``*_scale_inv``)."""
+    return any(name.endswith(FP8_SCALE_SUFFIX) for name in names)
 
 
 def deepseek_v3_keywords(hf_config, config_class: type, keywords: dict) -> dict:

@@ -185,7 +185,10 @@ def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
     return target
 
 
-OPTIMIZER_PREFIX = "optimizer."  # keys of the optimizer's sharded state on disk
+OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""Keys of the optimizer's sharded state on disk: ``optimizer.`` for one optimizer,
+``chained_{i}.optimizer.`` for Megatron's ``ChainedOptimizer`` (an MoE model's dense and expert
+parameters, each its own optimizer)."""
 
 
 def match_layout(model_state: dict, path: str | Path) -> dict:
@@ -209,7 +212,7 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: {problem}")
     on_disk = load_sharded_metadata(str(path))
     names = {value.key for value in on_disk.values()}  # objects are listed once per shard
-    source = [name for name in names if not name.startswith(OPTIMIZER_PREFIX)]
+    source = [name for name in names if not OPTIMIZER_KEY.match(name)]
     target = {value.key for value in nested_values(model_state)}
     try:
         matched = match_names(source, sorted(target), every_source=False)

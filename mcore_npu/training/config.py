@@ -11,7 +11,9 @@ A config has six sections. The two keys that turn the plugin on::
 overrides (``train.steps=50 attention.backend=local``), and validates every value before any
 process group starts. A bad value raises ``ConfigError`` whose message names the key path, the
 value received and the fix. ``model`` also takes any other field of Megatron's
-``TransformerConfig`` (checked against the installed one; an unknown name gets a suggestion).
+``TransformerConfig`` (checked against the installed one; an unknown name gets a suggestion),
+and with ``multi_latent_attention: true`` the fields of ``MLATransformerConfig`` (``q_lora_rank``,
+``kv_lora_rank``, ``qk_head_dim``, ``rope_type``, ...), which then builds the model.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class ParallelSection:
     sequence_parallel: bool = False
     context: int = 1  # data parallel = world size / (tensor * pipeline * context)
     cp_comm_type: str = "p2p"  # context > 1: "p2p" (ring), "all_gather" or "a2a" (Ulysses)
-    expert: int = 1  # expert parallel (MoE): experts split over this many data-parallel ranks
+    expert: int = 1  # expert parallel (MoE): experts split over this many data x context ranks
     # uneven pipeline stages (null: num_layers split evenly); either first/last stage counts ...
     first_stage_layers: int | None = None  # decoder layers of the first stage
     last_stage_layers: int | None = None  # decoder layers of the last stage
@@ -296,10 +298,15 @@ def _route_model_keys(model: dict) -> dict:
                 "not a model key nor a field of the installed megatron-core TransformerConfig",
                 _suggest(key, sorted(own | set(hints))),
             )
-        _check_annotation(f"model.{key}", value, hints[key])
+        if not (value is None and key in _NULL_MEANS_SOMETHING):
+            _check_annotation(f"model.{key}", value, hints[key])
         extra[key] = value
     return {**{k: v for k, v in model.items() if k in own}, "extra": extra}
 
+
+_NULL_MEANS_SOMETHING = {  # fields annotated without None where Megatron reads None
+    "q_lora_rank": "MLA without a q latent (linear_q_proj), as Moonlight and DeepSeek-V2-Lite",
+}
 
 _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and where
     "tensor_model_parallel_size": "parallel.tensor",
@@ -322,14 +329,27 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
 
 
 def _transformer_config_hints() -> dict[str, Any]:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Field -> annotation of ``MLATransformerConfig`` (``TransformerConfig`` and the MLA fields;
+    :func:`mla_only_fields` says which need ``multi_latent_attention``)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    names = {f.name for f in dataclasses.fields(MLATransformerConfig)}
     try:
-        hints = typing.get_type_hints(TransformerConfig)
+        hints = typing.get_type_hints(MLATransformerConfig)
     except Exception:  # unresolvable forward references: fall back to "any value"
         hints = {}
     return {name: hints.get(name, Any) for name in names}
+
+
+def mla_only_fields() -> set[str]:
+    """The ``MLATransformerConfig`` fields ``TransformerConfig`` lacks (``q_lora_rank``, ...)."""
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    base = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {f.name for f in dataclasses.fields(MLATransformerConfig)} - base
 
 
 _SIMPLE = (bool, int, float, str)
@@ -400,7 +420,37 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_heads(cfg)
     _validate_parallel(cfg, world_size)
     _validate_experts(cfg, world_size)
+    _validate_mla(cfg)
     _validate_train(cfg)
+
+
+def is_mla(cfg) -> bool:
+    """Whether the model is multi-latent attention (``model.multi_latent_attention: true``)."""
+    return bool(cfg.model.extra.get("multi_latent_attention", False))
+
+
+def _validate_mla(cfg) -> None:
+    """Multi-latent attention: its fields only with it; MHA heads, RoPE, a spec that builds it."""
+    m = cfg.model
+    if not is_mla(cfg):
+        given = sorted(set(m.extra) & mla_only_fields()) if m.extra else []
+        if given:
+            _fail(f"model.{given[0]}", m.extra[given[0]], "is a multi-latent attention field "
+                  "(MLATransformerConfig)", "set model.multi_latent_attention=true, or remove it")  # fmt: skip
+        return
+    if m.num_query_groups is not None and m.num_query_groups != m.num_attention_heads:
+        _fail("model.num_query_groups", m.num_query_groups, "multi-latent attention has one "
+              f"key and value per head (model.num_attention_heads={m.num_attention_heads})",
+              "set model.num_query_groups=null")  # fmt: skip
+    if m.position_embedding_type != "rope":
+        _fail("model.position_embedding_type", m.position_embedding_type, "multi-latent "
+              "attention rotates its rope slice itself (model.rope_type: rope or yarn)",
+              "set model.position_embedding_type=rope")  # fmt: skip
+    if _resolved_backend(cfg) == "local":
+        _fail("model.multi_latent_attention", True, "Megatron's local spec cannot build it "
+              "(its DotProductAttention rejects MLA's k_channels; megatron-core 0.16.1's "
+              f"MLASelfAttention needs TE; attention.backend={cfg.attention.backend} resolves "
+              "to local here)", "use attention.backend=npu_fusion (NPUMLASelfAttention)")  # fmt: skip
 
 
 def _validate_fused_switch(cfg, name: str, what: str) -> None:
@@ -657,9 +707,9 @@ def _validate_experts(cfg, world_size: int) -> None:
         _fail("parallel.expert", p.expert, f"does not divide model.num_moe_experts={experts}",
               "pick a divisor of the expert count")  # fmt: skip
     data_parallel = world_size // (p.tensor * p.pipeline * p.context)
-    if data_parallel % p.expert:
-        _fail("parallel.expert", p.expert, f"does not divide the data-parallel size "
-              f"{data_parallel} (experts are split over data-parallel ranks)",
+    if (data_parallel * p.context) % p.expert:  # Megatron: world % (ETP * EP * PP) == 0
+        _fail("parallel.expert", p.expert, f"does not divide the data x context parallel size "
+              f"{data_parallel * p.context} (experts are split over those ranks)",
               "launch more processes or lower parallel.expert")  # fmt: skip
 
 

@@ -27,8 +27,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_config(cfg):
-    """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections;
+    ``MLATransformerConfig`` with ``model.multi_latent_attention: true`` (its RoPE base is
+    ``model.rotary_base``: an MLA layer builds its own RoPE from the config, not GPTModel's)."""
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    from mcore_npu.training.config import is_mla
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     fields = dict(
@@ -61,6 +68,8 @@ def transformer_config(cfg):
     fields.update(_plain(m.extra))
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
+    if is_mla(cfg):
+        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base))
     return TransformerConfig(**fields)
 
 

@@ -10,11 +10,15 @@ clamp, no GLU offset, no TE activation), forward is::
 The fc1 bias is added before the operator, which is what Megatron computes with and without
 ``bias_activation_fusion`` (``bias_swiglu_impl(y, b) = swiglu(y + b)``). Every other
 activation goes to Megatron's own ``MLP.forward``. Parameter names are ``MLP``'s.
-``NPUSharedExpertMLP`` does the same for the MoE layer's shared experts.
+``NPUSharedExpertMLP`` does the same for the MoE layer's shared experts, also where they run
+overlapped with the token dispatcher (``moe_shared_expert_overlap``, which mbridge's DeepSeek-V3
+bridge sets): there Megatron's MoE layer calls the shared experts' ``linear_fc1_forward_and_act``
+instead of their forward, so that step is the one swapped.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -65,10 +69,30 @@ class NPUMLP(MLP):
 class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
     """Megatron's ``SharedExpertMLP`` (gate, overlap, parameter names unchanged) whose MLP part
     is :class:`NPUMLP`: ``SharedExpertMLP.forward`` calls ``super().forward``, which the method
-    order sends to ``NPUMLP.forward``."""
+    order sends to ``NPUMLP.forward``; with ``moe_shared_expert_overlap`` the fc1 + activation
+    step of the overlapped path is :meth:`linear_fc1_forward_and_act`."""
 
     def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
         self.kernel = kernel
+
+    def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
+        """The overlapped path's fc1 and SwiGLU through ``mcore_npu.ops.swiglu`` (megatron-core
+        0.16.1 ``shared_experts.py`` lines 174-219, which run Megatron's ``bias_swiglu_impl``, a
+        ``torch.compile``'d function, under ``bias_activation_fusion``): cached fc1 input
+        ``[S, B, H]`` -> cached fc2 input ``[S, B, F/tp]``. Other activations: Megatron's."""
+        if not is_plain_swiglu(self.config):
+            return super().linear_fc1_forward_and_act(overlapped_comm_output)
+        from megatron.core.transformer.moe.shared_experts import set_tensor_grad_fn_sequence_sr
+
+        assert self.config.moe_shared_expert_overlap and self.cached_fc1_input is not None
+        if overlapped_comm_output is not None:
+            set_tensor_grad_fn_sequence_sr(overlapped_comm_output, torch.iinfo(torch.int).max)
+        with torch.cuda.stream(self.stream):
+            intermediate, bias = self.linear_fc1(self.cached_fc1_input)  # [S, B, 2F/tp]
+            self.cached_fc1_input = None
+            if bias is not None:
+                intermediate = intermediate + bias
+            self.cached_fc2_input = swiglu(intermediate, -1, kernel=self.kernel)

@@ -11,6 +11,11 @@ Dv = 12) from the NPU spec in the TE layout, reference kernels.
 Per case: the logits of this rank (its CP chunks; TP: gathered), every parameter gradient (CP:
 summed over the ranks, as Megatron's DP x CP reduction does; TP: this rank's shard of the
 one-process gradient) and the losses of 5 Adam steps; the worst error over the ranks.
+
+And at TP=2 one checkpoint case (:func:`te_checkpoint_case`): the NPU spec's MLA down
+projections are TP-sharded ``ColumnParallelLinear`` s, Megatron's TE MLA spec's are duplicated
+``TELinear`` s (every TP rank holds the whole weight; ``TELinear.sharded_state_dict`` writes it
+replicated, without a TP axis); dist checkpoints must move between the two.
 """
 
 from __future__ import annotations
@@ -195,6 +200,81 @@ def _shard(full, dim, name, size, rank):
     return full.chunk(size, dim=dim)[rank]
 
 
+DOWN_PROJECTIONS = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+
+
+def _duplicated(sharded, full, tp_rank: int):
+    """``sharded`` (this rank's TP shard of a down projection) as TE's duplicated ``TELinear``
+    writes it: the whole weight ``full`` on every rank, the layer axes kept, replica id
+    ``(0, tp_rank, 0)`` (megatron-core 0.16.1 ``make_sharded_tensors_for_checkpoint``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    layer_axes = [(axis, sharded.global_offset[axis], sharded.axis_fragmentations[axis])
+                  for axis in range(sharded.prepend_axis_num)]  # fmt: skip
+    return ShardedTensor.from_rank_offsets(sharded.key, full, *layer_axes,
+                                           replica_id=(0, tp_rank, 0),
+                                           prepend_axis_num=sharded.prepend_axis_num)  # fmt: skip
+
+
+def te_checkpoint_case() -> dict:
+    """At TP=2: a checkpoint written in TE's duplicated layout loads into the NPU spec (every
+    tensor equal to the writer's), and the NPU spec's sharded checkpoint loads into TE's
+    layout (the whole down projections equal the writer's shards put together)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mcore_npu.training import checkpointing
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    size, rank = group.size(), group.rank()
+    folder = [
+        tempfile.mkdtemp(prefix="mla_te_ckpt_") if torch.distributed.get_rank() == 0 else None
+    ]
+    torch.distributed.broadcast_object_list(folder, src=0)
+    root = Path(folder[0])
+    config = mla_config(32, tensor_model_parallel_size=size)
+
+    def model(seed):
+        return gpt(config, npu_block(config, param_layout="te"), seed=seed)
+
+    def whole(shard):
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        torch.distributed.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    def te_layout(state):
+        downs = [k for k, v in state.items()
+                 if isinstance(v, ShardedTensor) and k.endswith(DOWN_PROJECTIONS)]  # fmt: skip
+        for key in downs:
+            state[key] = _duplicated(state[key], whole(state[key].data), rank)
+        return state, downs
+
+    try:
+        writer = model(3)
+        te_state, downs = te_layout(writer.sharded_state_dict())
+        path = checkpointing.save(te_state, root / "te", 1)
+        reader = model(4)
+        loaded = checkpointing.load(reader.sharded_state_dict(), path)
+        reader.load_state_dict(loaded)
+        written = dict(writer.named_parameters())
+        te_to_npu = max((p - written[n]).abs().max().item() for n, p in reader.named_parameters())
+        path = checkpointing.save(writer.sharded_state_dict(), root / "npu", 1)
+        template, _ = te_layout(model(5).sharded_state_dict())
+        loaded = checkpointing.load(template, path)
+        npu_to_te = max((loaded[k] - whole(writer.state_dict()[k])).abs().max().item()
+                        for k in downs)  # fmt: skip
+    finally:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"checkpoint": "te_duplicated_down_projections", "tp": size, "downs": len(downs),
+            **dict(zip(("te_to_npu", "npu_to_te"), _worst([te_to_npu, npu_to_te], group)))}  # fmt: skip
+
+
 def cases() -> list[dict]:
     """Every case on both ranks (collectives); call with any parallel state of 2 ranks. Leaves
     Megatron's parallel state as it found it (the caller's layout)."""
@@ -219,6 +299,7 @@ def cases() -> list[dict]:
     results = [_cp_case(case, reference(case)) for case in CP_CASES]
     _relayout(runtime.ParallelLayout(tensor=2))
     results += [_tp_case(case, reference(case)) for case in TP_CASES]
+    results.append(te_checkpoint_case())
     _relayout(before)
     return results
 

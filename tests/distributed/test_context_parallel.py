@@ -228,7 +228,7 @@ def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     thd, the padded value path and fused RoPE once each; a2a sbhd) and TP=2 (sbhd, thd, no q_lora_rank,
     sequence parallel): step-0 logits, every gradient and 5 Adam steps' losses within 1e-5 of
     one process, the worst over both ranks."""
-    results = report["MLA"]
+    results = [r for r in report["MLA"] if "checkpoint" not in r]
     ours = [r for r in results if not r.get("megatrons_qkv")]
     covered = {(r.get("comm", "tp"), r["format"]) for r in ours}
     assert {(c, f) for c in ("p2p", "all_gather", "tp") for f in ("sbhd", "thd")} <= covered
@@ -242,3 +242,13 @@ def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     # k_pos_emb gradient (why NPUMLASelfAttention runs its own under TP): it misses one process
     (megatrons,) = [r for r in results if r.get("megatrons_qkv")]
     assert megatrons["logits"] <= TOLERANCE and megatrons["grads"] > 1e-4, megatrons
+
+
+def test_mla_down_projections_cross_between_te_and_npu_checkpoints_at_tp2(report):
+    """TE's MLA spec holds linear_q_down_proj / linear_kv_down_proj duplicated (TELinear, whole
+    on every TP rank, no TP axis in the checkpoint), the NPU spec TP-sharded (ColumnParallelLinear,
+    MLASelfAttention's only TE-free class): at TP=2 a checkpoint in TE's layout loads into the NPU
+    spec and the NPU spec's into TE's layout, every tensor exactly (real dist_checkpointing)."""
+    (case,) = [r for r in report["MLA"] if "checkpoint" in r]
+    assert case["tp"] == 2 and case["downs"] == 4  # 2 layers x (q, kv)
+    assert case["te_to_npu"] == 0.0 and case["npu_to_te"] == 0.0, case

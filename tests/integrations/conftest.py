@@ -66,14 +66,16 @@ def tiny_hf_model(tmp_path_factory) -> str:
 # the ratio of DeepSeek-V3's 192 / 128), 2 layers of which the first dense (first_k_dense_replace),
 # then 8 routed experts in 2 groups with a sigmoid router, expert bias (e_score_correction_bias),
 # group-limited top-2 (1 group of 2; 2 // 1 = 2 is what Megatron's group score needs), top-k
-# scaling 2.5, one shared expert, and yarn RoPE (factor 4 over 32 positions).
+# scaling 2.5, one shared expert, and yarn RoPE (factor 4 over 32 positions); weights drawn with
+# std 0.1 (transformers' default 0.02 leaves the logits near 0 and the attention near uniform,
+# where a wrong softmax scale hardly shows).
 DEEPSEEK_V3 = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
     num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
     routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
-    max_position_embeddings=128, tie_word_embeddings=False,
+    max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.1,
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                          original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
                          mscale=1.0, mscale_all_dim=1.0),

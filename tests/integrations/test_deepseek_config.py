@@ -9,8 +9,10 @@ itself (``mcore_npu.integrations.mbridge_fixes``, ``integrations/verl/tf_config.
 tests check the config it gets, that mbridge and verl stay unpatched, the refusals, and that the
 plugin's copy of verl's steps builds what verl builds where verl can (a Qwen2 model).
 
-The checkpoint is ``tiny_deepseek_v3_model`` (tests/integrations/conftest.py). No MLA layer is
-built here (only configs); the NPU spec's MLA attention is another part of issue 26.
+The checkpoint is ``tiny_deepseek_v3_model`` (tests/integrations/conftest.py). No model is built
+here (only configs); tests/integrations/test_deepseek_model.py builds it, loads it and compares
+it with transformers. Last, configs/ascend_moonlight_16b.yaml against the config the bridge
+builds from Moonlight-16B-A3B's config.json.
 """
 
 from __future__ import annotations
@@ -176,3 +178,67 @@ def test_the_tiny_checkpoint_reloads_in_transformers(tiny_deepseek_v3_model):
     with torch.no_grad():
         logits = model(input_ids=torch.arange(12).view(1, 12)).logits
     assert logits.shape == (1, 12, 128) and logits.isfinite().all()
+
+
+# moonshotai/Moonlight-16B-A3B config.json, its model fields (no rope_scaling: plain RoPE)
+MOONLIGHT = dict(
+    vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+    num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+    routed_scaling_factor=2.446, norm_topk_prob=True, scoring_func="sigmoid",
+    topk_method="noaux_tc", rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
+    tie_word_embeddings=False, aux_loss_alpha=0.001, num_nextn_predict_layers=0,
+)  # fmt: skip
+# MLATransformerConfig fields that are the run's, not the model's: the parallel layout, where
+# weights are initialised, CUDA fusions and flags, recompute; kv_channels, which MLA never reads
+# (mbridge writes transformers' head_dim = qk_rope_head_dim into it)
+RUN_FIELDS = {
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage", "cp_comm_type", "microbatch_group_size_per_vp_stage",
+    "use_cpu_initialization", "variable_seq_lengths", "attention_backend", "mtp_num_layers",
+    "disable_bf16_reduced_precision_matmul", "bias_activation_fusion", "masked_softmax_fusion",
+    "persist_layer_norm", "bias_dropout_fusion", "recompute_granularity", "recompute_method",
+    "recompute_num_layers", "kv_channels",
+}  # fmt: skip
+
+
+def test_the_moonlight_config_is_the_model_mbridge_builds_from_its_checkpoint():
+    """configs/ascend_moonlight_16b.yaml's MLATransformerConfig equals, field for field, the one
+    the plugin's deepseek_v3 bridge builds from Moonlight-16B-A3B's config.json, except the
+    run's own fields (parallel layout, fusions, recompute)."""
+    from transformers import DeepseekV3Config
+
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.model import transformer_config
+    from tests.launch import CONFIGS
+
+    bridge = _bridge_of(DeepseekV3Config(**MOONLIGHT))
+    ours = transformer_config(load_config(CONFIGS / "ascend_moonlight_16b.yaml", world_size=8))
+    assert type(ours) is type(bridge.config) is MLATransformerConfig
+    differ = set()
+    for field in dataclasses.fields(MLATransformerConfig):
+        want, got = getattr(bridge.config, field.name), getattr(ours, field.name)
+        if callable(want) and not isinstance(want, type):  # init / activation functions
+            want, got = _callable_key(want), _callable_key(got)
+        if want != got:
+            differ.add(field.name)
+    assert differ <= RUN_FIELDS, {name: (getattr(bridge.config, name), getattr(ours, name))
+                                  for name in differ - RUN_FIELDS}  # fmt: skip
+    assert (ours.context_parallel_size, ours.expert_model_parallel_size,
+            ours.pipeline_model_parallel_size) == (2, 2, 4)  # fmt: skip
+
+
+def _callable_key(function):
+    """A function by name, a ``functools.partial`` (Megatron's init methods) by name and
+    arguments; made per config, so compared by what they compute."""
+    inner = getattr(function, "func", function)
+    return (getattr(inner, "__qualname__", repr(inner)), getattr(function, "args", ()),
+            tuple(sorted(getattr(function, "keywords", {}).items())))  # fmt: skip
+
+
+def _bridge_of(hf_config):
+    from mcore_npu.integrations.hf import bridge_from_config
+
+    return bridge_from_config(hf_config, dtype=torch.bfloat16)

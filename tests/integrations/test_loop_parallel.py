@@ -1,6 +1,7 @@
 """verl's loop with the plugin's engine on more than one rank: torchrun, one ``TrainingWorker`` per
 rank, no Ray; TP=2 with sequence parallelism, PP=2, DP=2 with the distributed optimizer, EP=2
-(Qwen3-MoE), each 5 SFT steps, compared with one process; and DP=2 resuming exactly.
+(Qwen3-MoE), each 5 SFT steps, compared with one process; DP=2 resuming exactly; and
+the tiny DeepSeek-V3 through mbridge at TP=2.
 
 One torchrun launch of 2 ranks runs every layout in turn, in fp32 and in bf16
 (``verl_loop_ranks.py``), and DP=2 in bf16 also saves after step 5, trains on, and resumes in
@@ -57,19 +58,26 @@ TOLERANCE = {  # fp32: the issue's 1e-5 for every layout; bf16: see the module d
 
 
 @pytest.fixture(scope="module")
-def ranks(qwen3, qwen3_moe, tmp_path_factory) -> dict[str, list[dict]]:
-    """``{run: [record of rank 0, record of rank 1]}`` from one torchrun launch."""
+def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, tmp_path_factory):
+    """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
+    bridge check at TP=2 (``verl_loop_ranks.deepseek_tp2``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
-           qwen3, qwen3_moe, *RUNS]  # fmt: skip
+           qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)
     assert done.returncode == 0, (
         f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     )
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(launch) -> dict[str, list[dict]]:
+    """``{run: [record of rank 0, record of rank 1]}``."""
     return {
-        run: [json.loads((out / f"{run}.rank{r}.json").read_text()) for r in range(WORLD)]
+        run: [json.loads((launch / f"{run}.rank{r}.json").read_text()) for r in range(WORLD)]
         for run in RUNS
     }
 
@@ -147,3 +155,39 @@ def test_dp2_distributed_optimizer_resumes_exactly(ranks):
         assert error <= 1e-6, (rank, resume)
         assert resume["uninterrupted"][0] < record["losses"][-1]  # it continued training
     assert records[0]["resume"]["resumed"] == records[1]["resume"]["resumed"]
+
+
+def test_deepseek_v3_through_mbridge_at_tp2(launch, tiny_deepseek_v3_model):
+    """mbridge's deepseek_v3 bridge at TP=2 (sequence parallel) with the NPU spec: the MLA down
+    projections are Megatron's ColumnParallelLinear, TP-sharded along their output (dim 0);
+    mbridge splits a checkpoint tensor by the shape difference to the parameter
+    (``Bridge._weight_split_across_tp``: whole if equal, chunks along the differing dim, so a
+    duplicated TELinear and this sharded layer both load) and gathers on export the parameters
+    marked ``tensor_model_parallel`` (along ``partition_dim``). The logits equal transformers'
+    within 1e-4 and every rank exports the checkpoint bit for bit."""
+    import transformers
+
+    records = [json.loads((launch / f"deepseek_tp2.rank{r}.json").read_text())
+               for r in range(WORLD)]  # fmt: skip
+    for record in records:
+        assert (record["tp"], record["sp"]) == (2, True)
+        downs = record["down_projections"]
+        assert downs["linear_q_down_proj"] == {  # q_lora_rank 32 over 2 ranks
+            "shape": [16, 64],
+            "tensor_model_parallel": True,
+            "partition_dim": 0,
+        }
+        assert downs["linear_kv_down_proj"] == {  # kv_lora_rank + rope = 16 + 8 over 2 ranks
+            "shape": [12, 64],
+            "tensor_model_parallel": True,
+            "partition_dim": 0,
+        }
+        assert record["exported_names_equal"] and record["exported_not_equal"] == []
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tiny_deepseek_v3_model).eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+    got = torch.load(launch / "deepseek_tp2.logits.pt")  # [b, s, V], gathered over TP
+    error = float((got - want).abs().max())
+    print(f"DeepSeek-V3 at TP=2: max |logit - transformers| = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-4, error

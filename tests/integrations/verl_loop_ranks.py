@@ -1,10 +1,11 @@
 """verl's SFT loop under torchrun: one verl ``TrainingWorker`` per rank, several layouts in turn.
 
     torchrun --standalone --nproc-per-node 2 tests/integrations/verl_loop_ranks.py \\
-        OUT QWEN3 QWEN3_MOE RUN [RUN ...]
+        OUT QWEN3 QWEN3_MOE DEEPSEEK_V3 RUN [RUN ...]
 
 RUN is a layout of :data:`LAYOUTS`, optionally with a precision: ``tp2_sp`` (fp32, the default)
-or ``tp2_sp@bf16`` (:data:`DTYPES`). fp32 is a test oracle verl's config refuses
+or ``tp2_sp@bf16`` (:data:`DTYPES`), or ``deepseek_tp2`` (:func:`deepseek_tp2`: the DeepSeek-V3
+checkpoint through the plugin's bridge at TP=2, no verl worker). fp32 is a test oracle verl's config refuses
 (``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
 engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
 parallel state from verl's own engine config (``MegatronEngine._init_device_mesh``), trains
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -128,8 +130,73 @@ def run_layout(run: str, checkpoints: dict[str, str], out: Path) -> None:
     mpu.destroy_model_parallel()
 
 
+DEEPSEEK_CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
+                         bias_activation_fusion=False, bias_dropout_fusion=False,
+                         gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
+
+
+def deepseek_tp2(path: str, out: Path) -> None:
+    """The tiny DeepSeek-V3 checkpoint through the plugin's bridge (mbridge's deepseek_v3
+    weight maps) at TP=2 with sequence parallelism, fp32: every rank loads the weights, writes
+    the full logits of a fixed batch (``OUT/deepseek_tp2.logits.pt``, rank 0), and records
+    the MLA down projections' local shapes and TP attributes and whether the exported weights
+    equal the checkpoint's bit for bit (``OUT/deepseek_tp2.rank<r>.json``)."""
+    import safetensors.torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from mcore_npu.integrations.hf import (
+        build_model,
+        export_hf_weights,
+        load_hf_weights,
+        npu_bridge,
+    )
+    from mcore_npu.training import cpu_support
+
+    # mbridge's DeepSeek-V3 config says attention_backend=fused; Megatron's GPTModel checks and
+    # sets TE's NVTE_* variables per backend, and the layouts before left those of ``auto``
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    cpu_support.seed_cpu_streams(1, tp_rank=mpu.get_tensor_model_parallel_rank())
+    bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**DEEPSEEK_CPU_ARGS)
+    model = build_model(bridge).eval()
+    load_hf_weights(model, path, bridge=bridge)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(
+            model(ids, torch.arange(24).expand(2, 24), None))  # fmt: skip
+    saved = safetensors.torch.load_file(str(next(Path(path).glob("*.safetensors"))))
+    exported = dict(export_hf_weights(model, bridge))
+    attention = model.decoder.layers[0].self_attention
+    downs = {name: getattr(attention, name).weight
+             for name in ("linear_q_down_proj", "linear_kv_down_proj")}  # fmt: skip
+    record = {
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "sp": bool(bridge.config.sequence_parallel),
+        "down_projections": {
+            name: {
+                "shape": list(w.shape),
+                "tensor_model_parallel": bool(w.tensor_model_parallel),
+                "partition_dim": int(w.partition_dim),
+            }
+            for name, w in downs.items()
+        },  # fmt: skip
+        "exported_names_equal": exported.keys() == saved.keys(),
+        "exported_not_equal": sorted(n for n in saved if not torch.equal(exported[n], saved[n])),
+    }
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save(logits, out / "deepseek_tp2.logits.pt")
+    (out / f"deepseek_tp2.rank{rank}.json").write_text(json.dumps(record))
+    del model, bridge
+    gc.collect()
+    mpu.destroy_model_parallel()
+
+
 def main(argv: list[str]) -> int:
-    out, qwen3, qwen3_moe, *runs = argv
+    out, qwen3, qwen3_moe, deepseek_v3, *runs = argv
     from mcore_npu.training import cpu_support
 
     cpu_support.apply()
@@ -137,6 +204,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     try:
         for run in runs:
+            if run == "deepseek_tp2":
+                deepseek_tp2(deepseek_v3, Path(out))
+                continue
             run_layout(run, {"qwen3": qwen3, "qwen3_moe": qwen3_moe}, Path(out))
     except Exception:
         traceback.print_exc()

@@ -157,20 +157,25 @@ def test_recomputed_up_projections_change_nothing(rope_kernel):
     assert max(_worst(got, logits_and_grads(want, False))) <= 1e-6
 
 
-NAME_CASES = [(32, True, "RMSNorm", False), (None, True, "RMSNorm", False),
-              (32, False, "RMSNorm", False), (32, True, "LayerNorm", False),
-              (32, True, "RMSNorm", True)]  # fmt: skip
+NAME_CASES = [(32, True, "RMSNorm", None), (None, True, "RMSNorm", None),
+              (32, False, "RMSNorm", None), (32, True, "LayerNorm", None),
+              (32, True, "RMSNorm", "moe"), (32, True, "RMSNorm", "deepseek")]  # fmt: skip
 MOE = dict(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1],
            moe_token_dispatcher_type="allgather")  # fmt: skip
+MOE_CASES = {None: {}, "moe": MOE,  # DeepSeek-V3's: sigmoid router with expert bias, shared expert
+             "deepseek": dict(MOE, moe_router_score_function="sigmoid",
+                              moe_router_enable_expert_bias=True,
+                              moe_shared_expert_intermediate_size=32)}  # fmt: skip
 
 
 @pytest.mark.parametrize("q_lora_rank,qk,normalization,moe", NAME_CASES)
 def test_te_layout_names_are_the_te_mla_specs(q_lora_rank, qk, normalization, moe):
     """Parameters, state_dict, sharded_state_dict and disk keys equal specs/param_names_te.yaml
-    (Megatron's TE MLA spec; moe: a dense first layer, then an MoE layer, as DeepSeek-V3); the
-    local layout has the names of Megatron's own local MLA spec."""
+    (Megatron's TE MLA spec; moe: a dense first layer, then an MoE layer, with DeepSeek-V3's
+    expert bias and shared expert once); the local layout has the names of Megatron's own local
+    MLA spec."""
     config = mla_config(q_lora_rank, qk_layernorm=qk, normalization=normalization,
-                        **(MOE if moe else {}))  # fmt: skip
+                        **MOE_CASES[moe])  # fmt: skip
     model = gpt(config, npu_block(config, param_layout="te"))
     assert {n for n, _ in model.named_parameters()} == expected_names(config, "parameters")
     assert set(model.state_dict()) == expected_names(config, "state_dict")

@@ -121,3 +121,30 @@ def test_deepseek_moe_layers_match_megatrons(param_layout, grouped_gemm, dispatc
     assert got_grads["decoder.layers.1.mlp.shared_experts.gate_weight"].abs().sum() > 0
     moe.mlp.router.expert_bias.zero_()  # the bias steers the choice: without it, other logits
     assert (_logits_and_grads(npu, ids, pos)[0] - got).abs().max() > 1e-4
+
+
+def test_shared_experts_overlapped_with_the_dispatcher_run_npu_swiglu(monkeypatch):
+    """``moe_shared_expert_overlap`` (what mbridge's DeepSeek-V3 bridge sets): Megatron's MoE
+    layer calls the shared experts' ``linear_fc1_forward_and_act`` instead of their forward;
+    NPUSharedExpertMLP's runs SwiGLU through ``mcore_npu.ops.swiglu`` there too (counted by a
+    spy on the module's operator; Megatron's own step would call its ``torch.compile``'d
+    ``bias_swiglu_impl`` under ``bias_activation_fusion``). Logits and gradients equal the
+    path without overlap."""
+    from mcore_npu.transformer import mlp
+
+    calls = []
+    real = mlp.swiglu
+    monkeypatch.setattr(mlp, "swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = []
+    for overlap in (False, True):
+        config = moe_config(shared_expert=True, dispatcher="alltoall", bias_activation_fusion=True,
+                            moe_shared_expert_overlap=overlap)  # fmt: skip
+        _, npu, _ = twin_moe_models(config)
+        assert type(npu.decoder.layers[0].mlp.shared_experts).__name__ == "NPUSharedExpertMLP"
+        calls.clear()
+        results.append((_logits_and_grads(npu, *batch(b=2, s=16)), len(calls)))
+    ((want, want_grads), plain_calls), ((got, got_grads), overlap_calls) = results
+    assert overlap_calls == plain_calls == 2  # the shared expert of each of the 2 layers
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,149 @@
+"""``mcore-npu train`` with the tiny DeepSeek-V3-shaped model (configs/gpt_tiny_mla.yaml: MLA with
+q_lora_rank and yarn, a dense first layer, then the DeepSeek-V3 router with expert bias,
+group-limited top-2 and a shared expert, grouped experts): parallel layouts against one process,
+cross-layout resume, and the TE names of its checkpoint.
+
+Two launches of ``tests/distributed/layout_runs.py`` (several runs of the real ``Trainer`` one
+after another, one import of Megatron per launch); each step is 2 sequences of 64 tokens in
+micro-batches of 1:
+
+- one process: the 5-step reference run (te layout, checkpoint at the end), then the same 5 steps
+  split over three runs that resume each other with model, optimizer, scheduler and step:
+  steps 1-2 in the te layout, 3-4 in the local layout (``moe_grouped_gemm=false``: the local
+  layout's experts are SequentialMLP's names), 5 in the te layout again;
+- torchrun, 2 ranks: CP=2 with p2p and with all_gather, TP=2 with sequence parallelism, EP=2
+  (expert data parallel 1, data parallel 2), and CP=2 x EP=2 (the experts split over the two
+  context-parallel ranks, as the Moonlight recipe runs them: configs/ascend_moonlight_16b.yaml).
+
+Every run starts from the seed (no checkpoint): with ``use_cpu_initialization`` Megatron draws
+every weight whole and each rank keeps its shard, and the grouped experts draw all experts on
+every rank, so all layouts start from the one process's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.launch import CONFIGS, ROOT, TORCHRUN, max_abs_diff, read_metrics, run_command
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+CONFIG = CONFIGS / "gpt_tiny_mla.yaml"
+STEPS = 5
+BATCH = [f"train.steps={STEPS}", "train.micro_batch_size=1", "train.global_batch_size=2",
+         "train.seq_length=64", "train.progress=false"]  # fmt: skip
+LAYOUTS = {  # name: (overrides, the layout Megatron's parallel state must have had)
+    "cp2_p2p": (["parallel.context=2", "parallel.cp_comm_type=p2p"],
+                {"tp": 1, "cp": 2, "ep": 1, "dp": 1, "sp": False}),
+    "cp2_all_gather": (["parallel.context=2", "parallel.cp_comm_type=all_gather"],
+                       {"tp": 1, "cp": 2, "ep": 1, "dp": 1, "sp": False}),
+    "tp2": (["parallel.tensor=2", "parallel.sequence_parallel=true"],
+            {"tp": 2, "cp": 1, "ep": 1, "dp": 1, "sp": True}),
+    "ep2": (["parallel.expert=2"], {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "sp": False}),
+    "cp2_ep2": (["parallel.context=2", "parallel.expert=2"],
+                {"tp": 1, "cp": 2, "ep": 2, "dp": 1, "sp": False}),
+}  # fmt: skip
+MODULES = "attention=NPUMLASelfAttention, router=NPUTopKRouter, experts=NPUGroupedMLP"
+
+
+def _launch(runs: list, nproc: int = 1) -> str:
+    """Run ``layout_runs`` (plain, or under torchrun with ``nproc`` ranks); its stdout."""
+    args = ["-m", "tests.distributed.layout_runs", str(CONFIG), json.dumps(runs)]
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    done = run_command(cmd, cwd=ROOT, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _reported(stdout: str, name: str, what: str) -> str:
+    prefix = f"layout_runs: {name} {what}: "
+    lines = [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, (name, what, stdout[-2000:])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """``(workdir, stdout)``: the reference run and the te -> local -> te resume chain."""
+    work = tmp_path_factory.mktemp("mla_one")
+    chain = [f"train.checkpoint_dir={work / 'chain'}", f"train.metrics_file={work / 'chain.jsonl'}"]
+    runs = [
+        ["single", [*BATCH, f"train.checkpoint_dir={work / 'single'}",
+                    f"train.metrics_file={work / 'single.jsonl'}"]],
+        ["chain_te", [*BATCH, *chain, "train.exit_interval=2"]],
+        ["chain_local", [*BATCH, *chain, "train.resume=true", "train.exit_interval=4",
+                         "model.param_layout=local", "model.moe_grouped_gemm=false"]],
+        ["chain_te_again", [*BATCH, *chain, "train.resume=true"]],
+    ]  # fmt: skip
+    return work, _launch(runs)
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    """``(workdir, stdout)`` of one 2-rank launch running every layout of ``LAYOUTS``."""
+    work = tmp_path_factory.mktemp("mla_parallel")
+    runs = [[name, [*BATCH, *overrides, f"train.metrics_file={work / name}.jsonl"]]
+            for name, (overrides, _) in LAYOUTS.items()]  # fmt: skip
+    return work, _launch(runs, nproc=2)
+
+
+def _losses(path) -> list[float]:
+    return [m["loss"] for m in read_metrics(path)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layout_matches_one_process(layout, one_process, parallel):
+    work, stdout = parallel
+    single = _losses(one_process[0] / "single.jsonl")
+    assert json.loads(_reported(stdout, layout, "layout")) == LAYOUTS[layout][1]
+    assert _reported(stdout, layout, "modules") == MODULES
+    losses = _losses(work / f"{layout}.jsonl")
+    assert len(losses) == STEPS == len(single)
+    error = max_abs_diff(losses, single)
+    print(f"{layout}: max |loss - one process| over {STEPS} steps = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-5, (losses, single)
+    assert single[-1] < single[0] - 0.5  # the model learns, so the steps differ
+
+
+def test_resume_across_layouts_equals_the_uninterrupted_run(one_process):
+    """Steps 1-2 te, 3-4 local, 5 te, each resuming the previous run's checkpoint with its
+    optimizer state: the 5 losses equal the uninterrupted te run's exactly."""
+    work, stdout = one_process
+    chain = read_metrics(work / "chain.jsonl")  # one file: each run continues it
+    assert [m["step"] for m in chain] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in chain] == _losses(work / "single.jsonl")
+    assert sorted(p.name for p in (work / "chain").glob("step_*")) == [
+        "step_0000002", "step_0000004", "step_0000005"]  # fmt: skip
+    for name in ("single", "chain_te", "chain_local", "chain_te_again"):
+        assert _reported(stdout, name, "modules") == MODULES, name
+
+
+def test_the_te_checkpoint_has_exactly_the_te_spec_names(one_process):
+    """The trained MLA + DeepSeek-V3 MoE model's checkpoint (te layout) holds exactly the names
+    of specs/param_names_te.yaml; the local run's checkpoint holds others."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.model import transformer_config
+    from tests.transformer.te_names import disk_key, expected_names
+
+    work, _ = one_process
+    config = transformer_config(load_config(CONFIG))
+    want = {disk_key(name, config) for name in expected_names(config, "sharded")}
+    assert "decoder.layers.1.mlp.router.expert_bias" in want
+
+    def saved(step_dir):
+        metadata = FileSystemReader(str(step_dir)).read_metadata()
+        keys = {key.split("/")[0] for key in metadata.state_dict_metadata}  # objects: key/shard
+        return {key for key in keys if "optimizer." not in key}
+
+    assert saved(work / "single" / "step_0000005") == want
+    assert saved(work / "chain" / "step_0000004") != want  # the local layout's names

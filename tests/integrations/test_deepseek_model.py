@@ -1,0 +1,247 @@
+"""The tiny DeepSeek-V3 model end to end: Hugging Face weights through the plugin's deepseek_v3
+bridge into the NPU spec (TE layout), against transformers' ``DeepseekV3ForCausalLM``; then the
+same checkpoint through verl's ``TrainingWorker`` with the plugin's engine.
+
+The checkpoint is ``tiny_deepseek_v3_model`` (tests/integrations/conftest.py): MLA with
+q_lora_rank (q/k head dim 16 + 8 > value head dim 16), 2 layers of which the first is dense, 8
+routed experts in 2 groups with a sigmoid router, a drawn expert bias
+(``e_score_correction_bias``), group-limited top-2 (1 group), top-k scaling 2.5, one shared
+expert, yarn RoPE (factor 4 over 32 positions). transformers rotates DeepSeek-V3's rope slice
+interleaved (``rope_interleave``: pairs regrouped as even channels, then odd, then rotated by
+halves), which is what Megatron's MLA RoPE does with ``multi_latent_attention`` (even channels,
+then odd), so no RoPE setting is needed.
+
+What the bridge needs on this stack (``mcore_npu.integrations.mbridge_fixes``): the config
+keywords, and reading the weights: mbridge's own deepseek_v3 reader refuses every dtype but bf16
+and for bf16 imports triton and opens the files on CUDA. Precision as in test_engine_moe.py:
+the bridge test loads in fp32; verl's engine loads in bf16, the built GPTModel is then cast to
+fp32 and transformers gets the same bf16-rounded weights in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+import safetensors.torch
+import transformers
+
+from tests.integrations.conftest import VOCAB
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
+
+CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
+                bias_activation_fusion=False, bias_dropout_fusion=False,
+                gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
+# verl's Moonlight recipe (tests/special_npu/nightly_ci_ascend/run_grpo_moonlight_16b_megatron_r3
+# _npu.sh, verl-project/verl): its override_transformer_config keys for one process (the stage
+# sizes and parallel sizes left out), plus one CPU setting: Megatron's fused bias-dropout-add
+# (mbridge sets bias_dropout_fusion) is torch.compile'd, ~10 s for the first call on this CPU.
+RECIPE = {"multi_latent_attention": True, "use_flash_attn": True, "attention_backend": "fused",
+          "recompute_method": "uniform", "recompute_granularity": "full",
+          "recompute_num_layers": 1}  # fmt: skip
+CPU_OVERRIDE = {"bias_dropout_fusion": False}
+LENGTHS = (12, 7, 5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transformer_engine_attention_variables():
+    """mbridge's DeepSeek-V3 config says ``attention_backend=fused``, and Megatron's GPTModel
+    then sets TE's ``NVTE_FLASH_ATTN=0`` / ``NVTE_FUSED_ATTN=1`` / ``NVTE_UNFUSED_ATTN=0`` in
+    the process environment (``LanguageModule._set_attention_backend``), where a later model
+    with the default ``auto`` backend fails Megatron's check. Put back after this module."""
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_deepseek_v3_model):
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(tiny_deepseek_v3_model).eval()
+
+
+@pytest.fixture(scope="module")
+def npu_model(tiny_deepseek_v3_model, cpu_runtime):
+    """``(bridge, GPTModel)``: the plugin's bridge (fp32, reference kernels), weights loaded."""
+    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
+
+    bridge = npu_bridge(tiny_deepseek_v3_model, kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**CPU_ARGS)
+    model = build_model(bridge).eval()
+    load_hf_weights(model, tiny_deepseek_v3_model, bridge=bridge)
+    return bridge, model
+
+
+def _logits(model) -> torch.Tensor:
+    """``[2, 24, VOCAB]`` logits of a fixed batch, from a transformers or a Megatron model."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if isinstance(model, transformers.PreTrainedModel):
+            return model(input_ids=ids).logits
+        return model(ids, torch.arange(24).expand(2, 24), None)
+
+
+def test_the_bridge_builds_the_npu_spec_in_te_layout(npu_model, hf_model):
+    from mcore_npu.transformer.mla import NPUMLASelfAttention
+    from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
+    from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
+    from mcore_npu.transformer.router import NPUTopKRouter
+
+    _, model = npu_model
+    dense, moe = model.decoder.layers
+    for layer in (dense, moe):
+        attention = layer.self_attention
+        assert type(attention) is NPUMLASelfAttention
+        assert type(attention.core_attention).__name__ == "TELayoutNPUFusionAttention"
+        assert isinstance(attention.linear_q_up_proj, NormColumnParallelLinear)  # latent norms
+        assert isinstance(attention.linear_kv_up_proj, NormColumnParallelLinear)
+    assert type(dense.mlp) is NPUMLP
+    assert type(moe.mlp.router) is NPUTopKRouter
+    assert type(moe.mlp.experts).__name__ == "NPUGroupedMLP"
+    assert type(moe.mlp.shared_experts) is NPUSharedExpertMLP
+    assert model.config.moe_shared_expert_overlap  # mbridge's setting: the overlapped path
+    bias = hf_model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(moe.mlp.router.expert_bias, bias)
+
+
+def test_logits_match_transformers_and_export_is_bit_exact(npu_model, hf_model,
+                                                           tiny_deepseek_v3_model):  # fmt: skip
+    from pathlib import Path
+
+    from mcore_npu.integrations.hf import export_hf_weights
+
+    bridge, model = npu_model
+    want, got = _logits(hf_model), _logits(model)
+    error = float((got - want).abs().max())
+    print(f"tiny DeepSeek-V3: max |logit - transformers| = {error:.1e}")
+    assert error <= 1e-4, error
+    saved = safetensors.torch.load_file(
+        str(next(Path(tiny_deepseek_v3_model).glob("*.safetensors")))
+    )
+    exported = dict(export_hf_weights(model, bridge))
+    assert exported.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name].cpu(), tensor), name
+
+
+def test_the_expert_bias_and_the_yarn_scale_each_move_the_logits(npu_model, hf_model):
+    """The comparison above can fail: without the drawn expert bias the experts chosen change,
+    and without yarn's concentration factor the attention's softmax scale changes."""
+    _, model = npu_model
+    want = _logits(hf_model)
+    router = model.decoder.layers[1].mlp.router
+    attentions = [layer.self_attention for layer in model.decoder.layers]
+    bias, scales = router.expert_bias.clone(), [a.core_attention.softmax_scale for a in attentions]
+    try:
+        router.expert_bias.zero_()
+        no_bias = float((_logits(model) - want).abs().max())
+        router.expert_bias.copy_(bias)
+        for attention in attentions:
+            attention.core_attention.softmax_scale = attention.q_head_dim**-0.5
+        no_yarn_scale = float((_logits(model) - want).abs().max())
+    finally:
+        router.expert_bias.copy_(bias)
+        for attention, scale in zip(attentions, scales, strict=True):
+            attention.core_attention.softmax_scale = scale
+    print(f"without the expert bias {no_bias:.1e}, without yarn's scale {no_yarn_scale:.1e}")
+    assert no_bias > 1e-3 and no_yarn_scale > 1e-3
+    assert float((_logits(model) - want).abs().max()) <= 1e-4
+
+
+def test_mbridges_own_reader_cannot_load_this_checkpoint(npu_model, tiny_deepseek_v3_model):
+    """Why the plugin's bridge reads the weights itself: mbridge 0.15.1's deepseek_v3 reader."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    bridge, _ = npu_model
+    with pytest.raises(TypeError):  # fp32: `raise NotImplemented(...)`
+        DeepseekV3Bridge._get_safetensor_io(bridge, tiny_deepseek_v3_model)
+    assert type(bridge._get_safetensor_io(tiny_deepseek_v3_model)) is SafeTensorIO
+
+
+def _batch():
+    from verl.utils import tensordict_utils as tu
+
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, VOCAB, (n,), generator=generator) for n in LENGTHS]
+    tensors = {
+        "input_ids": tu.nested_tensor_from_tensor_list(ids),
+        "loss_mask": tu.nested_tensor_from_tensor_list(
+            [torch.ones(n, dtype=torch.int64) for n in LENGTHS]
+        ),
+        "temperature": torch.ones(len(LENGTHS)),
+    }
+    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(LENGTHS)}
+    return tu.get_tensordict(tensors, meta), ids
+
+
+def _mean_negative_log_prob(model_output, data, dp_group=None):
+    log_probs = model_output["log_probs"]
+    values = log_probs.values() if log_probs.is_nested else log_probs
+    return -values.float().mean(), {}
+
+
+def _hf_log_probs(path) -> list[torch.Tensor]:
+    """transformers in fp32 on the bf16-rounded weights, one row at a time: ``[n - 1]`` each."""
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _, ids = _batch()
+    out = []
+    with torch.no_grad():
+        for p in model.parameters():  # parameters only: the expert bias (a buffer) stays fp32
+            p.copy_(p.to(torch.bfloat16))
+        for row in ids:
+            logits = model(input_ids=row.unsqueeze(0)).logits[0].float()
+            log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, row[1:].unsqueeze(-1))
+            out.append(log_probs[:, 0])
+    return out
+
+
+def test_verls_training_worker_with_the_plugins_engine_matches_transformers(
+    tiny_deepseek_v3_model,
+):
+    """verl's ``TrainingWorker`` picks the plugin's engine, builds the model through the
+    plugin's bridge with the Moonlight recipe's keys; one forward and backward of verl's
+    ``forward_backward_batch`` (thd): log-probs within 1e-4 of transformers', every gradient
+    finite, most non-zero."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
+    from mcore_npu.transformer.mla import NPUMLASelfAttention
+    from tests.integrations.conftest import training_worker_config
+    from tests.integrations.test_recipes import _grad
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VERL_ENGINE_DEVICE", "npu")
+        env.setenv("VERL_ENGINE_VENDOR", "huawei")
+        config = training_worker_config(tiny_deepseek_v3_model, remove_padding=True,
+                                        override_transformer_config={**RECIPE, **CPU_OVERRIDE})  # fmt: skip
+        engine = TrainingWorker(config).engine
+    assert type(engine) is NPUMegatronEngineWithLMHead
+    engine._build_tf_config()  # the first two steps of engine.initialize()
+    engine.module = engine._build_megatron_module()
+    assert engine.tf_config.recompute_granularity == "full"
+    gpt = engine.module[0]
+    while not hasattr(gpt, "decoder"):
+        gpt = gpt.module
+    assert {type(layer.self_attention) for layer in gpt.decoder.layers} == {NPUMLASelfAttention}
+    gpt.float()  # the bf16-loaded weights, computed in fp32
+    data, _ = _batch()
+    result = engine.forward_backward_batch(data, _mean_negative_log_prob)
+    rows = result["model_output"]["log_probs"].unbind()
+    got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
+    want = _hf_log_probs(tiny_deepseek_v3_model)
+    error = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    print(f"tiny DeepSeek-V3 through verl: max |log p - log p_hf| = {error:.1e}")
+    assert error < 1e-4, error
+    grads = [_grad(p) for p in engine.module[0].parameters()]
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert sum(bool(g.abs().sum() > 0) for g in grads) > len(grads) // 2
