@@ -9,7 +9,7 @@ VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: demo test test-verl lint format bench clean-venv
+.PHONY: demo test test-verl verl-env lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -30,12 +30,19 @@ demo: $(STAMP)
 	$(BIN)/mcore-npu train --config configs/gpt_tiny.yaml
 
 # tests/integrations need the verl environment: `make test` leaves them out, `make test-verl`
-# runs only them.
+# runs only them. Both run on TEST_WORKERS pytest-xdist workers (0: in one process); a test
+# module stays on one worker, so its module fixtures are made once.
+TEST_WORKERS ?= 2
+PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --ignore=tests/integrations
+	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations
 
 test-verl: $(VERL_STAMP)
-	$(VERL_BIN)/python -m pytest -q tests/integrations
+	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
+
+# the verl environment alone (CI builds it while `make test` runs)
+verl-env: $(VERL_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
