@@ -92,6 +92,32 @@ def train(overrides, *, metrics=None, **kwargs) -> Run:
     return Run(proc.returncode, proc.stdout, proc.stderr, seconds, read_metrics(metrics))
 
 
+def layout_runs(config: str | Path, runs: list, nproc: int = 1) -> str:
+    """Several trainer runs one after another in ONE launch (``tests/distributed/layout_runs.py``:
+    one rendezvous, one import of Megatron per process for all of them): ``runs`` is a list of
+    ``[name, [override, ...]]``, ``config`` a file of configs/ or a path; plain python when
+    ``nproc`` is 1, torchrun otherwise. Asserts the launch succeeded; returns its stdout, where
+    :func:`reported` finds each run's lines."""
+    args = ["-m", "tests.distributed.layout_runs", str(CONFIGS / config), json.dumps(runs)]
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    done = run_command(cmd, cwd=ROOT, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def reported(stdout: str, name: str, what: str) -> str:
+    """What ``layout_runs`` printed once for run ``name`` under ``what`` (``layout``:
+    Megatron's parallel sizes as JSON, ``modules``: the classes the last layer trained)."""
+    prefix = f"layout_runs: {name} {what}: "
+    lines = [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, (name, what, stdout[-2000:])
+    return lines[0]
+
+
 def read_metrics(metrics: Path | None) -> list[dict]:
     """The JSON lines of ``metrics`` (every line must parse), or [] without a file."""
     if metrics is None or not metrics.is_file():

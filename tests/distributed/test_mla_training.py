@@ -23,12 +23,11 @@ every rank, so all layouts start from the one process's weights.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-from tests.launch import CONFIGS, ROOT, TORCHRUN, max_abs_diff, read_metrics, run_command
+from tests.launch import CONFIGS, layout_runs, max_abs_diff, read_metrics, reported
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -50,26 +49,6 @@ LAYOUTS = {  # name: (overrides, the layout Megatron's parallel state must have 
 MODULES = "attention=NPUMLASelfAttention, router=NPUTopKRouter, experts=NPUGroupedMLP"
 
 
-def _launch(runs: list, nproc: int = 1) -> str:
-    """Run ``layout_runs`` (plain, or under torchrun with ``nproc`` ranks); its stdout."""
-    args = ["-m", "tests.distributed.layout_runs", str(CONFIG), json.dumps(runs)]
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = run_command(cmd, cwd=ROOT, env=env)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-4000:]}"
-    return done.stdout
-
-
-def _reported(stdout: str, name: str, what: str) -> str:
-    prefix = f"layout_runs: {name} {what}: "
-    lines = [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
-    assert len(lines) == 1, (name, what, stdout[-2000:])
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """``(workdir, stdout)``: the reference run and the te -> local -> te resume chain."""
@@ -83,7 +62,7 @@ def one_process(tmp_path_factory):
                          "model.param_layout=local", "model.moe_grouped_gemm=false"]],
         ["chain_te_again", [*BATCH, *chain, "train.resume=true"]],
     ]  # fmt: skip
-    return work, _launch(runs)
+    return work, layout_runs(CONFIG, runs)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +71,7 @@ def parallel(tmp_path_factory):
     work = tmp_path_factory.mktemp("mla_parallel")
     runs = [[name, [*BATCH, *overrides, f"train.metrics_file={work / name}.jsonl"]]
             for name, (overrides, _) in LAYOUTS.items()]  # fmt: skip
-    return work, _launch(runs, nproc=2)
+    return work, layout_runs(CONFIG, runs, nproc=2)
 
 
 def _losses(path) -> list[float]:
@@ -103,8 +82,8 @@ def _losses(path) -> list[float]:
 def test_parallel_layout_matches_one_process(layout, one_process, parallel):
     work, stdout = parallel
     single = _losses(one_process[0] / "single.jsonl")
-    assert json.loads(_reported(stdout, layout, "layout")) == LAYOUTS[layout][1]
-    assert _reported(stdout, layout, "modules") == MODULES
+    assert json.loads(reported(stdout, layout, "layout")) == LAYOUTS[layout][1]
+    assert reported(stdout, layout, "modules") == MODULES
     losses = _losses(work / f"{layout}.jsonl")
     assert len(losses) == STEPS == len(single)
     error = max_abs_diff(losses, single)
@@ -123,7 +102,7 @@ def test_resume_across_layouts_equals_the_uninterrupted_run(one_process):
     assert sorted(p.name for p in (work / "chain").glob("step_*")) == [
         "step_0000002", "step_0000004", "step_0000005"]  # fmt: skip
     for name in ("single", "chain_te", "chain_local", "chain_te_again"):
-        assert _reported(stdout, name, "modules") == MODULES, name
+        assert reported(stdout, name, "modules") == MODULES, name
 
 
 def test_the_te_checkpoint_has_exactly_the_te_spec_names(one_process):

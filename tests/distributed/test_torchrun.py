@@ -7,6 +7,7 @@ conftest.py.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -17,8 +18,12 @@ from tests.launch import (
     HANG_TIMEOUT_S,
     ROOT,
     Background,
+    Run,
     assert_ok,
+    layout_runs,
     max_abs_diff,
+    read_metrics,
+    reported,
     train,
     train_command,
 )
@@ -31,6 +36,7 @@ LAYOUTS = {
     "pp2": ["parallel.pipeline=2"],
     "dp2": [],
 }
+EXPECTED = {"tp2_sp": (2, 1, True), "pp2": (1, 1, False), "dp2": (1, 2, False)}  # tp, dp, sp
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +45,22 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(workdir, initial):
-    runs = {}
-    for name, layout in LAYOUTS.items():
-        extra = [f"train.checkpoint_dir={workdir / name}", "train.save_interval=3"]
-        overrides = [*BATCH, *layout, f"train.init_from={initial}", *extra]
-        runs[name] = assert_ok(train(overrides, nproc=2, metrics=workdir / f"{name}.jsonl"))
+def parallel_runs(workdir, initial) -> dict[str, Run]:
+    """tp2: a launch of ``mcore-npu train`` of its own (its wall time is the healthy launch the
+    failure tests are judged against); the other layouts in one launch, one after another in the
+    same processes (``tests.launch.layout_runs``); their ``Run.stdout`` is that launch's."""
+
+    def overrides(name):
+        return [*BATCH, *LAYOUTS[name], f"train.init_from={initial}", "train.save_interval=3",
+                f"train.checkpoint_dir={workdir / name}"]  # fmt: skip
+
+    runs = {"tp2": assert_ok(train(overrides("tp2"), nproc=2, metrics=workdir / "tp2.jsonl"))}
+    shared = [[name, [*overrides(name), "train.progress=false",
+                      f"train.metrics_file={workdir / name}.jsonl"]]
+              for name in LAYOUTS if name != "tp2"]  # fmt: skip
+    stdout = layout_runs("gpt_tiny.yaml", shared, nproc=2)
+    for name, _ in shared:
+        runs[name] = Run(0, stdout, "", float("nan"), read_metrics(workdir / f"{name}.jsonl"))
     return runs
 
 
@@ -53,7 +69,11 @@ def test_parallel_layout_matches_one_process(layout, single, parallel_runs):
     run = parallel_runs[layout]
     assert len(run.losses) == STEPS
     assert max_abs_diff(run.losses, single.losses) <= 1e-5, (run.losses, single.losses)
-    assert run.stdout.count("mcore-npu train: done") == 1  # only rank 0 reports
+    if layout == "tp2":
+        assert run.stdout.count("mcore-npu train: done") == 1  # only rank 0 reports
+    else:
+        had = json.loads(reported(run.stdout, layout, "layout"))
+        assert (had["tp"], had["dp"], had["sp"]) == EXPECTED[layout], had
 
 
 def test_tensor_and_sequence_parallel_run_has_the_te_spec_names(workdir, parallel_runs):

@@ -53,9 +53,11 @@ def _transformer_engine_attention_variables():
     """mbridge's DeepSeek-V3 config says ``attention_backend=fused``, and Megatron's GPTModel
     then sets TE's ``NVTE_FLASH_ATTN=0`` / ``NVTE_FUSED_ATTN=1`` / ``NVTE_UNFUSED_ATTN=0`` in
     the process environment (``LanguageModule._set_attention_backend``), where a later model
-    with the default ``auto`` backend fails Megatron's check. Put back after this module."""
+    with the default ``auto`` backend fails Megatron's check, as this module's models fail it
+    after one with ``auto`` (any earlier test module of the process). Unset for this module,
+    put back after it."""
     names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-    before = {name: os.environ.get(name) for name in names}
+    before = {name: os.environ.pop(name, None) for name in names}
     yield
     for name, value in before.items():
         if value is None:

@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT, assert_ok, max_abs_diff, run_command, train
+from tests.launch import (
+    ROOT,
+    assert_ok,
+    layout_runs,
+    max_abs_diff,
+    read_metrics,
+    run_command,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,32 +68,40 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def backend_runs(tmp_path_factory):
-    """6 steps with each backend, and each resumed from the other's step-3 checkpoint."""
+def backend_runs(tmp_path_factory) -> dict[str, list[float]]:
+    """Losses of 6 steps with each backend, and of each resumed from the other's step-3
+    checkpoint. Two launches of ``tests.launch.layout_runs`` (several trainer runs one after
+    another in one process): the runs and saves, then the resumes, in a fresh process."""
     tmp = tmp_path_factory.mktemp("backends")
-    runs = {}
+    first, resumes = [], []
     for backend in ("local", "npu_fusion"):
-        base = ["train.steps=6", f"attention.backend={backend}"]
-        runs[backend] = assert_ok(train(base, metrics=tmp / f"{backend}.jsonl"))
-        assert_ok(train([*base, f"train.checkpoint_dir={tmp / backend}", "train.exit_interval=3"]))
+        base = ["train.steps=6", f"attention.backend={backend}", "train.progress=false"]
+        first.append([backend, [*base, f"train.metrics_file={tmp / backend}.jsonl"]])
+        first.append([f"{backend}_save", [*base, f"train.checkpoint_dir={tmp / backend}",
+                                          "train.exit_interval=3"]])  # fmt: skip
     for saved, loaded in (("local", "npu_fusion"), ("npu_fusion", "local")):
-        overrides = ["train.steps=6", f"attention.backend={loaded}", "train.resume=true",
-                     f"train.checkpoint_dir={tmp / saved}"]  # fmt: skip
-        runs[f"{saved}->{loaded}"] = assert_ok(
-            train(overrides, metrics=tmp / f"{saved}-{loaded}.jsonl")
-        )
-    return runs
+        resumes.append([f"{saved}->{loaded}", [
+            "train.steps=6", f"attention.backend={loaded}", "train.resume=true",
+            f"train.checkpoint_dir={tmp / saved}", "train.progress=false",
+            f"train.metrics_file={tmp / saved}-{loaded}.jsonl"]])  # fmt: skip
+    layout_runs("gpt_tiny.yaml", first)
+    layout_runs("gpt_tiny.yaml", resumes)
+    files = {"local": "local", "npu_fusion": "npu_fusion", "local->npu_fusion": "local-npu_fusion",
+             "npu_fusion->local": "npu_fusion-local"}  # fmt: skip
+    return {name: [m["loss"] for m in read_metrics(tmp / f"{file}.jsonl")]
+            for name, file in files.items()}  # fmt: skip
 
 
 def test_npu_fusion_trains_like_megatron_local_spec(backend_runs):
-    assert max_abs_diff(backend_runs["local"].losses, backend_runs["npu_fusion"].losses) <= 1e-5
+    assert len(backend_runs["local"]) == 6
+    assert max_abs_diff(backend_runs["local"], backend_runs["npu_fusion"]) <= 1e-5
 
 
 @pytest.mark.parametrize("saved, loaded", [("local", "npu_fusion"), ("npu_fusion", "local")])
 def test_checkpoint_moves_between_backends(backend_runs, saved, loaded):
-    resumed = backend_runs[f"{saved}->{loaded}"].losses  # steps 4..6 after loading step 3
+    resumed = backend_runs[f"{saved}->{loaded}"]  # steps 4..6 after loading step 3
     assert len(resumed) == 3
-    assert max_abs_diff(resumed, backend_runs[saved].losses[3:]) <= 1e-5
+    assert max_abs_diff(resumed, backend_runs[saved][3:]) <= 1e-5
 
 
 def test_packed_sequences_train_like_unpacked(tmp_path):
