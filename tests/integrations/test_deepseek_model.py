@@ -31,6 +31,7 @@ import safetensors.torch
 import transformers
 
 from tests.integrations.conftest import VOCAB
+from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
 
@@ -170,43 +171,6 @@ def test_mbridges_own_reader_cannot_load_this_checkpoint(npu_model, tiny_deepsee
     assert type(bridge._get_safetensor_io(tiny_deepseek_v3_model)) is SafeTensorIO
 
 
-def _batch():
-    from verl.utils import tensordict_utils as tu
-
-    generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=generator) for n in LENGTHS]
-    tensors = {
-        "input_ids": tu.nested_tensor_from_tensor_list(ids),
-        "loss_mask": tu.nested_tensor_from_tensor_list(
-            [torch.ones(n, dtype=torch.int64) for n in LENGTHS]
-        ),
-        "temperature": torch.ones(len(LENGTHS)),
-    }
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(LENGTHS)}
-    return tu.get_tensordict(tensors, meta), ids
-
-
-def _mean_negative_log_prob(model_output, data, dp_group=None):
-    log_probs = model_output["log_probs"]
-    values = log_probs.values() if log_probs.is_nested else log_probs
-    return -values.float().mean(), {}
-
-
-def _hf_log_probs(path) -> list[torch.Tensor]:
-    """transformers in fp32 on the bf16-rounded weights, one row at a time: ``[n - 1]`` each."""
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    _, ids = _batch()
-    out = []
-    with torch.no_grad():
-        for p in model.parameters():  # parameters only: the expert bias (a buffer) stays fp32
-            p.copy_(p.to(torch.bfloat16))
-        for row in ids:
-            logits = model(input_ids=row.unsqueeze(0)).logits[0].float()
-            log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, row[1:].unsqueeze(-1))
-            out.append(log_probs[:, 0])
-    return out
-
-
 def test_verls_training_worker_with_the_plugins_engine_matches_transformers(
     tiny_deepseek_v3_model,
 ):
@@ -236,11 +200,11 @@ def test_verls_training_worker_with_the_plugins_engine_matches_transformers(
         gpt = gpt.module
     assert {type(layer.self_attention) for layer in gpt.decoder.layers} == {NPUMLASelfAttention}
     gpt.float()  # the bf16-loaded weights, computed in fp32
-    data, _ = _batch()
-    result = engine.forward_backward_batch(data, _mean_negative_log_prob)
+    data, _ = packed_batch(LENGTHS)
+    result = engine.forward_backward_batch(data, mean_negative_log_prob)
     rows = result["model_output"]["log_probs"].unbind()
     got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
-    want = _hf_log_probs(tiny_deepseek_v3_model)
+    want = hf_log_probs(tiny_deepseek_v3_model, LENGTHS, transformers.DeepseekV3ForCausalLM)
     error = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     print(f"tiny DeepSeek-V3 through verl: max |log p - log p_hf| = {error:.1e}")
     assert error < 1e-4, error

@@ -26,7 +26,6 @@ pytest.importorskip("verl")
 
 from safetensors.torch import load_file
 from verl.models.mcore.util import _build_npu_attn_mask
-from verl.utils import tensordict_utils as tu
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead
 from verl.workers.engine_workers import TrainingWorker
@@ -37,7 +36,8 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.tools.bench.memory import track_allocations
 from mcore_npu.transformer.attention import NPUFusionAttention
-from tests.integrations.conftest import VOCAB, training_worker_config
+from tests.integrations.conftest import training_worker_config
+from tests.integrations.log_probs import mean_negative_log_prob, packed_batch
 from tests.launch import run_command
 
 LENGTHS = (9, 6, 4)  # right-padded to S = 9: a [B, 1, S, S] bool mask would be 243 bytes
@@ -162,26 +162,6 @@ def test_te_names_and_hf_weights_loaded_through_the_bridge(built_engine, tiny_hf
         torch.testing.assert_close(params[ours].float(), hf[theirs].to(torch.bfloat16).float())
 
 
-def _batch():
-    generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=generator) for n in LENGTHS]
-    loss_masks = [torch.ones(n, dtype=torch.int64) for n in LENGTHS]
-    tensors = {
-        "input_ids": tu.nested_tensor_from_tensor_list(ids),
-        "loss_mask": tu.nested_tensor_from_tensor_list(loss_masks),
-        "temperature": torch.ones(len(LENGTHS)),
-    }
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(LENGTHS)}
-    return tu.get_tensordict(tensors, meta), ids
-
-
-def _mean_negative_log_prob(model_output, data, dp_group=None):
-    """The loss verl calls per micro-batch: mean of -log p over every real position."""
-    log_probs = model_output["log_probs"]
-    values = log_probs.values() if log_probs.is_nested else log_probs
-    return -values.float().mean(), {}
-
-
 def _own_loss(engine, ids) -> float:
     """The plugin's own computation: the same model, called directly, log-softmax in fp32."""
     seq = max(LENGTHS)
@@ -210,9 +190,9 @@ def test_tracker_sees_a_dense_mask_when_one_is_built():
 
 
 def test_forward_backward_through_verl_matches_own_loss_without_dense_mask(built_engine):
-    data, ids = _batch()
+    data, ids = packed_batch(LENGTHS)
     with track_allocations() as usage:
-        result = built_engine.forward_backward_batch(data, _mean_negative_log_prob)
+        result = built_engine.forward_backward_batch(data, mean_negative_log_prob)
     (loss,) = result["loss"]
     assert abs(loss - _own_loss(built_engine, ids)) < 1e-5
     assert [len(row) for row in result["model_output"]["log_probs"].unbind()] == list(LENGTHS)
@@ -231,7 +211,7 @@ def test_thd_batch_through_verls_packed_path(cpu_runtime, tiny_hf_model, built_e
     """
     engine = _build_engine(tiny_hf_model, remove_padding=True)
     assert engine.engine_config.use_remove_padding
-    data, ids = _batch()
-    (loss,) = engine.forward_backward_batch(data, _mean_negative_log_prob)["loss"]
+    data, ids = packed_batch(LENGTHS)
+    (loss,) = engine.forward_backward_batch(data, mean_negative_log_prob)["loss"]
     assert abs(loss - _own_loss(built_engine, ids)) < 2e-2
     assert "mindspeed" not in sys.modules

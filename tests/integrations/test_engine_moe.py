@@ -22,11 +22,11 @@ import torch
 pytest.importorskip("verl")
 
 import transformers
-from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from tests.integrations.conftest import VOCAB, training_worker_config
+from tests.integrations.log_probs import hf_log_probs, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
@@ -94,45 +94,16 @@ def moe(request, tmp_path_factory, cpu_runtime):
     return request.param, path, engine
 
 
-def _batch():
-    generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=generator) for n in LENGTHS]
-    tensors = {
-        "input_ids": tu.nested_tensor_from_tensor_list(ids),
-        "loss_mask": tu.nested_tensor_from_tensor_list(
-            [torch.ones(n, dtype=torch.int64) for n in LENGTHS]
-        ),
-        "temperature": torch.ones(len(LENGTHS)),
-    }
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(LENGTHS)}
-    return tu.get_tensordict(tensors, meta), ids
-
-
 def _no_loss(model_output, data, dp_group=None):
     return torch.zeros(()), {}
 
 
 def _engine_log_probs(engine) -> list[torch.Tensor]:
     """Per row ``[n - 1]`` fp32: log p(token t+1) from verl's forward (labels rolled by verl)."""
-    data, _ = _batch()
+    data, _ = packed_batch(LENGTHS)
     result = engine.forward_backward_batch(data, _no_loss, forward_only=True)
     rows = result["model_output"]["log_probs"].unbind()
     return [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
-
-
-def _hf_log_probs(path) -> list[torch.Tensor]:
-    """The same from transformers, fp32 compute on the bf16-rounded weights, one row at a time."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    _, ids = _batch()
-    out = []
-    with torch.no_grad():
-        for p in model.parameters():  # parameters only: RoPE's inv_freq buffer stays fp32
-            p.copy_(p.to(torch.bfloat16))
-        for row in ids:
-            logits = model(input_ids=row.unsqueeze(0)).logits[0].float()
-            log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, row[1:].unsqueeze(-1))
-            out.append(log_probs[:, 0])
-    return out
 
 
 def _max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -152,14 +123,14 @@ def test_engine_config_carries_the_hf_routing_and_head_dim(moe):
 
 def test_engine_log_probs_match_transformers(moe):
     family, path, engine = moe
-    error = _max_error(_engine_log_probs(engine), _hf_log_probs(path))
+    error = _max_error(_engine_log_probs(engine), hf_log_probs(path, LENGTHS))
     assert error < 1e-4, f"{family}: max |log p - log p_hf| = {error:.2e}"
 
 
 def test_mbridge_routing_form_would_miss(moe):
     """The same engine, its router switched back to mbridge's form: far outside 1e-4."""
     family, path, engine = moe
-    want = _hf_log_probs(path)
+    want = hf_log_probs(path, LENGTHS)
     config = engine.tf_config
     fixed = config.moe_router_pre_softmax
     config.moe_router_pre_softmax = FAMILIES[family][1]

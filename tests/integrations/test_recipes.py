@@ -37,7 +37,6 @@ pytest.importorskip("verl")
 import transformers
 import yaml
 from megatron.core.transformer.enums import AttnBackend
-from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import (
@@ -47,6 +46,7 @@ from mcore_npu.integrations.verl.engine import (
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.token_permute import NPUMoELayer
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
+from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
@@ -135,41 +135,6 @@ def _gpt(engine):
     return model
 
 
-def _batch():
-    generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=generator) for n in LENGTHS]
-    tensors = {
-        "input_ids": tu.nested_tensor_from_tensor_list(ids),
-        "loss_mask": tu.nested_tensor_from_tensor_list(
-            [torch.ones(n, dtype=torch.int64) for n in LENGTHS]
-        ),
-        "temperature": torch.ones(len(LENGTHS)),
-    }
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(LENGTHS)}
-    return tu.get_tensordict(tensors, meta), ids
-
-
-def _mean_negative_log_prob(model_output, data, dp_group=None):
-    log_probs = model_output["log_probs"]
-    values = log_probs.values() if log_probs.is_nested else log_probs
-    return -values.float().mean(), {}
-
-
-def _hf_log_probs(path: str) -> list[torch.Tensor]:
-    """transformers in fp32 on the bf16-rounded weights, one row at a time: ``[n - 1]`` each."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    _, ids = _batch()
-    out = []
-    with torch.no_grad():
-        for p in model.parameters():  # parameters only: RoPE's inv_freq buffer stays fp32
-            p.copy_(p.to(torch.bfloat16))
-        for row in ids:
-            logits = model(input_ids=row.unsqueeze(0)).logits[0].float()
-            log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, row[1:].unsqueeze(-1))
-            out.append(log_probs[:, 0])
-    return out
-
-
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint):
     recipe = BY_NAME[name]
@@ -198,11 +163,11 @@ def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint
             assert getattr(engine.tf_config, key) == keys[key]
     _gpt(engine).float()  # the bf16-loaded weights, computed in fp32
 
-    data, _ = _batch()
-    result = engine.forward_backward_batch(data, _mean_negative_log_prob)
+    data, _ = packed_batch(LENGTHS)
+    result = engine.forward_backward_batch(data, mean_negative_log_prob)
     rows = result["model_output"]["log_probs"].unbind()
     got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
-    want = _hf_log_probs(path)
+    want = hf_log_probs(path, LENGTHS)
     error = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     assert error < 1e-4, f"{name} ({layout}): max |log p - log p_hf| = {error:.2e}"
     grads = [_grad(p) for p in engine.module[0].parameters()]
