@@ -9,8 +9,9 @@ runs Megatron's parallel state is destroyed and the process group kept, so every
 own parallel layout. After each run rank 0 prints ``layout_runs: <name> layout: {...}`` (the
 tensor / context / expert / data-parallel sizes Megatron's parallel state had, and whether
 sequence parallelism was on) and ``layout_runs: <name> modules: ...`` (the classes of the last
-decoder layer's attention, router and experts: what the run trained). Exit 0 when every run
-finished, 1 with the traceback otherwise.
+decoder layer's attention, router and experts: what the run trained) and, for each pipeline
+stage, ``layout_runs: <name> stage <R> layers: [n, ...]`` (the decoder layers that stage
+built). Exit 0 when every run finished, 1 with the traceback otherwise.
 """
 
 from __future__ import annotations
@@ -48,13 +49,31 @@ def _layout(trainer: Trainer) -> dict:
             "sp": bool(trainer.config.sequence_parallel)}  # fmt: skip
 
 
+def _stage(trainer: Trainer) -> str | None:
+    """``stage <pipeline rank> layers: [n, ...]`` (Megatron's 1-based ``layer_number`` s of the
+    decoder layers this stage built) on one rank per stage (tensor, context and data rank 0);
+    None on the others."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_tensor_model_parallel_rank() or mpu.get_data_parallel_rank(
+        with_context_parallel=True
+    ):
+        return None
+    numbers = [layer.layer_number for layer in trainer.model.module.decoder.layers]
+    return f"stage {mpu.get_pipeline_model_parallel_rank()} layers: {numbers}"
+
+
 def run_one(config: str, name: str, overrides: list[str]) -> None:
     from megatron.core import parallel_state
 
     trainer = Trainer(load_config(config, overrides))
     try:
         summary = trainer.train()
+        stages = [None] * dist.get_world_size()  # rank 0 prints them all: no lines run together
+        dist.all_gather_object(stages, _stage(trainer))
         if dist.get_rank() == 0:
+            for stage in filter(None, stages):
+                print(f"layout_runs: {name} {stage}", flush=True)
             print(f"layout_runs: {name} layout: {json.dumps(_layout(trainer))}", flush=True)
             print(f"layout_runs: {name} modules: {_modules(trainer)}", flush=True)
             print(f"layout_runs: {name} {summary.line()}", flush=True)

@@ -5,15 +5,18 @@ given as the trainer's ``parallel.first_stage_layers`` / ``last_stage_layers`` a
 ``parallel.pipeline_num_transformer_layers``. The PP=4 list is one that first/last counts cannot
 express, so it reaches Megatron as ``pipeline_model_parallel_layout``; the other three reach it as
 ``num_layers_in_first/last_pipeline_stage``. Every run loads the same step-0 checkpoint
-(a 2- or 4-stage model does not start from a 1-stage one's weights otherwise).
+(a 2- or 4-stage model does not start from a 1-stage one's weights otherwise). The runs of each
+world size share one launch (``tests.launch.layout_runs``, which prints each stage's layers).
 """
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.distributed.runs import BATCH, STEPS
-from tests.launch import assert_ok, max_abs_diff, train
+from tests.launch import layout_runs, max_abs_diff, read_metrics, reported
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -36,33 +39,42 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uneven_initial(workdir):
-    """The step-0 checkpoint of the 6-layer model, saved by one process."""
-    assert_ok(train(["parallel.pipeline=1", *NO_COUNTS, "train.steps=0",
-                     f"train.checkpoint_dir={workdir / 'init'}"], config=CONFIG))  # fmt: skip
-    return workdir / "init"
+def uneven_single(workdir) -> list[float]:
+    """The losses of one process from the step-0 checkpoint of the 6-layer model, which the
+    same launch saves first (``workdir/init``)."""
+    one = ["parallel.pipeline=1", *NO_COUNTS, "train.progress=false"]
+    layout_runs(CONFIG, [
+        ["init", [*one, "train.steps=0", f"train.checkpoint_dir={workdir / 'init'}"]],
+        ["single", [*one, *BATCH, f"train.init_from={workdir / 'init'}",
+                    f"train.metrics_file={workdir / 'single.jsonl'}"]],
+    ])  # fmt: skip
+    return [m["loss"] for m in read_metrics(workdir / "single.jsonl")]
 
 
 @pytest.fixture(scope="module")
-def uneven_single(workdir, uneven_initial):
-    return assert_ok(train(["parallel.pipeline=1", *NO_COUNTS, *BATCH,
-                            f"train.init_from={uneven_initial}"], config=CONFIG,
-                           metrics=workdir / "single.jsonl"))  # fmt: skip
+def uneven_runs(workdir, uneven_single) -> dict[str, str]:
+    """``name -> stdout`` of its launch: the layouts of each world size in one launch
+    (``tests.launch.layout_runs``), one after another in the same processes."""
+    stdout = {}
+    for nproc in sorted({nproc for nproc, _, _ in LAYOUTS.values()}):
+        planned = [[name, [*BATCH, *overrides, f"train.init_from={workdir / 'init'}",
+                           "train.progress=false", f"train.metrics_file={workdir / name}.jsonl"]]
+                   for name, (size, overrides, _) in LAYOUTS.items() if size == nproc]  # fmt: skip
+        stdout.update(dict.fromkeys((name for name, _ in planned),
+                                    layout_runs(CONFIG, planned, nproc=nproc)))  # fmt: skip
+    return stdout
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_uneven_stages_match_one_process(name, workdir, uneven_initial, uneven_single):
-    nproc, overrides, stages = LAYOUTS[name]
-    run = assert_ok(train([*BATCH, *overrides, f"train.init_from={uneven_initial}"],
-                          config=CONFIG, nproc=nproc, metrics=workdir / f"{name}.jsonl",
-                          module="tests.distributed.stage_train"))  # fmt: skip
-    assert len(run.losses) == STEPS
-    assert max_abs_diff(run.losses, uneven_single.losses) <= 1e-5, (
-        run.losses,
-        uneven_single.losses,
-    )
-    # the layers sit where the config put them (1-based layer numbers, printed by every stage)
+def test_uneven_stages_match_one_process(name, workdir, uneven_single, uneven_runs):
+    nproc, _, stages = LAYOUTS[name]
+    losses = [m["loss"] for m in read_metrics(workdir / f"{name}.jsonl")]
+    assert len(losses) == STEPS
+    error = max_abs_diff(losses, uneven_single)
+    print(f"{name}: max |loss - one process| over {STEPS} steps = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-5, (losses, uneven_single)
+    # the layers sit where the config put them (1-based layer numbers, one line per stage)
     first = [sum(stages[:rank]) + 1 for rank in range(nproc)]
-    for rank, (start, count) in enumerate(zip(first, stages)):
+    for rank, (start, count) in enumerate(zip(first, stages, strict=True)):
         layers = list(range(start, start + count))
-        assert f"pipeline stage {rank}: decoder layers {layers}" in run.stdout, run.stdout[-2000:]
+        assert reported(uneven_runs[name], name, f"stage {rank} layers") == str(layers)
