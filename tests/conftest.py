@@ -3,6 +3,7 @@
 - ``npu`` marker: tests that need a real Ascend NPU; skipped elsewhere with the reason.
 - ``cpu_only`` marker: tests of the CPU path (in-process Megatron with the CPU shims, the
   reference kernel's expectations); skipped on a machine with an accelerator, with the reason.
+- The order: the modules that launch processes first (see ``_longest_modules_first``).
 - ``fake_torch_npu``: a stand-in ``torch_npu`` module in ``sys.modules`` (we have no NPU hardware;
   the stand-in records calls instead of running a kernel).
 """
@@ -42,6 +43,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_npu)
         if "cpu_only" in item.keywords and on_accelerator:
             item.add_marker(skip_cpu_only)
+    items[:] = _longest_modules_first(items)
+
+
+def _longest_modules_first(items):
+    """The modules that launch processes first (``distributed``, then ``slow``), each module's
+    tests together and in their order. pytest-xdist (``--dist loadfile``) hands out modules in
+    this order, so the long ones start early and the many short ones fill in at the end."""
+    weight, first = {}, {}
+    for index, item in enumerate(items):
+        module = item.nodeid.split("::")[0]
+        kind = 0 if "distributed" in item.keywords else 1 if "slow" in item.keywords else 2
+        weight[module] = min(weight.get(module, 2), kind)
+        first.setdefault(module, index)
+    return sorted(items, key=lambda item: (weight[m := item.nodeid.split("::")[0]], first[m]))
 
 
 class RecordingTorchNpu(types.ModuleType):

@@ -39,7 +39,7 @@ from tests.integrations import verl_loop as loop
 from tests.integrations import verl_loop_ranks
 from tests.launch import ROOT, TORCHRUN, run_command
 
-pytestmark = pytest.mark.usefixtures("cpu_runtime")
+pytestmark = [pytest.mark.usefixtures("cpu_runtime"), pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPT = ROOT / "tests" / "integrations" / "verl_loop_ranks.py"
 WORLD = 2
