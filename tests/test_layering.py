@@ -1,5 +1,5 @@
-"""Imports flow one way: entry points -> tools | integrations -> training -> transformer -> masks
--> ops | allocator. Every module's imports are read with ``ast`` (nothing is imported to check).
+"""Imports flow one way: entry points -> tools | integrations -> training -> transformer |
+optimizer -> masks -> ops | allocator. Every module's imports are read with ``ast`` (nothing is imported to check).
 
 A module may import its own room or any room of a lower rank, nothing else: no import goes up a
 rank or sideways to a different room of the same rank (``tools`` and ``integrations`` do not know
@@ -35,6 +35,7 @@ RANKS = {
     "allocator": 1,
     "masks": 2,
     "transformer": 3,
+    "optimizer": 3,  # peers: the layer specs and the optimizer do not know each other
     "training": 4,
     "tools": 5,
     "integrations": 5,

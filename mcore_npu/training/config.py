@@ -1,6 +1,6 @@
 """The YAML schema of ``mcore-npu train``: structured OmegaConf configs, loading, validation.
 
-A config has six sections. The two keys that turn the plugin on::
+A config has eight sections (``optimizer`` takes Megatron's precision and offload keys). The two keys that turn the plugin on::
 
     attention:
       backend: npu_fusion        # auto | npu_fusion | local | te
@@ -152,6 +152,22 @@ class DataSection:
 
 
 @dataclass
+class OptimizerSection:
+    """Megatron's ``OptimizerConfig`` keys, with their names and meanings (docs/optimizer.md)."""
+
+    use_distributed_optimizer: bool = False
+    use_precision_aware_optimizer: bool = False  # the plugin's Adam without TE
+    main_grads_dtype: str = "fp32"  # fp32 | bf16 | fp16 (precision-aware only)
+    main_params_dtype: str = "fp32"  # fp32 | fp16 (precision-aware only)
+    exp_avg_dtype: str = "fp32"  # fp32 | bf16 | fp16 (precision-aware only)
+    exp_avg_sq_dtype: str = "fp32"  # fp32 | bf16 | fp16 (precision-aware only)
+    store_param_remainders: bool = True  # bf16 model, fp32 master: keep its low 16 bits only
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0  # share of the parameters whose state is on host
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
@@ -160,6 +176,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
 
 
 _SECTIONS = {
@@ -170,6 +187,7 @@ _SECTIONS = {
     "parallel": ParallelSection,
     "train": TrainSection,
     "data": DataSection,
+    "optimizer": OptimizerSection,
 }
 
 
@@ -422,6 +440,25 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_experts(cfg, world_size)
     _validate_mla(cfg)
     _validate_train(cfg)
+    _validate_optimizer(cfg)
+
+
+def optimizer_keys(cfg) -> dict:
+    """The ``optimizer`` section as Megatron ``OptimizerConfig`` keys (dtypes still names)."""
+    return dict(OmegaConf.to_container(cfg.optimizer))
+
+
+def _validate_optimizer(cfg) -> None:
+    """The precision and offload keys, checked as the optimizer will read them."""
+    from mcore_npu.optimizer.settings import AdamSettings
+
+    keys = optimizer_keys(cfg)
+    try:
+        AdamSettings.from_keys(keys).check_against(
+            optimizer="adam", use_distributed_optimizer=keys["use_distributed_optimizer"]
+        )
+    except (TypeError, ValueError) as err:
+        raise ConfigError("optimizer", keys, str(err), "see docs/optimizer.md") from None
 
 
 def is_mla(cfg) -> bool:

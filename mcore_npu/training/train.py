@@ -31,11 +31,13 @@ import torch.distributed as dist
 
 from mcore_npu._warnings import hide_known_harmless_warnings
 from mcore_npu.allocator.workers import ExpandableSegmentsMixin
+from mcore_npu.optimizer import get_megatron_optimizer, parse_dtype
 from mcore_npu.training import checkpointing, run_folder, runtime
 from mcore_npu.training.checkpointing import CheckpointError
-from mcore_npu.training.config import ConfigError, load_config, to_yaml
+from mcore_npu.training.config import ConfigError, load_config, optimizer_keys, to_yaml
 from mcore_npu.training.data import ByteDataset, MicroBatch, load_corpus
 from mcore_npu.training.metrics import RunReporter, peak_memory_bytes
+from mcore_npu.training.optimizer_resume import exact_adam_resume
 from mcore_npu.training.signals import StopRequest
 
 
@@ -132,16 +134,20 @@ class Trainer(ExpandableSegmentsMixin):
     def _data_parallel(self, module):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        opt = self.cfg.optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=parse_dtype("main_grads_dtype", opt.main_grads_dtype)
+            == torch.float32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=opt.use_distributed_optimizer,
         )
         return DistributedDataParallel(self.config, ddp_config, module)
 
     def _optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
+        """Megatron's optimizer; with the precision-aware / offload keys, over the plugin's Adam
+        (:func:`mcore_npu.optimizer.get_megatron_optimizer`)."""
         t = self.cfg.train
-        config = OptimizerConfig(
+        keys = dict(
             optimizer="adam",
             lr=t.lr,
             min_lr=t.min_lr,
@@ -152,9 +158,9 @@ class Trainer(ExpandableSegmentsMixin):
             bf16=self.config.bf16,
             fp16=self.config.fp16,
             params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=False,
+            **optimizer_keys(self.cfg),
         )
-        return get_megatron_optimizer(config, [self.model])
+        return get_megatron_optimizer(keys, [self.model])
 
     def _scheduler(self):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -227,10 +233,13 @@ class Trainer(ExpandableSegmentsMixin):
         try:
             model_state = checkpointing.match_layout(self._model_state(), path)  # either layout
             template = {"model": model_state}
-            if with_optimizer:
-                optimizer_state = self.optimizer.sharded_state_dict(model_state, is_loading=True)
-                template["optimizer"] = optimizer_state
-            loaded = checkpointing.load(template, path)
+            with exact_adam_resume(self.optimizer):  # the distributed optimizer, without TE
+                if with_optimizer:
+                    optimizer_state = self.optimizer.sharded_state_dict(
+                        model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT
+                    )
+                    template["optimizer"] = optimizer_state
+                loaded = checkpointing.load(template, path)
         except CheckpointError as err:
             failure = str(err)
         failures = [None] * dist.get_world_size()
@@ -240,7 +249,8 @@ class Trainer(ExpandableSegmentsMixin):
             raise CheckpointError(failure)
         self.model.module.load_state_dict(loaded["model"])
         if with_optimizer:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            with exact_adam_resume(self.optimizer):
+                self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["scheduler"])
             self.step = int(loaded["step"])
 
@@ -249,7 +259,9 @@ class Trainer(ExpandableSegmentsMixin):
         model_state = self._model_state()
         return {
             "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(model_state),
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_state, metadata=OPTIMIZER_CHECKPOINT
+            ),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "config": to_yaml(self.cfg),
@@ -392,6 +404,12 @@ class Trainer(ExpandableSegmentsMixin):
             expandable_segments=self.expandable_segments_enabled,
             interrupted_by=stopped_by,
         )
+
+
+OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""The distributed optimizer's checkpoint format: one that any parallel layout can load
+(megatron-core 0.16.1's default, ``fully_sharded_model_space``, is refused by its own
+``ShardedTensor`` checks; the other optimizers ignore the key)."""
 
 
 def _prepare_run_folder(cfg) -> run_folder.FolderLock | None:

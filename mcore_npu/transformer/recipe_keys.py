@@ -71,12 +71,16 @@ class RecipePlan:
         spec: keywords for ``get_gpt_decoder_block_npu_spec`` (``rope_kernel``, ...).
         optimizer: verl engine-config fields read by its DDP / optimizer
             (``use_distributed_optimizer``).
+        optimizer_keys: Megatron ``OptimizerConfig`` keys a recipe key maps to
+            (``swap_optimizer`` -> the CPU optimizer offload); the recipe's own
+            ``override_optimizer_config`` keys win over them.
         log: one line per key that was accepted with no effect, switched off or translated.
     """
 
     megatron: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)
     optimizer: dict = field(default_factory=dict)
+    optimizer_keys: dict = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     stage_list: tuple | None = None  # (key, MindSpeed's per-stage list) until every key is read
 
@@ -179,6 +183,10 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
         plan.optimizer[outcome["field"]] = bool(_value_key(value))
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: verl's engine config "
                         f"{outcome['field']}")  # fmt: skip
+    elif do == "offload":
+        plan.optimizer_keys.update(outcome["set"])
+        keys = ", ".join(f"{k}={_spell(v)}" for k, v in outcome["set"].items())
+        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: {keys} ({outcome['why']})")
     elif do == "verl":
         _agree_with_verl(plan, key, value, outcome["field"], context)
     elif do == "stages":
@@ -300,6 +308,8 @@ def _describe(key: str, outcome: dict) -> str:
         + (" (= the spec's `kernel`)" if outcome["set"] is None else " (Megatron's own module)"),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
+        "offload": lambda: "the CPU optimizer offload, one log line: "
+        + ", ".join(f"`{k}={_spell(v)}`" for k, v in outcome["set"].items()),
         "verl": lambda: f"must equal verl's `megatron.{outcome['field']}`; refused otherwise",
         "stages": lambda: "Megatron's uneven stages; no effect at pipeline size 1",
         "layout": lambda: "Megatron's stage layout (`megatron_stage_layout`); refused unless "

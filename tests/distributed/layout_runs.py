@@ -11,12 +11,16 @@ tensor / context / expert / data-parallel sizes Megatron's parallel state had, a
 sequence parallelism was on) and ``layout_runs: <name> modules: ...`` (the classes of the last
 decoder layer's attention, router and experts: what the run trained) and, for each pipeline
 stage, ``layout_runs: <name> stage <R> layers: [n, ...]`` (the decoder layers that stage
-built). Exit 0 when every run finished, 1 with the traceback otherwise.
+built), ``layout_runs: <name> params: <sha256>`` (rank 0's parameters after the last step, bit
+for bit) and ``layout_runs: <name> optimizer state: {...}`` (the bytes of the plugin's Adam state
+by placement, device and host; ``{}`` for torch's own Adam). Exit 0 when every run finished, 1
+with the traceback otherwise.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import sys
 import traceback
@@ -24,14 +28,23 @@ import traceback
 import torch.distributed as dist
 
 from mcore_npu._warnings import hide_known_harmless_warnings
+from mcore_npu.optimizer import plugin_adams
 from mcore_npu.training import runtime
 from mcore_npu.training.config import load_config
 from mcore_npu.training.train import Trainer
 
 
+def _gpt(trainer: Trainer):
+    """The ``GPTModel`` inside the DDP wrapper (and ``Float16Module`` under bf16 / fp16)."""
+    model = trainer.model.module
+    while not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
 def _modules(trainer: Trainer) -> str:
     """``attention=..., router=..., experts=...`` of the model's last decoder layer."""
-    layer = trainer.model.module.decoder.layers[-1]
+    layer = _gpt(trainer).decoder.layers[-1]
     mlp = layer.mlp
     parts = {"attention": type(layer.self_attention).__name__,
              "router": type(getattr(mlp, "router", None)).__name__,
@@ -59,8 +72,23 @@ def _stage(trainer: Trainer) -> str | None:
         with_context_parallel=True
     ):
         return None
-    numbers = [layer.layer_number for layer in trainer.model.module.decoder.layers]
+    numbers = [layer.layer_number for layer in _gpt(trainer).decoder.layers]
     return f"stage {mpu.get_pipeline_model_parallel_rank()} layers: {numbers}"
+
+
+def _params_digest(trainer: Trainer) -> str:
+    digest = hashlib.sha256()
+    for param in trainer.model.module.parameters():
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _state_bytes(trainer: Trainer) -> dict:
+    totals: dict[str, int] = {}
+    for adam in plugin_adams(trainer.optimizer):
+        for where, count in adam.state_bytes().items():
+            totals[where] = totals.get(where, 0) + count
+    return totals
 
 
 def run_one(config: str, name: str, overrides: list[str]) -> None:
@@ -76,6 +104,9 @@ def run_one(config: str, name: str, overrides: list[str]) -> None:
                 print(f"layout_runs: {name} {stage}", flush=True)
             print(f"layout_runs: {name} layout: {json.dumps(_layout(trainer))}", flush=True)
             print(f"layout_runs: {name} modules: {_modules(trainer)}", flush=True)
+            print(f"layout_runs: {name} params: {_params_digest(trainer)}", flush=True)
+            state = json.dumps(_state_bytes(trainer))
+            print(f"layout_runs: {name} optimizer state: {state}", flush=True)
             print(f"layout_runs: {name} {summary.line()}", flush=True)
     finally:
         trainer.close()

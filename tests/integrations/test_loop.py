@@ -517,18 +517,3 @@ def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, dense_sft_ru
     after = _snapshot(engine)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-
-
-def test_precision_aware_optimizer_without_te_is_refused_before_the_model(qwen3):
-    import dataclasses
-
-    config = loop.worker_config(qwen3)
-    config = dataclasses.replace(
-        config,
-        optimizer_config=dataclasses.replace(
-            config.optimizer_config, use_precision_aware_optimizer=True
-        ),
-    )
-    with pytest.raises(ValueError, match=r"use_precision_aware_optimizer=False") as refused:
-        loop.new_worker(config, loop.sft_loss_fn())
-    assert "Transformer Engine" in str(refused.value)

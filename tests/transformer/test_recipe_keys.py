@@ -149,7 +149,6 @@ REFUSALS = [
     ({"yarn_scaling_factor": 4.0}, BASE, ["rotary_scaling_factor", "config.json"]),
     ({"rope_scaling_mscale": 1.0}, BASE, ["mscale", "config.json"]),
     ({"rope_scaling_mscale_all_dim": 1.0}, BASE, ["mscale_all_dim", "config.json"]),
-    ({"swap_optimizer": True}, BASE, ["swap_optimizer=true", "optimizer_offload"]),
     ({"use_ascend_mc2": True}, BASE, ["use_ascend_mc2=true", "MC2"]),
     ({"reset_position_ids": True}, BASE, ["reset_position_ids=true", "use_remove_padding=True"]),
     ({"fp8": "hybrid"}, BASE, ["fp8=hybrid", "Transformer Engine"]),
@@ -214,6 +213,15 @@ def test_refusal_is_one_line_naming_key_value_and_what_to_do(overrides, context,
         assert "refused" in message
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
+
+
+def test_swap_optimizer_maps_to_the_cpu_optimizer_offload_in_one_log_line():
+    plan = translate({"swap_optimizer": True}, BASE)
+    assert plan.megatron == {} and plan.optimizer == {}
+    assert plan.optimizer_keys == {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0,
+                                   "overlap_cpu_optimizer_d2h_h2d": True}  # fmt: skip
+    lines = [line for line in plan.log if "swap_optimizer" in line]
+    assert len(lines) == 1 and "optimizer_cpu_offload=true" in lines[0], plan.log
 
 
 def test_every_key_of_the_table_is_exercised():

@@ -45,8 +45,12 @@ change five things, nothing else:
    empty state and then restores the step counter as 0, one tensor shared by all parameters.
    ``load_checkpoint`` loads through
    :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run continues
-   exactly (TE/Apex optimizers are left alone). ``use_precision_aware_optimizer=True``, which
-   megatron-core cannot build without TE, is refused before any model is built.
+   exactly (TE/Apex optimizers are left alone). ``use_precision_aware_optimizer=True`` and
+   ``optimizer_cpu_offload=True``, which megatron-core cannot build without TE or CUDA, are built
+   by :meth:`_NPUEngineMixin._build_optimizer` (:mod:`mcore_npu.integrations.verl.optimizer`):
+   Megatron's own distributed optimizer over the plugin's
+   :class:`~mcore_npu.optimizer.PrecisionAwareAdam`; their values are checked before any model
+   is built. ``swap_optimizer`` (MindSpeed) maps to the CPU offload.
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
@@ -57,7 +61,6 @@ MindSpeed engine, so on Ascend (or with ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VEN
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import sys
 from functools import partial
@@ -68,6 +71,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+from verl.workers.engine.megatron.transformer_impl import register_megatron_training_hooks
 
 from mcore_npu.integrations.hf import (
     bridge_from_config,
@@ -76,8 +80,14 @@ from mcore_npu.integrations.hf import (
     refuse_mbridge_mtp,
 )
 from mcore_npu.integrations.mbridge_fixes import needs_fixed_bridge
+from mcore_npu.integrations.verl.optimizer import (
+    build_optimizer,
+    grad_reduce_in_fp32,
+    requested_keys,
+)
 from mcore_npu.integrations.verl.recipe import apply_recipe
 from mcore_npu.integrations.verl.tf_config import build_mbridge_tf_config
+from mcore_npu.optimizer import AdamSettings
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
 __all__ = [
@@ -198,8 +208,8 @@ class _NPUEngineMixin:
 
     def _build_tf_config(self):
         require_megatron_bridge(self.engine_config)
-        self._check_optimizer_config()
         self._apply_recipe()
+        self._check_optimizer_config()
         if self.engine_config.vanilla_mbridge and needs_fixed_bridge(self.model_config.hf_config):
             # mbridge's own bridge cannot build this config (DeepSeek-V3): the plugin builds
             # the bridge, in verl's steps (tf_config.py); mbridge and verl stay unpatched
@@ -211,28 +221,47 @@ class _NPUEngineMixin:
             self._match_hf_config()
 
     def _check_optimizer_config(self) -> None:
-        """Refuse, before any model is built, an optimizer Megatron cannot build without TE.
+        """Check the optimizer's precision and offload keys before any model is built.
 
-        ``use_precision_aware_optimizer=True`` (the large Ascend recipes set it, with
-        ``override_optimizer_config.optimizer_cpu_offload``): megatron-core 0.16.1's
-        ``OptimizerConfig.__post_init__`` calls ``is_te_min_version("2.1.0")`` for it
-        (``megatron/core/optimizer/optimizer_config.py:383``), which raises ``TypeError`` when
-        Transformer Engine is not installed, with or without CPU offload. No Transformer Engine
-        exists for Ascend NPUs.
+        ``use_precision_aware_optimizer`` and ``optimizer_cpu_offload`` (the large Ascend recipes
+        set both in ``override_optimizer_config``) are built by the plugin
+        (:meth:`_build_optimizer`); a value that cannot work is refused here in one line
+        (:class:`~mcore_npu.optimizer.AdamSettings`) instead of reaching megatron-core, whose
+        ``OptimizerConfig`` raises a raw ``TypeError`` for the first without Transformer Engine.
         """
         if self.engine_config.forward_only or self.optimizer_config is None:
             return
-        if not getattr(self.optimizer_config, "use_precision_aware_optimizer", False):
-            return
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise ValueError(
-                "optim.use_precision_aware_optimizer=True: megatron-core's OptimizerConfig "
-                "checks the Transformer Engine version for it (optimizer_config.py:383, "
-                "is_te_min_version) and fails without Transformer Engine, which Ascend NPUs do "
-                "not have (also with optimizer_cpu_offload). Set "
-                "optim.use_precision_aware_optimizer=False: the Adam state stays fp32, and "
-                "megatron.optimizer_offload=True keeps it in host memory between steps."
+        from verl.utils.torch_dtypes import PrecisionType
+
+        bf16 = PrecisionType.to_dtype(self.engine_config.dtype) == torch.bfloat16
+        keys = requested_keys(self.optimizer_config, bf16=bf16,
+                              recipe_keys=self.recipe_plan.optimizer_keys)  # fmt: skip
+        AdamSettings.from_keys(keys).check_against(
+            optimizer=self.optimizer_config.optimizer,
+            use_distributed_optimizer=self.engine_config.use_distributed_optimizer,
+        )
+
+    def _build_optimizer(self):
+        """verl's optimizer build (``transformer_impl.py:539``) through
+        :func:`~mcore_npu.integrations.verl.optimizer.build_optimizer`: Megatron's optimizer,
+        with the plugin's Adam where the precision-aware optimizer or the CPU offload asks."""
+        optimizer = build_optimizer(self, self.recipe_plan.optimizer_keys)
+        register_megatron_training_hooks(self.module, optimizer)
+        return optimizer
+
+    def _resolve_override_ddp_config(self) -> dict:
+        """verl's DDP overrides, with ``grad_reduce_in_fp32`` following ``main_grads_dtype``
+        wherever verl's optimizer keys set it (``override_optimizer_config`` too; verl reads
+        only the top-level key); an explicit ``override_ddp_config.grad_reduce_in_fp32`` wins."""
+        resolved = super()._resolve_override_ddp_config()
+        given = dict(self.engine_config.override_ddp_config or {})
+        if self.optimizer_config is not None and "grad_reduce_in_fp32" not in given:
+            resolved["grad_reduce_in_fp32"] = grad_reduce_in_fp32(
+                self.optimizer_config,
+                bf16=self.param_dtype == torch.bfloat16,
+                recipe_keys=self.recipe_plan.optimizer_keys,
             )
+        return resolved
 
     def _apply_recipe(self) -> None:
         """The recipe vocabulary (``specs/recipe_keys.yaml``), before verl reads the overrides.

@@ -1,0 +1,139 @@
+"""Optimizer state in host memory: which parameters, and the copies to and from the device.
+
+Megatron's ``optimizer_offload_fraction`` keeps the Adam state of the first parameters, in
+param-group order, in host memory until that share of all elements is reached (the on-device
+rest is updated where it lives). Each offloaded step then copies the gradients device-to-host,
+updates on the host, and copies the new parameters host-to-device.
+
+With ``overlap_cpu_optimizer_d2h_h2d`` the copies run on a side stream of the parameters'
+device (``torch.get_device_module``: ``torch.npu`` on an Ascend NPU, ``torch.cuda`` on a GPU)
+into pinned host buffers, while the on-device part updates. On a CPU the "device" is the CPU:
+there are no streams, and every copy is a real copy into a separate host buffer, so the same code
+path runs and is tested.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HostOffload", "offloaded_params"]
+
+HOST = torch.device("cpu")
+
+
+def offloaded_params(params: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """The parameters whose state lives on the host: the first ones, in order, while fewer than
+    ``fraction`` of all elements are offloaded (Megatron's ``HybridDeviceOptimizer`` rule)."""
+    threshold = fraction * sum(p.numel() for p in params)
+    chosen, numel = [], 0
+    for param in params:
+        if numel >= threshold or fraction == 0.0:
+            break
+        chosen.append(param)
+        numel += param.numel()
+    return chosen
+
+
+class _Copies:
+    """Copies between one device and the host, on a side stream when ``overlap`` (not on CPU)."""
+
+    def __init__(self, device: torch.device, overlap: bool) -> None:
+        use_stream = overlap and device.type != "cpu"
+        self.module = torch.get_device_module(device) if use_stream else None
+        self.stream = self.module.Stream() if self.module is not None else None
+        self.pinned = device.type != "cpu"
+
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``host.copy_(device)`` for each ``(host, device)`` pair, after the compute so far."""
+        if self.stream is None:
+            for host, device in pairs:
+                host.copy_(device)
+            return
+        self.stream.wait_stream(self.module.current_stream())
+        with self.module.stream(self.stream):
+            for host, device in pairs:
+                host.copy_(device, non_blocking=True)
+
+    def wait(self) -> None:
+        """The host may read what :meth:`to_host` copied."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``device.copy_(host)`` for each pair; later device work waits for the copies."""
+        if self.stream is None:
+            for device, host in pairs:
+                device.copy_(host)
+            return
+        self.stream.wait_stream(self.module.current_stream())
+        with self.module.stream(self.stream):
+            for device, host in pairs:
+                device.copy_(host, non_blocking=True)
+        self.module.current_stream().wait_stream(self.stream)
+
+
+class HostOffload:
+    """The offloaded parameters of one optimizer and their host buffers.
+
+    Buffers (host, pinned off the CPU): one gradient staging buffer per parameter (its grad
+    dtype), one parameter staging buffer (its dtype). Everything is keyed by the parameter
+    object, the way the optimizer's own ``state`` is.
+    """
+
+    def __init__(self, params: list[torch.Tensor], fraction: float, overlap: bool) -> None:
+        self._params = offloaded_params(params, fraction)
+        self._held = {id(p) for p in self._params}
+        devices = {p.device for p in self._params}
+        self._copies = {device: _Copies(device, overlap) for device in devices}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return id(param) in self._held
+
+    def home(self, param: torch.Tensor) -> torch.device:
+        """Where ``param``'s optimizer state lives."""
+        return HOST if self.holds(param) else param.device
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self._params)
+
+    def host_empty(self, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host tensor shaped like ``like`` (pinned when ``like`` is on an accelerator)."""
+        pin = like.device.type != "cpu"
+        return torch.empty(like.shape, dtype=dtype or like.dtype, device=HOST, pin_memory=pin)
+
+    def send_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start the device-to-host copies of ``(param, grad)`` pairs of offloaded params."""
+        for device, copies in self._copies.items():
+            pairs = [(self._grad_buffer(p, g), g) for p, g in grads if p.device == device]
+            copies.to_host(pairs)
+
+    def received_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The host copy of ``param``'s gradient (after :meth:`wait_grads`)."""
+        return self._grads[id(param)]
+
+    def wait_grads(self) -> None:
+        for copies in self._copies.values():
+            copies.wait()
+
+    def send_params(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each ``(param, host value)`` to the device, cast to the param's dtype first on
+        the host (into a staging buffer) so that only the param's own bytes travel."""
+        for device, copies in self._copies.items():
+            pairs = []
+            for param, value in values:
+                if param.device != device:
+                    continue
+                staged = self._staged.get(id(param))
+                if staged is None:
+                    staged = self._staged[id(param)] = self.host_empty(param)
+                staged.copy_(value)
+                pairs.append((param, staged))
+            copies.to_device(pairs)
+
+    def _grad_buffer(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        buffer = self._grads.get(id(param))
+        if buffer is None or buffer.dtype != grad.dtype:
+            buffer = self._grads[id(param)] = self.host_empty(grad)
+        return buffer
