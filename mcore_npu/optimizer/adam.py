@@ -135,7 +135,12 @@ class PrecisionAwareAdam(torch.optim.Adam):
         state["step"] = _step_tensor()
         state["exp_avg"] = torch.zeros(param.shape, dtype=s.exp_avg_dtype, device=home)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=s.exp_avg_sq_dtype, device=home)
-        if s.precision_aware:
+        if s.precision_aware and param.untyped_storage().size() == 0:
+            # verl's param_offload has freed the parameter (a checkpoint load into a fresh
+            # worker): a placeholder, which the load overwrites through set_scaled_state
+            state["master_param"] = torch.zeros(param.shape, dtype=self._master_format(param),
+                                                device=home)  # fmt: skip
+        elif s.precision_aware:
             state["master_param"] = self._stored_master(param, param.detach().float())
 
     def initialize_all_state(self) -> None:
@@ -166,6 +171,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
 
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Store ``value`` (fp32) as ``state[key]`` of ``param``, in that state's dtype."""
+        if not isinstance(value, torch.Tensor):
+            return  # the dp_reshardable format's per-entry metadata ("padding": bool)
         self._ensure_state(param)
         state = self.state[param]
         with torch.no_grad():

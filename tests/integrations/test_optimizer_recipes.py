@@ -93,3 +93,30 @@ def test_optimizer_key_table_covers_the_census_and_the_docs_show_it():
     assert set(table["census"]) == set(table["keys"])
     page = (root / "docs/optimizer.md").read_text()
     assert render_key_table() in page, "python -m mcore_npu.integrations.verl.optimizer"
+
+
+@pytest.mark.parametrize("fully_reshardable", [False, True], ids=["dp_reshardable", "fully"])
+@pytest.mark.parametrize("fraction", [1.0, 0.4])
+def test_resume_through_verls_checkpoint_in_a_fresh_worker(qwen3, tmp_path, fraction,
+                                                           fully_reshardable):  # fmt: skip
+    """verl's ``save_checkpoint`` / ``load_checkpoint`` (Megatron's distributed-optimizer formats
+    through ``get_unscaled_state`` / ``set_scaled_state``) with the precision-aware Adam and the
+    CPU offload, ``param_offload`` and ``optimizer_offload`` on: a fresh worker continues like the
+    uninterrupted one (step 3 equal), every parameter's step restored, and the offloaded part's
+    state back in the optimizer's host placement."""
+    override = {**OFFLOAD, "optimizer_offload_fraction": fraction}
+    engine = {"param_offload": True, "optimizer_offload": True,
+              "dist_ckpt_optim_fully_reshardable": fully_reshardable}  # fmt: skip
+    config = _config(qwen3, {}, override, engine)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    loop.train_sft(worker, 2)
+    worker.save_checkpoint(str(tmp_path), global_step=2)
+    later = [m["loss"] for m in loop.train_sft(worker, 1)]
+    fresh = loop.new_worker(_config(qwen3, {}, override, engine), loop.sft_loss_fn())
+    fresh.load_checkpoint(str(tmp_path))
+    (adam,) = plugin_adams(fresh.engine.optimizer)
+    assert {float(state["step"]) for state in adam.state.values()} == {2.0}
+    (before,) = plugin_adams(worker.engine.optimizer)
+    assert adam.state_bytes() == before.state_bytes()
+    resumed = [m["loss"] for m in loop.train_sft(fresh, 1)]
+    assert resumed == later
