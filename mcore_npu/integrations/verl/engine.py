@@ -303,6 +303,17 @@ class _NPUEngineMixin:
                 local_path, hdfs_path, del_local_after_load=del_local_after_load, **kwargs
             )
 
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """verl's ``to``, except for a model without DDP (the reference model) on a machine
+        without an accelerator, whose weights verl's offload would free
+        (:mod:`mcore_npu.integrations.verl.offload`): there the model moves as real host copies."""
+        from mcore_npu.integrations.verl.offload import host_only_model, round_trip_on_host
+
+        if model and host_only_model(self.module):
+            round_trip_on_host(self.module)
+            model = grad = False
+        return super().to(device, model=model, optimizer=optimizer, grad=grad)
+
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         """verl's own ``forward_step`` unless this micro-batch may take the mask-free bshd path
         (:meth:`_dense_mask_free`); then the engine's ``_mask_free_step`` on the device batch."""
