@@ -147,3 +147,92 @@ def test_verls_own_reference_offload_frees_the_weights_on_a_cpu(qwen3):
     engine = _ref_worker(qwen3).engine
     MegatronEngineWithLMHead.to(engine, "cpu", model=True, optimizer=False, grad=False)
     assert all(p.untyped_storage().size() == 0 for p in _gpt(engine).parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. use_dist_checkpointing: a Megatron distributed checkpoint in TE names
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_probs(worker, ids: torch.Tensor) -> torch.Tensor:
+    """``[S]``: verl's ``infer_batch`` log-probs of one sequence (``compute_loss=False``)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.get_tensordict(
+        {"input_ids": tu.nested_tensor_from_tensor_list([ids]),
+         "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(ids)])},
+        {"temperature": 1.0, "compute_loss": False, "micro_batch_size_per_gpu": 1},
+    )  # fmt: skip
+    (row,) = tu.get(worker.infer_batch(data), "log_probs").unbind()
+    return row.float()
+
+
+@pytest.fixture(scope="module")
+def dist_checkpoint(tmp_path_factory):
+    """A Megatron distributed checkpoint of a tiny Qwen3 trained one step through verl, written
+    as verl's ``scripts/converter_hf_to_mcore.py`` writes one (``dist_checkpointing.save`` of the
+    GPT model's ``sharded_state_dict()``): ``(HF path, checkpoint, parameters, log-probs)``.
+
+    Vocabulary 264: the plugin's trainer (loaded from the same checkpoint below) needs 257+ ids.
+    One step, so the weights differ from the Hugging Face files the worker also reads."""
+    from megatron.core import dist_checkpointing
+
+    path = loop.save_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_264"), vocab=264)
+    worker = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
+    loop.train_sft(worker, 1)
+    gpt = _gpt(worker.engine)
+    checkpoint = tmp_path_factory.mktemp("dist_ckpt")
+    dist_checkpointing.save(gpt.sharded_state_dict(), str(checkpoint))
+    params = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    return path, str(checkpoint), params, _log_probs(worker, loop.sft_samples(7)[0])
+
+
+def test_dist_checkpoint_holds_the_te_spec_names(dist_checkpoint):
+    """The checkpoint's keys are exactly Megatron's TE GPT spec's checkpoint keys
+    (``specs/param_names_te.yaml``), as a TE-built model writes them."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.transformer.te_names import disk_key, expected_names
+
+    _, checkpoint, _, _ = dist_checkpoint
+    config = SimpleNamespace(num_layers=2, normalization="RMSNorm", qk_layernorm=True,
+                             num_moe_experts=None, moe_layer_freq=1)  # fmt: skip
+    saved = {
+        k.split("/")[0] for k in FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    }
+    assert saved == {disk_key(name, config) for name in expected_names(config, "sharded")}
+
+
+def test_verl_worker_loads_the_dist_checkpoint(dist_checkpoint):
+    """``use_dist_checkpointing=True`` + ``dist_checkpointing_path`` (verl's
+    ``load_mcore_dist_weights`` in ``_build_megatron_module``): the fresh worker holds the saved
+    parameters (``torch.equal``) and gives the same log-probs, not those of the HF files."""
+    path, checkpoint, params, log_probs = dist_checkpoint
+    config = loop.worker_config(path, **SETTINGS, use_dist_checkpointing=True,
+                                dist_checkpointing_path=checkpoint)  # fmt: skip
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    got = {n: p.detach() for n, p in _gpt(worker.engine).named_parameters()}
+    _assert_equal(got, params)
+    assert torch.equal(_log_probs(worker, loop.sft_samples(7)[0]), log_probs)
+    from_hf = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
+    assert not torch.equal(_log_probs(from_hf, loop.sft_samples(7)[0]), log_probs)  # control
+
+
+def test_plugins_trainer_loads_the_dist_checkpoint_with_init_from(dist_checkpoint):
+    """``mcore-npu train``'s ``train.init_from=<folder>`` loads the same checkpoint (a folder
+    without ``step_*`` subfolders loads as it is): every parameter equals the saved one, and the
+    trainer's model gives verl's logits on the same input."""
+    path, checkpoint, params, log_probs = dist_checkpoint
+    trainer = loop.own_trainer(path, f"train.init_from={checkpoint}")
+    gpt = trainer.model.module.module  # DDP -> Float16Module -> GPTModel
+    _assert_equal({n: p.detach() for n, p in gpt.named_parameters()}, params)
+    ids = loop.sft_samples(7)[0]
+    with torch.no_grad():
+        logits = gpt(input_ids=ids[None], position_ids=torch.arange(len(ids))[None],
+                     attention_mask=None)[0].float()  # fmt: skip
+    own = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    error = float((own - log_probs[:-1]).abs().max())
+    print(f"trainer (init_from) vs verl worker log-probs: max |diff| = {error:.2e}")
+    assert error <= 1e-5, error

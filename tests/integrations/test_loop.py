@@ -131,28 +131,6 @@ def test_qwen3_moe_bshd_starts_where_thd_does_and_falls(qwen3_moe, moe_sft_run):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def _own_trainer(qwen3):
-    """The plugin's own trainer (``mcore_npu.training.train.Trainer``) for the tiny Qwen3: the
-    same architecture from the trainer's YAML keys, bf16 (what verl forces), TE names."""
-    from mcore_npu.training.config import load_config
-    from mcore_npu.training.train import Trainer
-
-    hf = transformers.AutoConfig.from_pretrained(qwen3)
-    overrides = [
-        "model.num_layers=2", f"model.hidden_size={hf.hidden_size}",
-        f"model.num_attention_heads={hf.num_attention_heads}",
-        f"model.num_query_groups={hf.num_key_value_heads}",
-        f"model.ffn_hidden_size={hf.intermediate_size}", f"model.vocab_size={hf.vocab_size}",
-        "model.normalization=RMSNorm", "model.qk_layernorm=true", "model.activation=swiglu",
-        "model.add_bias_linear=false", "model.share_embeddings_and_output_weights=false",
-        f"model.rotary_base={int(hf.rope_parameters['rope_theta'])}",
-        f"model.extra.layernorm_epsilon={hf.rms_norm_eps}", "model.param_layout=te",
-        "model.max_sequence_length=64", "train.seq_length=32", "train.dtype=bf16",
-        "attention.backend=npu_fusion", "train.progress=false",
-    ]  # fmt: skip
-    return Trainer(load_config(None, overrides))
-
-
 def _packed(samples):
     """The SFT samples as the trainer's one packed micro-batch ``[1, T]``: labels are the next
     token of the same sample; the loss mask is verl's SFT mask (``loss_mask`` rolled by one:
@@ -198,7 +176,7 @@ def test_one_step_equals_the_plugins_own_trainer(tmp_path):
     weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     (metrics,) = loop.train_sft(worker, 1)
 
-    trainer = _own_trainer(qwen3)
+    trainer = loop.own_trainer(qwen3)
     own = trainer.model.module.module  # DDP -> Float16Module -> GPTModel
     own.load_state_dict(weights, strict=True)
     trainer.model.zero_grad_buffer()
