@@ -103,10 +103,9 @@ def worker_config(
             dtype="bfloat16",
             use_mbridge=True,
             vanilla_mbridge=True,
-            use_dynamic_bsz=False,
             micro_batch_size_per_gpu=micro_batch,
             infer_micro_batch_size_per_gpu=micro_batch,
-            **engine,
+            **{"use_dynamic_bsz": False, **engine},
         ),
         optimizer_config=McoreOptimizerConfig(
             lr=lr, total_training_steps=total_steps, use_checkpoint_opt_param_scheduler=True
