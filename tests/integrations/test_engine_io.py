@@ -106,6 +106,7 @@ def test_actor_offload_trains_saves_and_loads_bit_exactly(qwen3, plain, tmp_path
     _assert_equal(_state(fresh.engine), plain["state"])
     fresh.engine.to("cpu", model=True, optimizer=True, grad=True)
     assert _losses(loop.train_sft(fresh, STEPS - SAVE_AT)) == plain["losses"][SAVE_AT:]
+    print(f"offload: losses {losses} ==; {len(plain['state'])} state tensors equal after step 2")
 
 
 def test_offloaded_actor_loads_a_checkpoint_written_without_offload(qwen3, plain):
@@ -187,22 +188,31 @@ def dist_checkpoint(tmp_path_factory):
     return path, str(checkpoint), params, _log_probs(worker, loop.sft_samples(7)[0])
 
 
-def test_dist_checkpoint_holds_the_te_spec_names(dist_checkpoint):
-    """The checkpoint's keys are exactly Megatron's TE GPT spec's checkpoint keys
-    (``specs/param_names_te.yaml``), as a TE-built model writes them."""
+def _te_disk_keys() -> set[str]:
+    """The checkpoint keys of Megatron's TE GPT spec for the tiny Qwen3
+    (``specs/param_names_te.yaml``)."""
     from types import SimpleNamespace
-
-    from torch.distributed.checkpoint import FileSystemReader
 
     from tests.transformer.te_names import disk_key, expected_names
 
-    _, checkpoint, _, _ = dist_checkpoint
     config = SimpleNamespace(num_layers=2, normalization="RMSNorm", qk_layernorm=True,
                              num_moe_experts=None, moe_layer_freq=1)  # fmt: skip
-    saved = {
-        k.split("/")[0] for k in FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    }
-    assert saved == {disk_key(name, config) for name in expected_names(config, "sharded")}
+    return {disk_key(name, config) for name in expected_names(config, "sharded")}
+
+
+def _saved_keys(folder) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    return {key.split("/")[0] for key in metadata.state_dict_metadata}  # objects: key/shard_i_n
+
+
+def test_dist_checkpoint_holds_the_te_spec_names(dist_checkpoint):
+    """The checkpoint's keys are exactly Megatron's TE GPT spec's checkpoint keys
+    (``specs/param_names_te.yaml``), as a TE-built model writes them."""
+    _, checkpoint, _, _ = dist_checkpoint
+    assert _saved_keys(checkpoint) == _te_disk_keys()
+    print(f"dist checkpoint: {len(_te_disk_keys())} keys, the TE spec's")
 
 
 def test_verl_worker_loads_the_dist_checkpoint(dist_checkpoint):
@@ -218,6 +228,26 @@ def test_verl_worker_loads_the_dist_checkpoint(dist_checkpoint):
     assert torch.equal(_log_probs(worker, loop.sft_samples(7)[0]), log_probs)
     from_hf = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
     assert not torch.equal(_log_probs(from_hf, loop.sft_samples(7)[0]), log_probs)  # control
+
+
+def test_verl_checkpoint_with_use_dist_checkpointing_resumes_exactly(dist_checkpoint, tmp_path):
+    """With ``use_dist_checkpointing=True`` verl's checkpoint manager writes the model as
+    Megatron shards (``model/dist_ckpt``, in the TE names) instead of Hugging Face files: a
+    fresh worker loads it back to the same state (``torch.equal``) and the next step's loss
+    equals the uninterrupted run's (``==``)."""
+    path, checkpoint, _, _ = dist_checkpoint
+    config = loop.worker_config(path, **SETTINGS, use_dist_checkpointing=True,
+                                dist_checkpointing_path=checkpoint)  # fmt: skip
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    loop.train_sft(worker, 1)
+    state = _state(worker.engine)
+    worker.save_checkpoint(str(tmp_path), global_step=1)
+    later = _losses(loop.train_sft(worker, 1))
+    assert _saved_keys(tmp_path / "model" / "dist_ckpt") == _te_disk_keys()
+    fresh = loop.new_worker(config, loop.sft_loss_fn())
+    fresh.load_checkpoint(str(tmp_path))
+    _assert_equal(_state(fresh.engine), state)
+    assert _losses(loop.train_sft(fresh, 1)) == later
 
 
 def test_plugins_trainer_loads_the_dist_checkpoint_with_init_from(dist_checkpoint):

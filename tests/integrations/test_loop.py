@@ -31,7 +31,6 @@ pytest.importorskip("verl")
 
 import transformers
 from safetensors.torch import load_file
-from verl.utils.device import get_device_name
 from verl.workers.engine.megatron import MegatronEngineWithLMHead
 
 from mcore_npu.integrations.verl.engine import (
@@ -456,45 +455,8 @@ def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported
 
 
 # ---------------------------------------------------------------------------------------------
-# offload
+# the optimizer (offload and checkpoint settings: test_engine_io.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _snapshot(engine) -> dict[str, torch.Tensor]:
-    """Model params, fp32 main params and Adam moments, by position (clones)."""
-    (member,) = engine.optimizer.chained_optimizers
-    out = {f"param.{i}": p.detach().clone() for i, p in enumerate(engine.module[0].parameters())}
-    for i, p in enumerate(q for group in member.shard_fp32_from_float16_groups for q in group):
-        out[f"main.{i}"] = p.detach().clone()
-    for i, state in enumerate(member.optimizer.state.values()):
-        out[f"exp_avg.{i}"] = state["exp_avg"].clone()
-        out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].clone()
-    return out
-
-
-def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, dense_sft_run):
-    """``param_offload`` / ``optimizer_offload``: verl frees the model's parameter and gradient
-    buffers between calls and copies them back (host memory on a CPU too, so the round trip is
-    real); the optimizer state's ``.to("cpu")`` is a no-op on a CPU. Training with both on gives
-    the losses of training without (bit for bit), and an explicit round trip restores the state
-    bit for bit."""
-    _, plain = dense_sft_run
-    config = loop.worker_config(qwen3, **DENSE, param_offload=True, optimizer_offload=True)
-    worker = loop.new_worker(config, loop.sft_loss_fn())
-    engine = worker.engine
-    buffer = engine.module[0].buffers[0]
-    assert buffer.param_data.untyped_storage().size() == 0  # offloaded after initialize()
-    losses = _losses(loop.train_sft(worker, 3))
-    assert losses == _losses(plain[:3])
-    device = get_device_name()  # verl's name for the device ("cuda" on its fallback platform)
-    engine.to(device, model=True, optimizer=True, grad=True)
-    before = _snapshot(engine)
-    engine.to("cpu", model=True, optimizer=True, grad=True)
-    assert buffer.param_data.untyped_storage().size() == 0
-    engine.to(device, model=True, optimizer=True, grad=True)
-    after = _snapshot(engine)
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_precision_aware_optimizer_without_te_is_refused_before_the_model(qwen3):

@@ -5,7 +5,7 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change five things, nothing else:
+change six things, nothing else:
 
 0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
    (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
@@ -47,6 +47,10 @@ change five things, nothing else:
    :func:`mcore_npu.training.optimizer_resume.exact_adam_resume`, so a resumed run continues
    exactly (TE/Apex optimizers are left alone). ``use_precision_aware_optimizer=True``, which
    megatron-core cannot build without TE, is refused before any model is built.
+5. **Offload of a model without DDP on a host-only machine** (the reference model's
+   ``param_offload`` on a CPU): verl's move would free the only copy of the weights there; the
+   engine's ``to`` moves it as real host copies (:mod:`mcore_npu.integrations.verl.offload`).
+   With an accelerator verl's own offload runs.
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
