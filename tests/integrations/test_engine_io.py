@@ -61,21 +61,26 @@ def _assert_equal(got: dict, want: dict) -> None:
 
 
 def _offloaded(engine) -> bool:
-    """verl's param offload frees the DDP parameter buffer's storage between calls."""
-    return all(b.param_data.untyped_storage().size() == 0 for b in engine.module[0].buffers)
+    """verl's param offload frees the DDP parameter buffers' storage between calls (the
+    expert-parallel buffers of an MoE model too)."""
+    chunk = engine.module[0]
+    buffers = [*chunk.buffers, *chunk.expert_parallel_buffers]
+    return all(b.param_data.untyped_storage().size() == 0 for b in buffers)
 
 
-@pytest.fixture(scope="module")
-def plain(qwen3, tmp_path_factory):
-    """4 SFT steps without offload: the losses, the full state after step 2 and the checkpoint
-    verl writes there."""
-    worker = loop.new_worker(loop.worker_config(qwen3, **SETTINGS), loop.sft_loss_fn())
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def plain(request, tmp_path_factory):
+    """4 SFT steps without offload, for the tiny Qwen3 and the tiny Qwen3-MoE (dense and expert
+    parameters: two distributed optimizers, expert-parallel buffers): the model path, the
+    losses, the full state after step 2 and the checkpoint verl writes there."""
+    path = request.getfixturevalue(request.param)
+    worker = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
     losses = _losses(loop.train_sft(worker, SAVE_AT))
     state = _state(worker.engine)
     checkpoint = tmp_path_factory.mktemp("plain")
     worker.save_checkpoint(str(checkpoint), global_step=SAVE_AT)
     losses += _losses(loop.train_sft(worker, STEPS - SAVE_AT))
-    return {"losses": losses, "state": state, "checkpoint": str(checkpoint)}
+    return {"path": path, "losses": losses, "state": state, "checkpoint": str(checkpoint)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,12 +88,12 @@ def plain(qwen3, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_actor_offload_trains_saves_and_loads_bit_exactly(qwen3, plain, tmp_path):
+def test_actor_offload_trains_saves_and_loads_bit_exactly(plain, tmp_path):
     """Actor with ``param_offload`` and ``optimizer_offload``: each step's loss equals the
     run without offload (``==``), so does the whole state after step 2 (``torch.equal``); its
     checkpoint, loaded into a fresh offloaded worker, restores that state bit for bit and the
     resumed steps 3-4 give the same losses."""
-    config = loop.worker_config(qwen3, **SETTINGS, **OFFLOAD)
+    config = loop.worker_config(plain["path"], **SETTINGS, **OFFLOAD)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     assert _offloaded(worker.engine)  # after initialize()
     losses = _losses(loop.train_sft(worker, SAVE_AT))
@@ -107,12 +112,15 @@ def test_actor_offload_trains_saves_and_loads_bit_exactly(qwen3, plain, tmp_path
     fresh.engine.to("cpu", model=True, optimizer=True, grad=True)
     assert _losses(loop.train_sft(fresh, STEPS - SAVE_AT)) == plain["losses"][SAVE_AT:]
     print(f"offload: losses {losses} ==; {len(plain['state'])} state tensors equal after step 2")
+    if "moe" in plain["path"]:
+        assert len(worker.engine.optimizer.chained_optimizers) == 2  # dense and expert
 
 
-def test_offloaded_actor_loads_a_checkpoint_written_without_offload(qwen3, plain):
+def test_offloaded_actor_loads_a_checkpoint_written_without_offload(plain):
     """The checkpoint of the run without offload, loaded into an offloaded worker: the same
     state and the same resumed losses (the two settings share one checkpoint format)."""
-    worker = loop.new_worker(loop.worker_config(qwen3, **SETTINGS, **OFFLOAD), loop.sft_loss_fn())
+    config = loop.worker_config(plain["path"], **SETTINGS, **OFFLOAD)
+    worker = loop.new_worker(config, loop.sft_loss_fn())
     worker.load_checkpoint(plain["checkpoint"])
     _assert_equal(_state(worker.engine), plain["state"])
     worker.engine.to("cpu", model=True, optimizer=True, grad=True)
@@ -127,15 +135,16 @@ def _ref_worker(qwen3, **engine):
 def test_reference_model_param_offload_gives_the_same_log_probs(qwen3):
     """The reference model with ``param_offload=True`` (recipes set it for ``ref``): its
     parameters leave for new host storage after ``initialize()`` and after every
-    ``infer_batch``, and come back bit for bit: the log-probs of two calls equal those of a
-    reference model without offload (``torch.equal``)."""
+    ``infer_batch`` (the storage they held is freed: real copies), and come back bit for bit:
+    the log-probs of two calls equal those of a reference model without offload
+    (``torch.equal``)."""
     batch = loop.rollout_batch(0)
     want = loop.old_log_probs(_ref_worker(qwen3), batch)
     worker = _ref_worker(qwen3, param_offload=True)
-    pointers = [p.data_ptr() for p in _gpt(worker.engine).parameters()]
+    before = [p.data for p in _gpt(worker.engine).parameters()]  # the storage held now
     first = loop.old_log_probs(worker, batch)
-    moved = [p.data_ptr() for p in _gpt(worker.engine).parameters()]
-    assert all(a != b for a, b in zip(pointers, moved, strict=True))  # real copies
+    assert all(t.untyped_storage().size() == 0 for t in before)  # moved out and freed
+    assert all(p.untyped_storage().size() > 0 for p in _gpt(worker.engine).parameters())
     assert torch.equal(first, want)
     assert torch.equal(loop.old_log_probs(worker, batch), want)
 
