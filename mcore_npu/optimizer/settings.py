@@ -20,8 +20,10 @@ key                                     meaning
                                         own update
 ======================================  ====================================================
 
-A dtype may be a ``torch.dtype`` or a string (``fp32``, ``float32``, ``bf16``, ``bfloat16``,
-``fp16``, ``float16``), as verl leaves ``main_params_dtype`` in ``override_optimizer_config``.
+A dtype may be a ``torch.dtype`` or a name (``fp32``, ``float32``, ``bf16``, ``bfloat16``,
+``fp16``, ``float16``, and verl's ``32`` / ``16``), as verl leaves ``main_params_dtype`` in
+``override_optimizer_config`` (its ``init_megatron_optim_config`` copies that dict verbatim and
+Megatron's ``OptimizerConfig`` then asserts on the string).
 """
 
 from __future__ import annotations
@@ -34,15 +36,15 @@ import torch
 
 __all__ = ["AdamSettings", "DTYPE_KEYS", "parse_dtype"]
 
-_NAMES = {
+_NAMES = {  # "32" / "16" (and the numbers) are verl's own spellings (PrecisionType)
     "fp32": torch.float32,
     "float32": torch.float32,
-    "float": torch.float32,
+    "32": torch.float32,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
-    "half": torch.float16,
+    "16": torch.float16,
 }
 _ALLOWED = {
     "main_grads_dtype": (torch.float32, torch.bfloat16, torch.float16),
@@ -60,7 +62,10 @@ def parse_dtype(key: str, value: Any) -> torch.dtype:
         ValueError: a name or dtype this optimizer does not keep ``key`` in (the fp8 dtypes
             among them), naming the key, the value and the accepted values.
     """
-    dtype = _NAMES.get(value.lower()) if isinstance(value, str) else value
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        dtype = _NAMES.get(str(value).strip().lower().removeprefix("torch."))
+    else:
+        dtype = value
     allowed = _ALLOWED[key]
     if dtype in allowed:
         return dtype

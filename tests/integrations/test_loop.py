@@ -31,7 +31,6 @@ pytest.importorskip("verl")
 
 import transformers
 from safetensors.torch import load_file
-from verl.utils.device import get_device_name
 from verl.workers.engine.megatron import MegatronEngineWithLMHead
 
 from mcore_npu.integrations.verl.engine import (
@@ -131,28 +130,6 @@ def test_qwen3_moe_bshd_starts_where_thd_does_and_falls(qwen3_moe, moe_sft_run):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def _own_trainer(qwen3):
-    """The plugin's own trainer (``mcore_npu.training.train.Trainer``) for the tiny Qwen3: the
-    same architecture from the trainer's YAML keys, bf16 (what verl forces), TE names."""
-    from mcore_npu.training.config import load_config
-    from mcore_npu.training.train import Trainer
-
-    hf = transformers.AutoConfig.from_pretrained(qwen3)
-    overrides = [
-        "model.num_layers=2", f"model.hidden_size={hf.hidden_size}",
-        f"model.num_attention_heads={hf.num_attention_heads}",
-        f"model.num_query_groups={hf.num_key_value_heads}",
-        f"model.ffn_hidden_size={hf.intermediate_size}", f"model.vocab_size={hf.vocab_size}",
-        "model.normalization=RMSNorm", "model.qk_layernorm=true", "model.activation=swiglu",
-        "model.add_bias_linear=false", "model.share_embeddings_and_output_weights=false",
-        f"model.rotary_base={int(hf.rope_parameters['rope_theta'])}",
-        f"model.extra.layernorm_epsilon={hf.rms_norm_eps}", "model.param_layout=te",
-        "model.max_sequence_length=64", "train.seq_length=32", "train.dtype=bf16",
-        "attention.backend=npu_fusion", "train.progress=false",
-    ]  # fmt: skip
-    return Trainer(load_config(None, overrides))
-
-
 def _packed(samples):
     """The SFT samples as the trainer's one packed micro-batch ``[1, T]``: labels are the next
     token of the same sample; the loss mask is verl's SFT mask (``loss_mask`` rolled by one:
@@ -198,7 +175,7 @@ def test_one_step_equals_the_plugins_own_trainer(tmp_path):
     weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     (metrics,) = loop.train_sft(worker, 1)
 
-    trainer = _own_trainer(qwen3)
+    trainer = loop.own_trainer(qwen3)
     own = trainer.model.module.module  # DDP -> Float16Module -> GPTModel
     own.load_state_dict(weights, strict=True)
     trainer.model.zero_grad_buffer()
@@ -475,45 +452,3 @@ def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported
     assert all(torch.equal(saved[n], tensors[n]) for n in tensors)
     config = transformers.AutoConfig.from_pretrained(checkpoint / "model" / "huggingface")
     assert config.model_type == "qwen3" and config.num_hidden_layers == 2
-
-
-# ---------------------------------------------------------------------------------------------
-# offload
-# ---------------------------------------------------------------------------------------------
-
-
-def _snapshot(engine) -> dict[str, torch.Tensor]:
-    """Model params, fp32 main params and Adam moments, by position (clones)."""
-    (member,) = engine.optimizer.chained_optimizers
-    out = {f"param.{i}": p.detach().clone() for i, p in enumerate(engine.module[0].parameters())}
-    for i, p in enumerate(q for group in member.shard_fp32_from_float16_groups for q in group):
-        out[f"main.{i}"] = p.detach().clone()
-    for i, state in enumerate(member.optimizer.state.values()):
-        out[f"exp_avg.{i}"] = state["exp_avg"].clone()
-        out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].clone()
-    return out
-
-
-def test_param_and_optimizer_offload_round_trip_is_bit_exact(qwen3, dense_sft_run):
-    """``param_offload`` / ``optimizer_offload``: verl frees the model's parameter and gradient
-    buffers between calls and copies them back (host memory on a CPU too, so the round trip is
-    real); the optimizer state's ``.to("cpu")`` is a no-op on a CPU. Training with both on gives
-    the losses of training without (bit for bit), and an explicit round trip restores the state
-    bit for bit."""
-    _, plain = dense_sft_run
-    config = loop.worker_config(qwen3, **DENSE, param_offload=True, optimizer_offload=True)
-    worker = loop.new_worker(config, loop.sft_loss_fn())
-    engine = worker.engine
-    buffer = engine.module[0].buffers[0]
-    assert buffer.param_data.untyped_storage().size() == 0  # offloaded after initialize()
-    losses = _losses(loop.train_sft(worker, 3))
-    assert losses == _losses(plain[:3])
-    device = get_device_name()  # verl's name for the device ("cuda" on its fallback platform)
-    engine.to(device, model=True, optimizer=True, grad=True)
-    before = _snapshot(engine)
-    engine.to("cpu", model=True, optimizer=True, grad=True)
-    assert buffer.param_data.untyped_storage().size() == 0
-    engine.to(device, model=True, optimizer=True, grad=True)
-    after = _snapshot(engine)
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before)

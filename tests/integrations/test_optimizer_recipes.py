@@ -74,6 +74,25 @@ def test_recipe_optimizer_keys_train_through_training_worker(qwen3, plain_losses
     assert adam.state_bytes()["host"] > 0
 
 
+def test_verl_alone_leaves_a_dtype_string_that_megatron_asserts_on():
+    """The control of rows 22 / 30: verl's ``init_megatron_optim_config`` copies
+    ``main_params_dtype="fp32"`` from ``override_optimizer_config`` as the string, and
+    megatron-core 0.16.1's ``OptimizerConfig`` (``optimizer_config.py:418-420``) asserts; the
+    plugin reads it as ``torch.float32``."""
+    import torch
+    from verl.utils.megatron.optimizer import init_megatron_optim_config
+    from verl.workers.config import McoreOptimizerConfig
+
+    from mcore_npu.integrations.verl.optimizer import requested_keys
+    from mcore_npu.optimizer import AdamSettings
+
+    config = McoreOptimizerConfig(lr=1e-3, override_optimizer_config={"main_params_dtype": "fp32"})
+    with pytest.raises(AssertionError, match="main_params_dtype"):
+        init_megatron_optim_config(config)
+    keys = requested_keys(config, bf16=True)
+    assert AdamSettings.from_keys(keys).main_params_dtype == torch.float32
+
+
 def test_fp8_moments_are_refused_in_one_line_before_any_model(qwen3):
     config = _config(qwen3, {}, {**OFFLOAD, "exp_avg_dtype": "fp8"}, {})
     with pytest.raises(ValueError, match="exp_avg_dtype='fp8'") as info:

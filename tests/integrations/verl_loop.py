@@ -103,10 +103,9 @@ def worker_config(
             dtype="bfloat16",
             use_mbridge=True,
             vanilla_mbridge=True,
-            use_dynamic_bsz=False,
             micro_batch_size_per_gpu=micro_batch,
             infer_micro_batch_size_per_gpu=micro_batch,
-            **engine,
+            **{"use_dynamic_bsz": False, **engine},
         ),
         optimizer_config=McoreOptimizerConfig(
             lr=lr, total_training_steps=total_steps, use_checkpoint_opt_param_scheduler=True
@@ -202,6 +201,31 @@ def new_worker(config, loss_fn, *, seed: int = 1):
     worker.reset()
     worker.set_loss_fn(loss_fn)
     return worker
+
+
+def own_trainer(path: str, *overrides: str):
+    """The plugin's own trainer (``mcore_npu.training.train.Trainer``) for the tiny Qwen3 at
+    ``path``: the same architecture from the trainer's YAML keys, bf16 (what verl forces), TE
+    names; ``overrides``: more ``key=value`` settings (e.g. ``train.init_from=...``)."""
+    import transformers
+
+    from mcore_npu.training.config import load_config
+    from mcore_npu.training.train import Trainer
+
+    hf = transformers.AutoConfig.from_pretrained(path)
+    settings = [
+        "model.num_layers=2", f"model.hidden_size={hf.hidden_size}",
+        f"model.num_attention_heads={hf.num_attention_heads}",
+        f"model.num_query_groups={hf.num_key_value_heads}",
+        f"model.ffn_hidden_size={hf.intermediate_size}", f"model.vocab_size={hf.vocab_size}",
+        "model.normalization=RMSNorm", "model.qk_layernorm=true", "model.activation=swiglu",
+        "model.add_bias_linear=false", "model.share_embeddings_and_output_weights=false",
+        f"model.rotary_base={int(hf.rope_parameters['rope_theta'])}",
+        f"model.extra.layernorm_epsilon={hf.rms_norm_eps}", "model.param_layout=te",
+        "model.max_sequence_length=64", "train.seq_length=32", "train.dtype=bf16",
+        "attention.backend=npu_fusion", "train.progress=false",
+    ]  # fmt: skip
+    return Trainer(load_config(None, [*settings, *overrides]))
 
 
 # ---------------------------------------------------------------------------------------------

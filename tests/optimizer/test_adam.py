@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_npu.optimizer import AdamSettings, PrecisionAwareAdam
+from mcore_npu.optimizer import AdamSettings, PrecisionAwareAdam, parse_dtype
 from mcore_npu.optimizer.host_offload import offloaded_params
 from mcore_npu.optimizer.remainders import join_master, split_master
 from mcore_npu.tools.bench.memory import track_allocations
@@ -185,6 +185,23 @@ def test_settings_refuse_in_one_line_naming_the_key(keys, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
         AdamSettings.from_keys(keys)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, dtype",
+    [("fp32", torch.float32), ("float32", torch.float32), ("32", torch.float32),
+     (32, torch.float32), ("torch.float32", torch.float32), ("BF16", torch.bfloat16),
+     ("bfloat16", torch.bfloat16), (torch.bfloat16, torch.bfloat16), ("fp16", torch.float16),
+     ("float16", torch.float16), ("16", torch.float16), (16, torch.float16)],
+)  # fmt: skip
+def test_every_spelling_verl_accepts_is_read(value, dtype):
+    assert parse_dtype("exp_avg_dtype", value) == dtype
+
+
+@pytest.mark.parametrize("value", [True, None, 8, "int8", torch.int16])
+def test_anything_else_is_refused(value):
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype="):
+        parse_dtype("exp_avg_sq_dtype", value)
 
 
 def test_settings_read_dtype_names_as_verl_leaves_them():

@@ -5,7 +5,7 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change five things, nothing else:
+change six things, nothing else:
 
 0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
    (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
@@ -51,6 +51,10 @@ change five things, nothing else:
    Megatron's own distributed optimizer over the plugin's
    :class:`~mcore_npu.optimizer.PrecisionAwareAdam`; their values are checked before any model
    is built. ``swap_optimizer`` (MindSpeed) maps to the CPU offload.
+5. **Offload of a model without DDP on a host-only machine** (the reference model's
+   ``param_offload`` on a CPU): verl's move would free the only copy of the weights there; the
+   engine's ``to`` moves it as real host copies (:mod:`mcore_npu.integrations.verl.offload`).
+   With an accelerator verl's own offload runs.
 
 Registered for ``backend="megatron", device="npu", vendor="huawei"`` as the language-model and
 value-model engines. verl picks a ``(device, vendor)`` key before the device-only key of its
@@ -331,6 +335,17 @@ class _NPUEngineMixin:
             return super().load_checkpoint(
                 local_path, hdfs_path, del_local_after_load=del_local_after_load, **kwargs
             )
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """verl's ``to``, except for a model without DDP (the reference model) on a machine
+        without an accelerator, whose weights verl's offload would free
+        (:mod:`mcore_npu.integrations.verl.offload`): there the model moves as real host copies."""
+        from mcore_npu.integrations.verl.offload import host_only_model, round_trip_on_host
+
+        if model and host_only_model(self.module):
+            round_trip_on_host(self.module)
+            model = grad = False
+        return super().to(device, model=model, optimizer=optimizer, grad=grad)
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         """verl's own ``forward_step`` unless this micro-batch may take the mask-free bshd path
