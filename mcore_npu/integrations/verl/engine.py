@@ -206,12 +206,16 @@ class _NPUEngineMixin:
 
         This engine's ``engine_config`` becomes a copy holding only Megatron fields in
         ``override_transformer_config``, the recipe's ``use_distributed_optimizer`` and, with
-        :attr:`mbridge_fallback`, ``vanilla_mbridge=True``; the spec keywords go to
+        :attr:`mbridge_fallback`, ``vanilla_mbridge=True`` (on the Megatron-Bridge path, the
+        provider fields of ``weight_path.megatron_bridge_overrides``); the spec keywords go to
         :attr:`npu_spec_keywords`. The user's config object is not changed.
         Refused keys raise ``ValueError`` here, before any bridge or model is built.
         """
+        hf_config, config = self.model_config.hf_config, self.engine_config
+        megatron_bridge = not (config.vanilla_mbridge or self.mbridge_fallback)
+        provider = weight_path.megatron_bridge_overrides(hf_config) if megatron_bridge else None
         self.engine_config, self.npu_spec_keywords, self.recipe_plan = apply_recipe(
-            self.engine_config, self.model_config.hf_config, mbridge_fallback=self.mbridge_fallback
+            config, hf_config, mbridge_fallback=self.mbridge_fallback, provider=provider
         )
 
     def _match_hf_config(self) -> None:
@@ -241,6 +245,7 @@ class _NPUEngineMixin:
         """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
         spec = dict(self.npu_spec_keywords)
         if self.provider is not None:  # Megatron-Bridge
+            weight_path.register_npu_modules()  # its AutoMapping finds splits by class name
             self.provider.transformer_layer_spec = functools.partial(
                 _provider_layer_spec, spec=spec
             )

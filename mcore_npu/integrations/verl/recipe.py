@@ -67,13 +67,15 @@ def recipe_context(
 
 
 def apply_recipe(
-    engine_config, hf_config, *, mbridge_fallback: bool = False
+    engine_config, hf_config, *, mbridge_fallback: bool = False, provider: dict | None = None
 ) -> tuple[object, dict, RecipePlan]:
     """``(engine config for verl, NPU spec keywords, the plan)``; logs the plan's lines.
 
     ``mbridge_fallback``: the copy also gets ``vanilla_mbridge=True``, so verl's
     ``_build_tf_config`` takes its mbridge branch (:mod:`~mcore_npu.integrations.verl.weight_path`;
     verl's deprecation warning for that value is not shown, the user did not set it).
+    ``provider``: Megatron-Bridge provider fields put under the translated overrides
+    (``weight_path.megatron_bridge_overrides``; a translated value wins).
 
     Raises:
         ValueError: a refused recipe key (one line: key, value, why, what to use instead).
@@ -89,7 +91,7 @@ def apply_recipe(
             warnings.filterwarnings("ignore", "The legacy mbridge backend", FutureWarning)
         config = dataclasses.replace(
             engine_config,
-            override_transformer_config=dict(plan.megatron),
+            override_transformer_config={**(provider or {}), **plan.megatron},
             **plan.optimizer,
             **fields,
         )

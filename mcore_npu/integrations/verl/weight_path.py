@@ -7,7 +7,8 @@ Hugging Face checkpoints onto Megatron:
   through the plugin's bridge where mbridge's cannot build its config on this stack
   (:mod:`mcore_npu.integrations.mbridge_fixes`, DeepSeek-V3).
 - ``False`` and ``import megatron.bridge`` succeeds: Megatron-Bridge, as verl does it, with the
-  NPU spec on the provider.
+  NPU spec on the provider and :func:`megatron_bridge_overrides` in the engine's copy of
+  ``override_transformer_config`` (verl sets those on the provider before ``finalize()``).
 - ``False`` and the import fails (every Megatron-Bridge release imports Transformer Engine, which
   Ascend NPUs do not have): for a model family the plugin's Hugging Face path covers
   (:func:`uncovered_reason` is None) the engine builds exactly as with ``vanilla_mbridge=True``:
@@ -29,8 +30,19 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+# the plugin's module classes -> Megatron-Bridge's AutoMapping parallelism type (it finds a
+# weight's tensor-parallel split by the class name of the module holding it)
+MEGATRON_BRIDGE_MODULE_TYPES = {
+    "NPUTopKRouter": "replicated",  # mcore_npu.transformer.router (a TopKRouter)
+    "NPUGroupedColumnLinear": "column",  # mcore_npu.transformer.experts: fc1, TE layout
+    "NPUGroupedRowLinear": "row",  # fc2
+}
+
 __all__ = [
+    "MEGATRON_BRIDGE_MODULE_TYPES",
     "megatron_bridge_import_error",
+    "register_npu_modules",
+    "megatron_bridge_overrides",
     "megatron_bridge_unavailable",
     "mbridge_fallback",
     "uncovered_reason",
@@ -72,6 +84,47 @@ def uncovered_reason(hf_config) -> str | None:
         known = ", ".join(sorted({*supported, *FIXED_BRIDGES}))
         return f"model_type {model_type!r} has no mbridge or plugin bridge (those: {known})"
     return None
+
+
+def megatron_bridge_overrides(hf_config) -> dict:
+    """Provider fields for Megatron-Bridge's ``GPTModelProvider`` with the NPU spec.
+
+    verl 0.9.1 applies ``override_transformer_config`` to the provider (``setattr``) before
+    ``provider.finalize()`` runs Megatron's ``TransformerConfig`` checks, so these go into the
+    engine's copy of it (a value the recipe's own translation produced wins):
+
+    - ``moe_permute_fusion=False``: Megatron-Bridge's Qwen3-MoE bridge sets it True, and
+      megatron-core 0.16.1's check then imports ``fused_permute``, which exists only with
+      Transformer Engine (``transformer_config.py``: ``ImportError``). Megatron's field names
+      TE's kernel; the NPU spec's permute kernel is its own spec keyword (the recipe's
+      ``moe_permute_kernel``), so nothing the NPU model runs changes.
+    - ``moe_router_pre_softmax``: the Hugging Face router's softmax form
+      (:func:`mcore_npu.integrations.hf.hf_router_pre_softmax`); Megatron-Bridge, like mbridge,
+      fixes ``False`` for Qwen3-MoE whatever ``norm_topk_prob`` says. Dense models: not set.
+    - ``attention_backend="auto"``: verl sets ``flash`` on this path and mbridge keeps ``auto``;
+      Megatron's GPTModel writes TE's ``NVTE_*`` variables from it and asserts that every model
+      of a process agrees, while the NPU spec runs ``NPUFusionAttention`` whatever it says (the
+      recipe vocabulary ignores the key for that reason).
+    """
+    from mcore_npu.integrations.hf import hf_router_pre_softmax
+
+    overrides: dict = {"moe_permute_fusion": False, "attention_backend": "auto"}
+    pre_softmax = hf_router_pre_softmax(hf_config)
+    if pre_softmax is not None:
+        overrides["moe_router_pre_softmax"] = pre_softmax
+    return overrides
+
+
+def register_npu_modules() -> None:
+    """Make the plugin's router and grouped-expert classes known to Megatron-Bridge's
+    ``AutoMapping`` through its own registration hook (``AutoMapping.register_module_type``,
+    ``megatron/bridge/models/conversion/param_mapping.py``); without it loading a Qwen3-MoE
+    stops with "Cannot determine parallelism type for module 'NPUTopKRouter'". Idempotent (the
+    registry is a set per type); needs ``megatron.bridge`` importable."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    for name, parallelism in MEGATRON_BRIDGE_MODULE_TYPES.items():
+        AutoMapping.register_module_type(name, parallelism)
 
 
 def mbridge_fallback(engine_config, hf_config) -> bool:
