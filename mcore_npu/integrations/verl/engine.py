@@ -27,7 +27,9 @@ change five things, nothing else:
    config, in verl's steps (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
    prediction through mbridge is refused (mbridge builds it from TE's spec).
    Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) is used when
-   ``import megatron.bridge`` succeeds; when it fails, a model family the plugin's Hugging Face
+   ``import megatron.bridge`` succeeds (its provider gets ``moe_permute_fusion=False``, the
+   Hugging Face router form and ``attention_backend=auto``, and its ``AutoMapping`` learns the
+   plugin's router and expert classes); when it fails, a model family the plugin's Hugging Face
    path covers builds through mbridge exactly as with ``vanilla_mbridge=True`` (one warning
    line; this engine's copy of the engine config carries the value), any other is refused
    (:mod:`mcore_npu.integrations.verl.weight_path`, docs/weight_path.md).
