@@ -9,7 +9,7 @@ VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: demo test test-verl verl-env lint format bench clean-venv
+.PHONY: demo test test-verl test-megatron-bridge verl-env lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -40,6 +40,15 @@ test: $(STAMP)
 
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
+
+# opt-in, not CI: verl's Megatron-Bridge path (vanilla_mbridge=False) against a scratch
+# megatron-bridge 0.3.1 (--no-deps, its TE/Triton-only modules replaced by stand-ins) in
+# MEGATRON_BRIDGE_DIR, put on PYTHONPATH of the verl environment (docs/weight_path.md)
+MEGATRON_BRIDGE_DIR ?= $(CURDIR)/.megatron-bridge
+test-megatron-bridge: $(VERL_STAMP)
+	$(VERL_BIN)/python -m tests.integrations.megatron_bridge_env $(MEGATRON_BRIDGE_DIR)
+	PYTHONPATH=$(MEGATRON_BRIDGE_DIR) $(VERL_BIN)/python -m pytest -q \
+		tests/integrations/scratch_megatron_bridge.py
 
 # the verl environment alone (CI builds it while `make test` runs)
 verl-env: $(VERL_STAMP)

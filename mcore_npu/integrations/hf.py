@@ -145,13 +145,19 @@ def match_hf_routing(bridge) -> None:
     ``bridge.set_extra_args`` (this instance only) unless the caller set it already; families
     with another router (sigmoid, grouped top-k) are left alone.
     """
-    hf_config = getattr(bridge, "hf_config", None)
-    renormalised = _SOFTMAX_TOP_K_RENORMALISED.get(getattr(hf_config, "model_type", None))
-    if renormalised is None or "moe_router_pre_softmax" in bridge.extra_args:
+    pre_softmax = hf_router_pre_softmax(getattr(bridge, "hf_config", None))
+    if pre_softmax is None or "moe_router_pre_softmax" in bridge.extra_args:
         return
-    pre_softmax = not renormalised(hf_config)
     if bridge.config.moe_router_pre_softmax != pre_softmax:
         bridge.set_extra_args(moe_router_pre_softmax=pre_softmax)
+
+
+def hf_router_pre_softmax(hf_config) -> bool | None:
+    """Megatron's ``moe_router_pre_softmax`` that computes this Hugging Face model's expert
+    weights (``not renormalised``, see :func:`match_hf_routing`), or None for a family without
+    a softmax -> top-k router (dense models, sigmoid or grouped routers)."""
+    renormalised = _SOFTMAX_TOP_K_RENORMALISED.get(getattr(hf_config, "model_type", None))
+    return None if renormalised is None else not renormalised(hf_config)
 
 
 def _expose_rope_theta(hf_config) -> None:

@@ -106,6 +106,18 @@ class _Grouped(EmptyExtraState, torch.nn.Module):
             state_dict.pop(f"{prefix}{EXTRA_STATE}{e}", None)
 
 
+class NPUGroupedColumnLinear(_Grouped):
+    """fc1's grouped weights (``[F', H]`` per expert: the output dimension is split across
+    expert tensor parallelism, the role of TE's ``TEColumnParallelGroupedLinear``). A class of
+    its own so that converters that find the split by class name (Megatron-Bridge's
+    ``AutoMapping``) can tell fc1 from fc2."""
+
+
+class NPUGroupedRowLinear(_Grouped):
+    """fc2's grouped weights (``[H, F]`` per expert: the input dimension is split, the role of
+    ``TERowParallelGroupedLinear``)."""
+
+
 class NPUGroupedMLP(MegatronModule):
     """The routed experts of one MoE layer as two grouped matmuls (see the module docstring).
 
@@ -143,8 +155,8 @@ class NPUGroupedMLP(MegatronModule):
                 _Expert(*params) for params in zip(fc1, fc2, bias1, bias2)
             )
         else:
-            self.linear_fc1 = _Grouped(fc1, bias1 if config.add_bias_linear else None)
-            self.linear_fc2 = _Grouped(fc2, bias2 if config.add_bias_linear else None)
+            self.linear_fc1 = NPUGroupedColumnLinear(fc1, bias1 if config.add_bias_linear else None)
+            self.linear_fc2 = NPUGroupedRowLinear(fc2, bias2 if config.add_bias_linear else None)
 
     # ------------------------------------------------------------------ weights
 

@@ -26,10 +26,13 @@ change six things, nothing else:
    :mod:`mcore_npu.integrations.mbridge_fixes`) gets the plugin's bridge, built before any
    config, in verl's steps (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
    prediction through mbridge is refused (mbridge builds it from TE's spec).
-   Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) must be importable: if
-   ``import megatron.bridge`` fails, the build stops at once with a ``ValueError`` naming the
-   missing module and ``vanilla_mbridge=True`` as the way out (:func:`require_megatron_bridge`;
-   the README's verl section says why no release imports without Transformer Engine).
+   Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) is used when
+   ``import megatron.bridge`` succeeds (its provider gets ``moe_permute_fusion=False``, the
+   Hugging Face router form and ``attention_backend=auto``, and its ``AutoMapping`` learns the
+   plugin's router and expert classes); when it fails, a model family the plugin's Hugging Face
+   path covers builds through mbridge exactly as with ``vanilla_mbridge=True`` (one warning
+   line; this engine's copy of the engine config carries the value), any other is refused
+   (:mod:`mcore_npu.integrations.verl.weight_path`, docs/weight_path.md).
 2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
    causal attention no real query ever sees a padded key; the model gets
    ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
@@ -84,6 +87,7 @@ from mcore_npu.integrations.hf import (
     refuse_mbridge_mtp,
 )
 from mcore_npu.integrations.mbridge_fixes import needs_fixed_bridge
+from mcore_npu.integrations.verl import weight_path
 from mcore_npu.integrations.verl.optimizer import (
     build_optimizer,
     grad_reduce_in_fp32,
@@ -91,6 +95,7 @@ from mcore_npu.integrations.verl.optimizer import (
 )
 from mcore_npu.integrations.verl.recipe import apply_recipe
 from mcore_npu.integrations.verl.tf_config import build_mbridge_tf_config
+from mcore_npu.integrations.verl.weight_path import megatron_bridge_unavailable
 from mcore_npu.optimizer import AdamSettings
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
@@ -101,7 +106,6 @@ __all__ = [
     "npu_block_spec",
     "pad_right",
     "megatron_bridge_unavailable",
-    "require_megatron_bridge",
 ]
 
 DEVICE = "npu"
@@ -131,43 +135,6 @@ def _mbridge_layer_spec(bridge, vp_stage: int | None = None, *, spec: dict | Non
 def _provider_layer_spec(provider, vp_stage: int | None = None, *, spec: dict | None = None):
     """Megatron-Bridge's ``transformer_layer_spec(provider, vp_stage=...)`` callable form."""
     return npu_block_spec(provider, vp_stage, **(spec or {}))
-
-
-def require_megatron_bridge(engine_config) -> None:
-    """Refuse ``vanilla_mbridge=False`` (Megatron-Bridge) when ``megatron.bridge`` does not import.
-
-    verl imports it deep inside ``_build_tf_config`` (``verl/models/mcore/bridge.py``), prints
-    "pip install megatron-bridge" and re-raises the bare ``ImportError``. Here the same import
-    is tried first; on failure a ``ValueError`` says which module is missing and what to set.
-    Does nothing for ``vanilla_mbridge=True`` (mbridge), or when the import succeeds.
-    """
-    if engine_config.vanilla_mbridge:
-        return
-    try:
-        import megatron.bridge  # noqa: F401
-    except ImportError as error:
-        raise ValueError(megatron_bridge_unavailable(error)) from error
-
-
-def megatron_bridge_unavailable(error: ImportError) -> str:
-    """The one-line reason and remedy for a failed ``import megatron.bridge``."""
-    missing = error.name or ""
-    if missing.startswith("transformer_engine"):
-        why = (
-            "Megatron-Bridge imports transformer_engine as soon as megatron.bridge is imported "
-            "(megatron/bridge/peft/lora_layers.py), and Transformer Engine has no Ascend build"
-        )
-    elif missing == "megatron" or missing.startswith("megatron.bridge"):
-        why = "the megatron-bridge package is not installed"
-    else:
-        why = f"megatron.bridge needs {missing or 'a module'} that is not importable"
-    return (
-        "engine_config.vanilla_mbridge=False selects Megatron-Bridge, but `import megatron.bridge` "
-        f"fails ({type(error).__name__}: {error}): {why}. Build through mbridge instead: set "
-        "vanilla_mbridge=True (actor_rollout_ref.actor.megatron.vanilla_mbridge=True, which the "
-        "reference model follows, and critic.megatron.vanilla_mbridge=True); see the README, "
-        "'Using mcore_npu with verl', Megatron-Bridge."
-    )
 
 
 class RightPadded:
@@ -209,9 +176,11 @@ class _NPUEngineMixin:
     and bshd."""
 
     npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
+    mbridge_fallback: bool = False  # set per engine by _build_tf_config (weight_path.py)
 
     def _build_tf_config(self):
-        require_megatron_bridge(self.engine_config)
+        hf_config = self.model_config.hf_config
+        self.mbridge_fallback = weight_path.mbridge_fallback(self.engine_config, hf_config)
         self._apply_recipe()
         self._check_optimizer_config()
         if self.engine_config.vanilla_mbridge and needs_fixed_bridge(self.model_config.hf_config):
@@ -271,12 +240,17 @@ class _NPUEngineMixin:
         """The recipe vocabulary (``specs/recipe_keys.yaml``), before verl reads the overrides.
 
         This engine's ``engine_config`` becomes a copy holding only Megatron fields in
-        ``override_transformer_config`` and the recipe's ``use_distributed_optimizer``; the spec
-        keywords go to :attr:`npu_spec_keywords`. The user's config object is not changed.
+        ``override_transformer_config``, the recipe's ``use_distributed_optimizer`` and, with
+        :attr:`mbridge_fallback`, ``vanilla_mbridge=True`` (on the Megatron-Bridge path, the
+        provider fields of ``weight_path.megatron_bridge_overrides``); the spec keywords go to
+        :attr:`npu_spec_keywords`. The user's config object is not changed.
         Refused keys raise ``ValueError`` here, before any bridge or model is built.
         """
+        hf_config, config = self.model_config.hf_config, self.engine_config
+        megatron_bridge = not (config.vanilla_mbridge or self.mbridge_fallback)
+        provider = weight_path.megatron_bridge_overrides(hf_config) if megatron_bridge else None
         self.engine_config, self.npu_spec_keywords, self.recipe_plan = apply_recipe(
-            self.engine_config, self.model_config.hf_config
+            config, hf_config, mbridge_fallback=self.mbridge_fallback, provider=provider
         )
 
     def _match_hf_config(self) -> None:
@@ -306,6 +280,7 @@ class _NPUEngineMixin:
         """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
         spec = dict(self.npu_spec_keywords)
         if self.provider is not None:  # Megatron-Bridge
+            weight_path.register_npu_modules()  # its AutoMapping finds splits by class name
             self.provider.transformer_layer_spec = functools.partial(
                 _provider_layer_spec, spec=spec
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 from mcore_npu.transformer.recipe_keys import RecipeContext, RecipePlan, translate
 
@@ -40,15 +41,19 @@ def _config_class(hf_config) -> type:
     return MLATransformerConfig if getattr(text, "kv_lora_rank", None) else TransformerConfig
 
 
-def recipe_context(engine_config, hf_config) -> RecipeContext:
+def recipe_context(
+    engine_config, hf_config, *, vanilla_mbridge: bool | None = None
+) -> RecipeContext:
     """verl's side of the run: the sizes and switches verl itself gives Megatron.
 
     Sequence parallelism: mbridge (``vanilla_mbridge``) sets it to ``TP > 1``; Megatron-Bridge
     takes ``engine_config.sequence_parallel`` (which verl turns off at TP = 1).
+    ``vanilla_mbridge``: the bridge the engine will use, when not the config's (the fallback of
+    :mod:`mcore_npu.integrations.verl.weight_path`).
     """
     text = getattr(hf_config, "text_config", None) or hf_config
     tp = engine_config.tensor_model_parallel_size
-    vanilla = engine_config.vanilla_mbridge
+    vanilla = engine_config.vanilla_mbridge if vanilla_mbridge is None else vanilla_mbridge
     return RecipeContext(
         config_class=_config_class(hf_config),
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
@@ -61,18 +66,33 @@ def recipe_context(engine_config, hf_config) -> RecipeContext:
     )
 
 
-def apply_recipe(engine_config, hf_config) -> tuple[object, dict, RecipePlan]:
+def apply_recipe(
+    engine_config, hf_config, *, mbridge_fallback: bool = False, provider: dict | None = None
+) -> tuple[object, dict, RecipePlan]:
     """``(engine config for verl, NPU spec keywords, the plan)``; logs the plan's lines.
+
+    ``mbridge_fallback``: the copy also gets ``vanilla_mbridge=True``, so verl's
+    ``_build_tf_config`` takes its mbridge branch (:mod:`~mcore_npu.integrations.verl.weight_path`;
+    verl's deprecation warning for that value is not shown, the user did not set it).
+    ``provider``: Megatron-Bridge provider fields put under the translated overrides
+    (``weight_path.megatron_bridge_overrides``; a translated value wins).
 
     Raises:
         ValueError: a refused recipe key (one line: key, value, why, what to use instead).
     """
-    plan = translate(
-        engine_config.override_transformer_config, recipe_context(engine_config, hf_config)
-    )
+    vanilla = True if mbridge_fallback else None
+    context = recipe_context(engine_config, hf_config, vanilla_mbridge=vanilla)
+    plan = translate(engine_config.override_transformer_config, context)
     for line in plan.log:
         logger.info("mcore_npu recipe: %s", line)
-    config = dataclasses.replace(
-        engine_config, override_transformer_config=dict(plan.megatron), **plan.optimizer
-    )
+    fields = {"vanilla_mbridge": True} if mbridge_fallback else {}
+    with warnings.catch_warnings():
+        if mbridge_fallback:  # verl's McoreEngineConfig.__post_init__: "... is deprecated"
+            warnings.filterwarnings("ignore", "The legacy mbridge backend", FutureWarning)
+        config = dataclasses.replace(
+            engine_config,
+            override_transformer_config={**(provider or {}), **plan.megatron},
+            **plan.optimizer,
+            **fields,
+        )
     return config, dict(plan.spec), plan
