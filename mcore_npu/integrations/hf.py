@@ -21,8 +21,10 @@ off the config, and matches the router's softmax form to the Hugging Face model'
 (``match_hf_routing``). Bridges whose constructor cannot build their config on this stack
 (``deepseek_v3``: ``mcore_npu.integrations.mbridge_fixes``; it also reads unquantised
 DeepSeek-V3 checkpoints in any dtype, which mbridge's own reader cannot here) are built by
-``bridge_from_config`` as the plugin's subclass of mbridge's class. Multi-token prediction through mbridge is refused:
-mbridge builds those layers from Transformer Engine's spec (``refuse_mbridge_mtp``).
+``bridge_from_config`` as the plugin's subclass of mbridge's class. Multi-token prediction:
+mbridge 0.15.1 builds MTP layers from Transformer Engine's spec; for its MiMo bridge the plugin
+builds them from the NPU spec instead (``install_npu_mtp_block``), every other bridge with MTP
+layers is refused (``refuse_mbridge_mtp``).
 
 Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
 ``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
@@ -35,7 +37,13 @@ from collections.abc import Iterator
 
 import torch
 
-from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+from mcore_npu.transformer.layer_specs import (
+    get_gpt_decoder_block_npu_spec,
+    get_gpt_mtp_block_npu_spec,
+)
+
+# model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
+NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
 
 
 def _auto_bridge():
@@ -53,8 +61,9 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
 
     Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
     ``bridge.config`` at build time, so ``bridge.set_extra_args(...)`` afterwards still applies.
-    Building the model raises ``ValueError`` while ``bridge.config.mtp_num_layers`` is set
-    (:func:`refuse_mbridge_mtp`).
+    With ``bridge.config.mtp_num_layers`` set, a MiMo bridge gets its MTP block from the NPU spec
+    (:func:`install_npu_mtp_block`); any other bridge raises ``ValueError`` when the model is
+    built (:func:`refuse_mbridge_mtp`).
 
     Returns:
         ``bridge`` itself.
@@ -66,7 +75,7 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
         )
 
     def layer_spec(vp_stage=None):
-        refuse_mbridge_mtp(bridge.config)  # its provider would add TE's MTP layers next
+        refuse_mbridge_mtp(bridge.config, bridge)  # its provider would add TE's MTP layers next
         return get_gpt_decoder_block_npu_spec(
             bridge.config,
             kernel=kernel,
@@ -76,6 +85,8 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
         )
 
     bridge._get_transformer_layer_spec = layer_spec
+    if builds_npu_mtp(bridge):
+        install_npu_mtp_block(bridge, layer_spec, kernel=kernel)
     expose_hf_config_fields(bridge.hf_config)
     match_hf_routing(bridge)
     return bridge
@@ -96,20 +107,78 @@ def bridge_from_config(hf_config, **bridge_kwargs):
     return _auto_bridge().from_config(hf_config, **bridge_kwargs)
 
 
-def refuse_mbridge_mtp(config) -> None:
-    """Refuse multi-token prediction on a bridge's config: mbridge 0.15.1 builds the MTP layers
-    from Transformer Engine's spec (``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
-    in its deepseek_v3 and mimo bridges), which a machine without TE cannot build and the NPU
-    spec does not reach.
+def builds_npu_mtp(bridge) -> bool:
+    """Whether the plugin builds ``bridge``'s MTP layers from the NPU spec: an mbridge bridge in
+    :data:`NPU_MTP_BRIDGES` (MiMo), whose model comes from mbridge's ``LLMBridge`` provider
+    (``_get_transformer_layer_spec`` then ``_get_gptmodel_args``)."""
+    return _npu_mtp_base(bridge) is not None
+
+
+def _npu_mtp_base(bridge):
+    """The class after the MTP-building bridge class in ``bridge``'s MRO, or None."""
+    import importlib
+
+    mro = type(bridge).__mro__
+    for module, name in NPU_MTP_BRIDGES.values():
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # pragma: no cover - another mbridge release
+            continue
+        if cls in mro:
+            return mro[mro.index(cls) + 1]
+    return None
+
+
+def install_npu_mtp_block(bridge, layer_spec, *, kernel: str = "auto", **spec_keywords) -> None:
+    """Give ``bridge`` (mbridge's MiMo bridge) MTP layers built from the NPU spec, on this
+    instance only: its ``_get_gptmodel_args`` returns its parent class's arguments plus
+    ``mtp_block_spec = get_gpt_mtp_block_npu_spec(bridge.config, layer_spec(), ...)`` while
+    ``bridge.config.mtp_num_layers`` is set (each MTP layer is the decoder block's last layer
+    spec; its norms the NPU spec's, in TE names).
+
+    mbridge 0.15.1's ``MimoBridge._get_gptmodel_args`` (``mbridge/models/mimo.py``, lines 38-49)
+    passes ``self.config``, a ``TransformerConfig``, to ``get_gpt_mtp_block_spec`` as the layer
+    spec (``ValueError: Invalid spec`` on any machine) and asks for Transformer Engine's spec;
+    its parent's arguments are the rest of what it returns. ``layer_spec(vp_stage=None)``: the
+    bridge's decoder-block spec (the MTP layers are built on the last pipeline stage only;
+    virtual pipeline stages are not passed). ``kernel`` / ``spec_keywords``: the NPU spec's
+    (``rms_norm_kernel`` for the MTP norms).
+    """
+    base = _npu_mtp_base(bridge)
+    if base is None:
+        raise ValueError(
+            f"bridge: {type(bridge).__name__} is not one whose MTP layers the plugin builds "
+            f"(those: {', '.join(NPU_MTP_BRIDGES)})"
+        )
+
+    def gptmodel_args() -> dict:
+        args = base._get_gptmodel_args(bridge)
+        if getattr(bridge.config, "mtp_num_layers", None):
+            args["mtp_block_spec"] = get_gpt_mtp_block_npu_spec(
+                bridge.config, layer_spec(), kernel=kernel, param_layout="te",
+                rms_norm_kernel=spec_keywords.get("rms_norm_kernel"),
+            )  # fmt: skip
+        return args
+
+    bridge._get_gptmodel_args = gptmodel_args
+
+
+def refuse_mbridge_mtp(config, bridge=None) -> None:
+    """Refuse multi-token prediction on a bridge's config unless the plugin builds that bridge's
+    MTP layers (:func:`builds_npu_mtp`: MiMo). mbridge 0.15.1 builds them from Transformer
+    Engine's spec (``get_gpt_mtp_block_spec(..., use_transformer_engine=True)`` in its
+    deepseek_v3 provider and mimo model arguments), which a machine without TE cannot build and
+    the NPU spec does not reach.
 
     Raises:
-        ValueError: ``config.mtp_num_layers`` is set (> 0).
+        ValueError: ``config.mtp_num_layers`` is set (> 0) and ``bridge`` is not a MiMo bridge.
     """
     layers = getattr(config, "mtp_num_layers", None)
-    if layers:
+    if layers and not (bridge is not None and builds_npu_mtp(bridge)):
         raise ValueError(
             f"mtp_num_layers: {layers}; mbridge builds multi-token-prediction layers from "
-            "Transformer Engine's spec, which the NPU spec cannot replace. Turn MTP off (verl: "
+            "Transformer Engine's spec, which the NPU spec replaces only for MiMo "
+            f"({', '.join(NPU_MTP_BRIDGES)}). Turn MTP off (verl: "
             "actor_rollout_ref.model.mtp.enable=False; mbridge: "
             "bridge.set_extra_args(mtp_num_layers=None)), or build the model from "
             "get_gpt_decoder_block_npu_spec and get_gpt_mtp_block_npu_spec yourself"

@@ -1,52 +1,57 @@
-"""``NPUTransformerLayer``: Megatron's ``TransformerLayer`` whose MLP slot gets the layer's
-process groups also when it holds a subclass of Megatron's MLP or MoE modules.
+"""The MLP slot of an NPU layer spec, bound so that Megatron's own ``TransformerLayer`` builds it.
 
-Megatron-Core 0.16.1's ``TransformerLayer.__init__`` (``transformer_layer.py``, "Module 8: MLP
-block") passes process groups to the ``mlp`` slot only when the slot's module *is* one of its
-own classes: ``MLP`` / ``TEFusedMLP`` get ``tp_group=pg_collection.tp``; ``MoELayer``,
-``GroupedMLP``, ``TEGroupedMLP``, ``SequentialMLP`` get ``pg_collection``. Any other class is
-built with no process groups and Megatron logs, once per layer::
+The NPU spec's layers are Megatron's ``TransformerLayer`` itself (so that builders which want
+exactly that class, such as ``get_gpt_mtp_block_spec(config, layer_spec, ...)``, take the NPU
+layer spec unchanged). Megatron-Core 0.16.1's ``TransformerLayer.__init__``
+(``transformer_layer.py``, "Module 8: MLP block") passes process groups to a ``ModuleSpec`` in
+the ``mlp`` slot only when its module *is* one of Megatron's classes: ``MLP`` / ``TEFusedMLP`` get
+``tp_group=pg_collection.tp``; ``MoELayer``, ``GroupedMLP``, ``TEGroupedMLP``, ``SequentialMLP``
+get ``pg_collection``. For any other class in a ``ModuleSpec`` it logs, once per layer::
 
     Unknown MLP type: <class '...ModuleSpec'>. Using default kwargs.
 
-For the NPU spec's dense ``NPUMLP`` (an ``MLP``) "default kwargs" means ``tp_group=None``:
-``MLP`` then takes parallel_state's global tensor-parallel group
-(``get_tensor_model_parallel_group_if_none``), not the layer's ``pg_collection.tp``. Nothing
-else is lost (0.16.1 passes nothing more; ``MoELayer`` stays Megatron's class, so MoE layers
-get their ``pg_collection``), but a model built with its own process groups (``GPTModel(...,
-pg_collection=...)``) would run its dense MLPs on the wrong group.
+and builds it with ``config`` only. A slot that is not a ``ModuleSpec`` is Megatron's own
+"no additional kwargs" case: built the same way, without the line.
 
-``NPUTransformerLayer`` gives such a slot what Megatron gives the class it derives from, bound
-into the slot's spec before ``TransformerLayer.__init__`` runs: the bound spec is a
-:class:`BoundModuleSpec` (module, params, submodules), which Megatron's ``build_module`` builds
-as it builds a ``ModuleSpec``, and which its type check passes over, so nothing is logged.
-Slots holding Megatron's own classes, or classes derived from none of them, are left to
-Megatron. Megatron's classes are not patched; ``layer.submodules_config`` is the spec given.
+So the spec puts a subclass of Megatron's MLP / MoE classes (``NPUMLP``, ``NPUMoELayer``) in a
+:class:`BoundModuleSpec`: built like a ``ModuleSpec`` by ``build_module``, its ``params``
+holding the process groups given to the spec builder (``pg_collection=``), if any. Without them
+the module takes parallel_state's groups, as Megatron's own layer does when it is given no
+``pg_collection``. A model built on process groups of its own (``GPTModel(...,
+pg_collection=groups)``) passes the same ``groups`` to the spec builder. Megatron's own classes
+stay ``ModuleSpec``s and get their groups from the layer. Nothing of Megatron's is patched.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import inspect
 from typing import Any
 
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer
+
+_GROUP_KEYWORDS = ("tp_group", "pg_collection")
 
 
 @dataclasses.dataclass
 class BoundModuleSpec:
-    """A module spec whose ``params`` already hold a layer's process groups.
-
-    ``build_module`` builds it like a ``ModuleSpec`` (``module(*args, **params, **kwargs,
-    submodules=submodules)``); it is deliberately not one, so ``TransformerLayer`` adds no
-    kwargs of its own and logs nothing.
-    """
+    """A module spec for the ``mlp`` slot: ``build_module`` builds it like a ``ModuleSpec``
+    (``module(*args, **params, **kwargs, submodules=submodules)``); it is deliberately not one,
+    so ``TransformerLayer`` adds no kwargs of its own and logs nothing. ``params`` may hold the
+    layer's process groups (``tp_group`` or ``pg_collection``), shared, not copied, by
+    ``copy.deepcopy``."""
 
     module: type
     params: dict = dataclasses.field(default_factory=dict)
     submodules: Any = None
+
+    def __deepcopy__(self, memo):
+        params = {
+            key: value if key in _GROUP_KEYWORDS else copy.deepcopy(value, memo)
+            for key, value in self.params.items()
+        }
+        return BoundModuleSpec(self.module, params, copy.deepcopy(self.submodules, memo))
 
 
 def _megatron_groups_classes() -> tuple[type, ...]:
@@ -77,38 +82,25 @@ def mlp_process_group_keyword(module) -> str | None:
     return None
 
 
-def bind_mlp_process_groups(mlp, pg_collection):
-    """The layer's ``mlp`` slot with its process groups bound (a :class:`BoundModuleSpec`), or
-    ``mlp`` itself when it needs none from here (see :func:`mlp_process_group_keyword`)."""
+def bind_mlp_process_groups(mlp, pg_collection=None):
+    """The layer spec's ``mlp`` slot as a :class:`BoundModuleSpec` when it holds a subclass of
+    Megatron's MLP / MoE classes (with ``pg_collection``'s groups in its params when given: a
+    ``ProcessGroupCollection``), else ``mlp`` itself (see :func:`mlp_process_group_keyword`).
+
+    Raises:
+        TypeError: ``pg_collection`` is neither None nor a ``ProcessGroupCollection``.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is not None and not isinstance(pg_collection, ProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection: expected a megatron.core ProcessGroupCollection (the one given to "
+            f"GPTModel) or None, got {type(pg_collection).__name__}"
+        )
     keyword = mlp_process_group_keyword(getattr(mlp, "module", None))
     if not isinstance(mlp, ModuleSpec) or keyword is None:
         return mlp
-    value = pg_collection if keyword == "pg_collection" else pg_collection.tp
-    return BoundModuleSpec(mlp.module, {**mlp.params, keyword: value}, mlp.submodules)
-
-
-_LAYER_INIT = inspect.signature(TransformerLayer.__init__)
-
-
-class NPUTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` that hands an MLP-slot subclass (``NPUMLP``, a ``MoELayer``
-    subclass) the layer's process groups, as Megatron does for its own classes.
-
-    Takes ``TransformerLayer``'s arguments unchanged (``config, submodules, layer_number,
-    hidden_dropout, pg_collection, vp_stage`` in 0.16.1; read from its signature).
-    """
-
-    def __init__(self, config, submodules, *args, **kwargs) -> None:
-        bound = _LAYER_INIT.bind(self, config, submodules, *args, **kwargs)
-        mlp = getattr(submodules, "mlp", None)
-        if isinstance(mlp, ModuleSpec) and mlp_process_group_keyword(mlp.module) is not None:
-            groups = bound.arguments.get("pg_collection")
-            if groups is None:  # what TransformerLayer itself falls back to
-                from megatron.core.process_groups_config import ProcessGroupCollection
-
-                groups = ProcessGroupCollection.use_mpu_process_groups()
-                bound.arguments["pg_collection"] = groups
-            mlp = bind_mlp_process_groups(mlp, groups)
-            bound.arguments["submodules"] = dataclasses.replace(submodules, mlp=mlp)
-        super().__init__(*bound.args[1:], **bound.kwargs)
-        self.submodules_config = submodules
+    params = dict(mlp.params)
+    if pg_collection is not None:
+        params[keyword] = pg_collection if keyword == "pg_collection" else pg_collection.tp
+    return BoundModuleSpec(mlp.module, params, mlp.submodules)

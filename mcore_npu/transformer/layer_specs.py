@@ -11,9 +11,10 @@ releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
 - in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed), the experts ->
   ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection), the shared experts ->
   ``NPUSharedExpertMLP``;
-- the layer -> ``NPUTransformerLayer``, which gives an MLP slot holding a subclass of Megatron's
-  MLP / MoE classes the layer's process groups, as Megatron does for its own classes (and so
-  without Megatron's "Unknown MLP type" warning; ``mcore_npu/transformer/layer.py``);
+- the layer stays Megatron's ``TransformerLayer`` (so ``get_gpt_mtp_block_spec`` takes the spec);
+  an MLP slot holding a subclass of Megatron's MLP / MoE classes becomes a ``BoundModuleSpec``
+  that holds the process groups given as ``pg_collection=`` (none: parallel_state's), built
+  without Megatron's "Unknown MLP type" warning (``mcore_npu/transformer/layer.py``);
 - with ``multi_latent_attention=True``, Megatron's ``MLASelfAttention`` -> ``NPUMLASelfAttention``
   (``mcore_npu/transformer/mla.py``: buildable without Transformer Engine), its latent norms
   swapped like the other norms; ``mla_value_padding`` picks the padded or unpadded value.
@@ -58,11 +59,10 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
-from mcore_npu.transformer.layer import NPUTransformerLayer
+from mcore_npu.transformer.layer import bind_mlp_process_groups
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
@@ -70,7 +70,7 @@ from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builder
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
                   "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel",
-                  "mla_value_padding")  # fmt: skip
+                  "mla_value_padding", "pg_collection")  # fmt: skip
 
 
 def get_gpt_layer_npu_spec(
@@ -83,6 +83,7 @@ def get_gpt_layer_npu_spec(
     moe_permute_kernel: str | None = "off",
     rope_kernel: str | None = "off",
     mla_value_padding: str = "auto",
+    pg_collection=None,
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
@@ -100,12 +101,16 @@ def get_gpt_layer_npu_spec(
         mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: multi-latent attention's value
             head (Dv < D) padded to D for the operator, or not (auto: where the installed
             torch_npu needs it; see ``mcore_npu.ops.value_padding``).
+        pg_collection: the ``ProcessGroupCollection`` of a model built on process groups of its
+            own (``GPTModel(..., pg_collection=...)``), handed to the NPU MLP / MoE modules as
+            Megatron's layer hands them to its own classes; None (default): parallel_state's.
         **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
             (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``,
             ``multi_latent_attention``, ...).
 
     Returns:
-        A ``ModuleSpec`` for ``TransformerLayer``, to pass as ``transformer_layer_spec``. With
+        A ``ModuleSpec`` for Megatron's ``TransformerLayer``, to pass as
+        ``transformer_layer_spec`` (or to ``get_gpt_mtp_block_spec``). With
         ``sequence_parallel=True`` pass ``get_gpt_decoder_block_npu_spec(config)`` instead, so
         that the block's final norm supports it too.
     """
@@ -120,7 +125,7 @@ def get_gpt_layer_npu_spec(
                                mla_value_padding=mla_value_padding)  # fmt: skip
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
     grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
-    return _swap_npu_parts(spec, provider, grouped)
+    return _swap_npu_parts(spec, provider, grouped, pg_collection)
 
 
 def get_gpt_decoder_block_npu_spec(
@@ -134,6 +139,7 @@ def get_gpt_decoder_block_npu_spec(
     moe_permute_kernel: str | None = "off",
     rope_kernel: str | None = "off",
     mla_value_padding: str = "auto",
+    pg_collection=None,
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -145,7 +151,7 @@ def get_gpt_decoder_block_npu_spec(
     Args:
         config: Megatron ``TransformerConfig``.
         kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
-            rope_kernel, moe_permute_kernel, mla_value_padding: as for
+            rope_kernel, moe_permute_kernel, mla_value_padding, pg_collection: as for
             ``get_gpt_layer_npu_spec`` (``config.multi_latent_attention`` builds MLA); with ``"te"``
             the final norm has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block
             spec's.
@@ -171,7 +177,7 @@ def get_gpt_decoder_block_npu_spec(
     grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
-        swapped.setdefault(id(spec), _swap_npu_parts(spec, provider, grouped))
+        swapped.setdefault(id(spec), _swap_npu_parts(spec, provider, grouped, pg_collection))
         for spec in block.layer_specs
     ]
     block.layer_norm = provider.layer_norm()
@@ -250,9 +256,11 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     return build(**kwargs)
 
 
-def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool) -> ModuleSpec:
+def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool,
+                    pg_collection=None) -> ModuleSpec:  # fmt: skip
     """Swap core attention, torch norms and the MLP / MoE parts inside one (already copied) layer
-    spec for the provider's, then fuse the norms into the linears if its layout does."""
+    spec for the provider's, then fuse the norms into the linears if its layout does, and bind
+    the MLP slot (``pg_collection``'s groups) when it holds a subclass (``layer.py``)."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
     attention.core_attention = provider.core_attention()
@@ -273,8 +281,7 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool)
     if provider.fuse_layernorm_and_linear():
         _fuse_norms(layer, provider)
     _swap_mlp(subs, provider, grouped)
-    if layer.module is TransformerLayer:
-        layer.module = NPUTransformerLayer  # the MLP slot's process groups (layer.py)
+    subs.mlp = bind_mlp_process_groups(subs.mlp, pg_collection)
     return layer
 
 

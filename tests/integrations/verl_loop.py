@@ -65,6 +65,64 @@ def save_checkpoint(family: str, path, vocab: int = VOCAB) -> str:
     return str(path)
 
 
+# MiMo (``model_type: mimo``): Qwen2 plus multi-token-prediction layers. transformers has no
+# MiMo class; MiMo's checkpoints ship their config class as remote code, so this one does too
+# (written here, read with trust_remote_code from the checkpoint's own folder, no network).
+MIMO_CONFIG_CODE = """from transformers import Qwen2Config
+
+
+class TinyMiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(**kwargs)
+"""
+MIMO_MTP_PARTS = {"token_layernorm": "norm", "hidden_layernorm": "norm", "final_layernorm": "norm",
+                  "input_proj": "proj"}  # fmt: skip
+
+
+def save_mimo_checkpoint(path) -> str:
+    """A tiny MiMo (Qwen2 shape of :data:`SHAPE`, one MTP layer) with random fp32 weights
+    (seed 0) and the word-level tokenizer, in ``path``.
+
+    The weights are a 3-layer Qwen2's, its third layer renamed ``model.mtp_layers.0.*`` (the
+    MTP layer's transformer layer), plus the MTP layer's own ``token_layernorm`` /
+    ``hidden_layernorm`` / ``final_layernorm`` (ones) and ``input_proj`` ``[H, 2H]``: the names
+    mbridge's MiMo bridge maps (``mbridge/models/mimo.py``, ``_convert_mtp_param``).
+    """
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from tests.integrations.conftest import _save_word_level_tokenizer
+
+    shape = dict(SHAPE, intermediate_size=128)
+    torch.manual_seed(0)
+    qwen2 = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**{**shape, "num_hidden_layers": 3})
+    )
+    tensors = {}
+    for name, tensor in qwen2.state_dict().items():
+        tensors[name.replace("model.layers.2.", "model.mtp_layers.0.")] = tensor.contiguous()
+    hidden = shape["hidden_size"]
+    for part, kind in MIMO_MTP_PARTS.items():
+        value = torch.ones(hidden) if kind == "norm" else torch.randn(hidden, 2 * hidden) * 0.02
+        tensors[f"model.mtp_layers.0.{part}.weight"] = value
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    config = transformers.Qwen2Config(**shape).to_dict()
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"],
+                  num_nextn_predict_layers=1,
+                  auto_map={"AutoConfig": "configuration_mimo.TinyMiMoConfig"})  # fmt: skip
+    with open(f"{path}/config.json", "w") as out:
+        json.dump(config, out, indent=1)
+    with open(f"{path}/configuration_mimo.py", "w") as out:
+        out.write(MIMO_CONFIG_CODE)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
 def worker_config(
     model_path: str,
     *,
@@ -74,11 +132,13 @@ def worker_config(
     lr: float = 1e-3,
     micro_batch: int = 2,
     dtype: str = "bfloat16",
+    model: dict | None = None,
     **engine,
 ):
     """verl's ``TrainingWorkerConfig``: Megatron, vanilla mbridge, bf16, the distributed optimizer.
 
-    ``engine``: more ``McoreEngineConfig`` fields (parallel sizes, offload, checkpoint format).
+    ``engine``: more ``McoreEngineConfig`` fields (parallel sizes, offload, checkpoint format);
+    ``model``: more ``HFModelConfig`` fields (``mtp``, ``trust_remote_code``).
     ``dtype="float32"``: an fp32 model, for the parallel-equality checks only
     (:func:`force_fp32`; verl's config refuses it).
     The learning rate decays linearly over ``total_steps`` (verl's default schedule) and the
@@ -96,7 +156,10 @@ def worker_config(
     config = TrainingWorkerConfig(
         model_type=model_type,
         model_config=HFModelConfig(
-            path=model_path, load_tokenizer=True, use_remove_padding=remove_padding
+            path=model_path,
+            load_tokenizer=True,
+            use_remove_padding=remove_padding,
+            **(model or {}),
         ),
         engine_config=McoreEngineConfig(
             strategy="megatron",

@@ -1,7 +1,7 @@
-"""The NPU spec's layers (``NPUTransformerLayer``) build quietly and hand their MLP slot the
-layer's process groups: Megatron's ``TransformerLayer`` logs "Unknown MLP type ... Using
-default kwargs." for ``NPUMLP`` and builds it on parallel_state's global tensor-parallel group
-instead of the model's ``pg_collection.tp``.
+"""The NPU spec's layers are Megatron's own ``TransformerLayer``; their MLP slot, when it holds
+a subclass of Megatron's MLP / MoE classes (``NPUMLP``, ``NPUMoELayer``), is a
+``BoundModuleSpec``: built without Megatron's "Unknown MLP type ... Using default kwargs." line,
+on the process groups given to the spec builder (``pg_collection=``), else on parallel_state's.
 
 Real megatron-core, one gloo process on CPU; the model's own process groups are real gloo
 groups (``torch.distributed.new_group``), distinct objects from parallel_state's.
@@ -15,7 +15,11 @@ import logging
 import pytest
 import torch
 
-from mcore_npu.transformer.layer import NPUTransformerLayer, mlp_process_group_keyword
+from mcore_npu.transformer.layer import (
+    BoundModuleSpec,
+    bind_mlp_process_groups,
+    mlp_process_group_keyword,
+)
 from tests.transformer.megatron_models import VOCAB, batch, gpt, npu_spec, tiny_config
 from tests.transformer.moe_models import moe_config, npu_moe_spec
 
@@ -65,19 +69,23 @@ BUILDS = {
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_building_a_model_logs_no_unknown_mlp_type(megatron_log, build):
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     config, spec = BUILDS[build]()
     model = gpt(config, spec)
-    assert all(type(layer) is NPUTransformerLayer for layer in model.decoder.layers)
+    assert all(type(layer) is TransformerLayer for layer in model.decoder.layers)
     assert [line for line in megatron_log if LINE in line] == []
 
 
-def test_megatrons_own_layer_logs_it_for_the_same_slot(megatron_log):
-    """The capture sees the line: the same spec with Megatron's ``TransformerLayer``."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+def test_megatron_logs_it_for_the_same_module_in_a_plain_module_spec(megatron_log):
+    """The capture sees the line: the same slot as a ``ModuleSpec``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     config, spec = _dense("te")
     spec = copy.deepcopy(spec)
-    spec.module = TransformerLayer
+    bound = spec.submodules.mlp
+    assert isinstance(bound, BoundModuleSpec) and bound.module.__name__ == "NPUMLP"
+    spec.submodules.mlp = ModuleSpec(bound.module, bound.params, bound.submodules)
     gpt(config, spec)
     assert len([line for line in megatron_log if LINE in line]) == config.num_layers
 
@@ -101,21 +109,21 @@ def _model_on(groups, spec, config, seed=0):
 
 
 @pytest.mark.parametrize("layout", ["local", "te"])
-def test_dense_mlp_runs_on_the_models_tensor_parallel_group(layout):
+def test_dense_mlp_runs_on_the_spec_builders_tensor_parallel_group(layout):
+    from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
+
     groups = _own_process_groups()
-    config, spec = _dense(layout)
-    model = _model_on(groups, spec, config)
+    config = tiny_config()
+    spec = dict(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                kernel="reference", param_layout=layout)  # fmt: skip
+    model = _model_on(groups, get_gpt_layer_npu_spec(**spec, pg_collection=groups), config)
     for layer in model.decoder.layers:
         assert type(layer.mlp).__name__ == "NPUMLP"
         assert layer.mlp.tp_group is groups.tp
         assert layer.mlp.linear_fc1.tp_group is groups.tp
         assert layer.mlp.linear_fc2.tp_group is groups.tp
-    # Megatron's own layer with the same slot: parallel_state's group, not the model's
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    plain = copy.deepcopy(spec)
-    plain.module = TransformerLayer
-    lost = _model_on(groups, plain, config)
+    # without pg_collection the spec's NPUMLP takes parallel_state's group
+    lost = _model_on(groups, get_gpt_layer_npu_spec(**spec), config)
     assert all(layer.mlp.tp_group is not groups.tp for layer in lost.decoder.layers)
     # same numbers either way (one process: both groups have size 1)
     ids, pos = batch(b=2, s=8)
@@ -123,29 +131,23 @@ def test_dense_mlp_runs_on_the_models_tensor_parallel_group(layout):
 
 
 def test_moe_layer_subclass_gets_the_process_group_collection(megatron_log):
-    """A subclass of Megatron's ``MoELayer`` in the slot gets ``pg_collection``, as Megatron's
-    own class does (with Megatron's layer it would get parallel_state's default groups)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    class SubclassedMoELayer(MoELayer):
-        pass
-
+    """``NPUMoELayer`` (a subclass of Megatron's ``MoELayer``, the fused permute) gets the
+    spec builder's ``pg_collection``, as Megatron's layer gives its own class the model's."""
     groups = _own_process_groups()
     config = moe_config()
-    block = npu_moe_spec(config, param_layout="te")
-    for layer_spec in block.layer_specs:
-        layer_spec.submodules.mlp.module = SubclassedMoELayer
+    block = npu_moe_spec(config, param_layout="te", moe_permute_kernel="reference",
+                         pg_collection=groups)  # fmt: skip
     model = _model_on(groups, block, config)
     for layer in model.decoder.layers:
-        assert type(layer.mlp) is SubclassedMoELayer and layer.mlp.tp_group is groups.tp
-        assert layer.mlp.shared_experts is None and layer.mlp.experts.ep_group is groups.ep
+        assert type(layer.mlp).__name__ == "NPUMoELayer" and layer.mlp.tp_group is groups.tp
+        assert layer.mlp.experts.ep_group is groups.ep
     assert [line for line in megatron_log if LINE in line] == []
-    assert layer.submodules_config.mlp.module is SubclassedMoELayer  # the spec as given
 
 
-def test_megatrons_own_classes_are_left_to_megatron():
+def test_binding_leaves_megatrons_own_classes_and_refuses_a_wrong_collection():
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from mcore_npu.transformer.mlp import NPUMLP
 
@@ -153,24 +155,34 @@ def test_megatrons_own_classes_are_left_to_megatron():
     assert mlp_process_group_keyword(MoELayer) is None
     assert mlp_process_group_keyword(NPUMLP) == "tp_group"
     assert mlp_process_group_keyword(torch.nn.Linear) is None
+    plain = ModuleSpec(MLP)
+    assert bind_mlp_process_groups(plain) is plain
+    with pytest.raises(TypeError, match="pg_collection: .*got dict"):
+        bind_mlp_process_groups(ModuleSpec(NPUMLP), pg_collection={"tp": None})
+    groups = _own_process_groups()
+    bound = bind_mlp_process_groups(ModuleSpec(NPUMLP, {"kernel": "reference"}), groups)
+    copied = copy.deepcopy(bound)  # the process group is shared, the rest copied
+    assert copied.params["tp_group"] is groups.tp and copied.params["kernel"] == "reference"
 
 
-def test_multi_token_prediction_layers_from_the_block_spec_are_quiet_too(megatron_log):
-    """Megatron's MTP block spec from the NPU decoder-block spec: its layer is the block's last
-    (``get_gpt_mtp_block_spec`` takes a block spec, or a single-layer spec only when its module
-    is exactly ``TransformerLayer``: pass the block spec)."""
+def test_multi_token_prediction_layers_from_either_spec_are_quiet_too(megatron_log):
+    """Megatron's MTP block spec from the NPU decoder-block spec (its last layer) and from the
+    NPU single-layer spec (``get_gpt_mtp_block_spec`` takes one only when its module is
+    exactly ``TransformerLayer``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 
     config = tiny_config(mtp_num_layers=1)
     block = get_gpt_decoder_block_npu_spec(config, kernel="reference", param_layout="te",
                                            normalization=config.normalization)  # fmt: skip
-    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
-    model = GPTModel(config, transformer_layer_spec=block, vocab_size=VOCAB,
-                     max_sequence_length=64, position_embedding_type="rope",
-                     mtp_block_spec=mtp)  # fmt: skip
-    layer = model.mtp.layers[0].transformer_layer
-    assert type(layer) is NPUTransformerLayer and type(layer.mlp).__name__ == "NPUMLP"
+    for spec in (block, npu_spec(config, param_layout="te")):
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        model = GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=64, position_embedding_type="rope",
+                         mtp_block_spec=mtp)  # fmt: skip
+        layer = model.mtp.layers[0].transformer_layer
+        assert type(layer) is TransformerLayer and type(layer.mlp).__name__ == "NPUMLP"
     assert [line for line in megatron_log if LINE in line] == []

@@ -71,3 +71,67 @@ def test_npu_mtp_block_has_te_names_in_the_te_layout():
         assert {f"mtp.layers.0.{part}.weight", f"mtp.layers.0.{part}._extra_state"} <= names
     assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in names
     assert get_gpt_mtp_block_npu_spec(tiny_config(), None) is None  # no mtp_num_layers: no MTP
+
+
+def _mtp_logits_hook(model):
+    """Keep the output layer's first call of a forward (``GPTModel`` computes the MTP layer's
+    logits first, then the main head's), graph attached: ``[S, B, V]``; a copy, since Megatron's
+    cross entropy then works on the logits in place (``.float()`` of fp32 logits is no copy)."""
+    calls = []
+    handle = model.output_layer.register_forward_hook(
+        lambda m, a, out: calls.append(out[0].clone())
+    )
+    return calls, handle
+
+
+def _next_but_one_loss(mtp_logits, labels):
+    """The MTP layer's loss as Megatron 0.16.1 defines it (``gpt_model.py`` ``_postprocess``):
+    cross entropy against the labels shifted once more (the last position dropped), averaged
+    over the remaining positions. ``mtp_logits [S, B, V]``, ``labels [B, S]`` -> scalar."""
+    shifted = torch.roll(labels, -1, dims=1)
+    mask = torch.ones_like(shifted, dtype=torch.float32)
+    mask[:, -1] = 0
+    ce = torch.nn.functional.cross_entropy(mtp_logits.transpose(0, 1).float().flatten(0, 1),
+                                           shifted.flatten(), reduction="none")  # fmt: skip
+    return (ce.view_as(mask) * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.0])
+def test_megatrons_mtp_builder_takes_the_npu_layer_spec_and_scales_its_loss(factor):
+    """``get_gpt_mtp_block_spec(config, get_gpt_layer_npu_spec(...))`` (the single-layer spec,
+    unchanged) builds an MTP GPTModel that runs on the CPU. Its gradients are those of
+    ``main + factor * mtp``: measured against the same weights built with factor 0, where the
+    MTP term is added by hand from the MTP logits, and the MTP loss that Megatron reports
+    (``MTPLossLoggingHelper``) is that ``mtp``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
+
+    def build(scale):
+        config = tiny_config(mtp_num_layers=1, mtp_loss_scaling_factor=scale)
+        spec = get_gpt_layer_npu_spec(kernel="reference", normalization=config.normalization,
+                                      qk_layernorm=config.qk_layernorm)  # fmt: skip
+        return _mtp_gpt(config, spec, get_gpt_mtp_block_spec(config, spec, False))
+
+    ids, pos = batch(b=2, s=16)
+    labels = torch.roll(ids, -1, dims=1)
+    scaled, plain = build(factor), build(0.0)
+    plain.load_state_dict(scaled.state_dict(), strict=True)
+    MTPLossLoggingHelper.tracker = {}
+    main, grads = _loss_and_grads(scaled, ids, pos)
+    reported = MTPLossLoggingHelper.tracker["values"].clone()  # [mtp_num_layers]
+    MTPLossLoggingHelper.tracker = {}
+
+    calls, handle = _mtp_logits_hook(plain)
+    plain.zero_grad()
+    per_token = plain(ids, pos, None, labels=labels)  # [B, S], the main head's loss only
+    handle.remove()
+    mtp = _next_but_one_loss(calls[0], labels)
+    (per_token.mean() + factor * mtp).backward()
+    assert torch.isfinite(mtp) and reported.shape == (1,)
+    torch.testing.assert_close(reported[0], mtp.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(main, per_token.detach(), rtol=0, atol=0)  # MTP adds no term here
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0

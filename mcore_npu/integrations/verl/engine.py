@@ -25,7 +25,9 @@ change six things, nothing else:
    mbridge bridge cannot build its config on this stack (DeepSeek-V3, see
    :mod:`mcore_npu.integrations.mbridge_fixes`) gets the plugin's bridge, built before any
    config, in verl's steps (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
-   prediction through mbridge is refused (mbridge builds it from TE's spec).
+   prediction (verl's ``model.mtp.*``): for mbridge's MiMo bridge the MTP layers come from the
+   NPU spec too (``hf.install_npu_mtp_block``, on this engine's bridge); with any other bridge
+   it is refused before any model exists (mbridge builds it from TE's spec).
    Megatron-Bridge (``vanilla_mbridge=False``, verl 0.9.1's default) is used when
    ``import megatron.bridge`` succeeds (its provider gets ``moe_permute_fusion=False``, the
    Hugging Face router form and ``attention_backend=auto``, and its ``AutoMapping`` learns the
@@ -82,7 +84,9 @@ from verl.workers.engine.megatron.transformer_impl import register_megatron_trai
 
 from mcore_npu.integrations.hf import (
     bridge_from_config,
+    builds_npu_mtp,
     expose_hf_config_fields,
+    install_npu_mtp_block,
     match_hf_routing,
     refuse_mbridge_mtp,
 )
@@ -270,7 +274,7 @@ class _NPUEngineMixin:
         at it, so the two stay one object, as verl built them.
         """
         bridge, tf_config = self.bridge, self.tf_config
-        refuse_mbridge_mtp(tf_config)  # mbridge would build TE's MTP layers
+        refuse_mbridge_mtp(tf_config, bridge)  # mbridge would build TE's MTP layers
         expose_hf_config_fields(bridge.hf_config)
         match_hf_routing(bridge)
         tf_config.moe_router_pre_softmax = bridge.config.moe_router_pre_softmax
@@ -285,9 +289,10 @@ class _NPUEngineMixin:
                 _provider_layer_spec, spec=spec
             )
         elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
-            self.bridge._get_transformer_layer_spec = functools.partial(
-                _mbridge_layer_spec, self.bridge, spec=spec
-            )
+            layer_spec = functools.partial(_mbridge_layer_spec, self.bridge, spec=spec)
+            self.bridge._get_transformer_layer_spec = layer_spec
+            if builds_npu_mtp(self.bridge):  # MiMo: its MTP layers from the NPU spec too
+                install_npu_mtp_block(self.bridge, layer_spec, **spec)
         else:
             raise ValueError(
                 "engine_config.use_mbridge: the NPU Megatron engine builds its model through a "
