@@ -79,6 +79,11 @@ def _effective(keys: list[str]) -> dict[str, str]:
     return dict(_split(key) for key in keys)
 
 
+def _on(effective: dict, key: str, default: bool = False) -> bool:
+    """A boolean key's value as Hydra reads it (``True`` / ``true``), ``default`` when unset."""
+    return effective[key].lower() == "true" if key in effective else default
+
+
 def _cases(section) -> dict[str, tuple[str, list[str]]]:
     """``id -> (family, keys)``: rows with the same stand-in and the same ``section(effective)``
     run once, under the first row's keys."""
@@ -179,7 +184,7 @@ def _with_paths(keys: list[str], model: str, checkpoint) -> list[str]:
         path, value = _split(key)
         if path.endswith(".dist_checkpointing_path"):
             role = path.removesuffix("dist_checkpointing_path")
-            if "$" in value or effective.get(role + "use_dist_checkpointing") == "True":
+            if "$" in value or _on(effective, role + "use_dist_checkpointing"):
                 key = f"{key.split('=', 1)[0]}={checkpoint()}"
         out.append(key)
     return out
@@ -261,9 +266,9 @@ def _assert_checkpoint_loaded(engine, effective: dict, want) -> None:
     Hugging Face files' (an offloaded model is loaded for the look and offloaded again)."""
     from verl.utils.device import get_device_name
 
-    if effective.get(AM + "use_dist_checkpointing") != "True":
+    if not _on(effective, AM + "use_dist_checkpointing"):
         return
-    offload = effective.get(AM + "param_offload") == "True"
+    offload = _on(effective, AM + "param_offload")
     if offload:
         engine.to(get_device_name(), model=True, optimizer=False, grad=False)
     assert torch.equal(_qkv(engine), want()[1])
@@ -277,24 +282,25 @@ def _assert_actor_keys_in_effect(engine, effective: dict) -> None:
     from mcore_npu.optimizer import plugin_adams
 
     config = engine.engine_config
-    assert _offloaded(engine) == (effective.get(AM + "param_offload") == "True")
-    override = {k.split(".")[-1]: v for k, v in effective.items() if ".override_optimizer" in k}
+    assert _offloaded(engine) == _on(effective, AM + "param_offload")
+    ooc = A + "optim.override_optimizer_config."
     adams = plugin_adams(engine.optimizer)
-    if override.get("optimizer_cpu_offload") == "True":
-        fraction = float(override.get("optimizer_offload_fraction", "0"))
+    if _on(effective, ooc + "optimizer_cpu_offload"):
+        fraction = float(effective.get(ooc + "optimizer_offload_fraction", "0"))
         assert adams  # one per distributed optimizer (an MoE has dense and expert ones)
         assert all(
             a.settings.cpu_offload and a.settings.offload_fraction == fraction for a in adams
         )
-    elif "True" not in (override.get("use_precision_aware_optimizer"),
-                        effective.get(A + "optim.use_precision_aware_optimizer")):  # fmt: skip
+    elif not (_on(effective, ooc + "use_precision_aware_optimizer")
+              or _on(effective, A + "optim.use_precision_aware_optimizer")):  # fmt: skip
         assert not adams  # Megatron's own optimizer, unchanged
-    remove_padding = effective.get("actor_rollout_ref.model.use_remove_padding", "True")
-    assert config.use_remove_padding == (remove_padding == "True")
-    assert config.use_dynamic_bsz == (effective.get(A + "use_dynamic_bsz") == "True")
+    assert config.use_remove_padding == _on(
+        effective, "actor_rollout_ref.model.use_remove_padding", True
+    )
+    assert config.use_dynamic_bsz == _on(effective, A + "use_dynamic_bsz")
     if config.use_dynamic_bsz and A + "ppo_max_token_len_per_gpu" in effective:
         assert config.max_token_len_per_gpu == int(effective[A + "ppo_max_token_len_per_gpu"])
-    if effective.get(AM + "override_ddp_config.grad_reduce_in_fp32") == "False":
+    if not _on(effective, AM + "override_ddp_config.grad_reduce_in_fp32", True):
         assert {b.grad_dtype for b in engine.module[0].buffers} == {torch.bfloat16}
 
 
@@ -327,7 +333,7 @@ def test_reference_keys_build_and_infer(case, stand_in):
     log_probs = loop.old_log_probs(worker, loop.rollout_batch(0))
     assert log_probs.shape == (8, max(loop.RESPONSE_LENGTHS))
     assert torch.isfinite(log_probs).all()
-    if _effective(keys).get(RM + "megatron.use_dist_checkpointing") == "True":
+    if _on(_effective(keys), RM + "megatron.use_dist_checkpointing"):
         assert torch.equal(_qkv(worker.engine), stand_in.checkpoint(family)[1])
 
 
@@ -355,7 +361,7 @@ def test_verl_refuses_keys_it_does_not_have(key):
     print(f"{key}: refused by Hydra, rows {HYDRA_CASES[key]}")
 
 
-MBRIDGE_OFF = [row for row in ROWS if _effective(row["keys"]).get(AM + "use_mbridge") == "False"]
+MBRIDGE_OFF = [row for row in ROWS if not _on(_effective(row["keys"]), AM + "use_mbridge", True)]
 
 
 @pytest.mark.parametrize("row", MBRIDGE_OFF, ids=lambda row: f"row_{row['row']}")
