@@ -34,7 +34,8 @@ change six things, nothing else:
    plugin's router and expert classes); when it fails, a model family the plugin's Hugging Face
    path covers builds through mbridge exactly as with ``vanilla_mbridge=True`` (one warning
    line; this engine's copy of the engine config carries the value), any other is refused
-   (:mod:`mcore_npu.integrations.verl.weight_path`, docs/weight_path.md).
+   (:mod:`mcore_npu.integrations.verl.weight_path`, docs/weight_path.md). ``use_mbridge=False``,
+   on which verl 0.9.1's engine asserts, is refused in one line before verl's ``__init__`` runs.
 2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
    causal attention no real query ever sees a padded key; the model gets
    ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
@@ -181,6 +182,10 @@ class _NPUEngineMixin:
 
     npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
     mbridge_fallback: bool = False  # set per engine by _build_tf_config (weight_path.py)
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        weight_path.refuse_without_bridge(engine_config)  # before verl's raw assert on it
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
     def _build_tf_config(self):
         hf_config = self.model_config.hf_config

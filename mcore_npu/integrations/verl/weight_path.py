@@ -45,6 +45,7 @@ __all__ = [
     "megatron_bridge_overrides",
     "megatron_bridge_unavailable",
     "mbridge_fallback",
+    "refuse_without_bridge",
     "uncovered_reason",
 ]
 
@@ -125,6 +126,28 @@ def register_npu_modules() -> None:
 
     for name, parallelism in MEGATRON_BRIDGE_MODULE_TYPES.items():
         AutoMapping.register_module_type(name, parallelism)
+
+
+def refuse_without_bridge(engine_config) -> None:
+    """Refuse ``use_mbridge=False`` in one line, before verl's engine asserts on it.
+
+    verl 0.9.1's ``MegatronEngine.__init__`` starts with ``assert self.engine_config.use_mbridge,
+    "use_mbridge must be True"`` (``verl/workers/engine/megatron/transformer_impl.py:191``): its
+    engines build every model through a bridge, and the pre-bridge loader that
+    ``use_mbridge=False`` selected in older verl is gone. Recipes written for those (the GKD
+    recipe, verl's older Qwen3-MoE sglang script) still set it.
+
+    Raises:
+        ValueError: ``engine_config.use_mbridge`` is false.
+    """
+    if getattr(engine_config, "use_mbridge", True):
+        return
+    raise ValueError(
+        f"engine_config.use_mbridge={engine_config.use_mbridge!r}: verl 0.9.1's Megatron engine "
+        "builds every model through a bridge and asserts use_mbridge (the pre-bridge loader of "
+        "older verl is gone); set megatron.use_mbridge=True (actor and ref: the same Hugging "
+        "Face weights, and use_dist_checkpointing still loads a Megatron checkpoint)."
+    )
 
 
 def mbridge_fallback(engine_config, hf_config) -> bool:
