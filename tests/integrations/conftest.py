@@ -210,6 +210,14 @@ def qwen3_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mimo(tmp_path_factory) -> str:
+    """A tiny MiMo (Qwen2's shape, one MTP layer; remote-code config) and its tokenizer."""
+    from tests.integrations import verl_loop
+
+    return verl_loop.save_mimo_checkpoint(tmp_path_factory.mktemp("mimo"))
+
+
+@pytest.fixture(scope="session")
 def dense_sft_run(cpu_runtime, qwen3):
     """``(worker, metrics)``: 30 ``train_batch`` steps of verl's SFT loss on the tiny Qwen3, thd,
     one process, with ``verl_loop.FAMILY_SETTINGS["qwen3"]``."""

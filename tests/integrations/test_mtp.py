@@ -26,11 +26,6 @@ FACTORS = (0.5, 1.0)
 MTP_METRIC = "mtp_losses/mtp_1_loss"
 
 
-@pytest.fixture(scope="module")
-def mimo(tmp_path_factory) -> str:
-    return verl_loop.save_mimo_checkpoint(tmp_path_factory.mktemp("mimo"))
-
-
 def _mimo_worker(path: str, factor: float, detach_encoder: bool = False):
     from verl.workers.config.model import MtpConfig
 

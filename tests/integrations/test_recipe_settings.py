@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
 ROWS = yaml.safe_load((Path(__file__).parent / "recipe_settings.yaml").read_text())["rows"]
 FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-           "deepseek_v3": "tiny_deepseek_v3_model"}  # fmt: skip
+           "deepseek_v3": "tiny_deepseek_v3_model", "mimo": "mimo"}  # fmt: skip
 A, AM, RM = (
     "actor_rollout_ref.actor.",
     "actor_rollout_ref.actor.megatron.",
@@ -319,6 +319,8 @@ def test_recipe_keys_train_through_training_worker(case, stand_in):
     print(f"{case} ({family}): losses {losses}, grad norms {norms}")
     assert all(math.isfinite(x) for x in losses + norms) and all(n > 0 for n in norms), metrics
     _assert_actor_keys_in_effect(worker.engine, effective)
+    if _on(effective, "actor_rollout_ref.model.mtp.enable"):  # row 31: verl reports the MTP loss
+        assert all(math.isfinite(m["mtp_losses/mtp_1_loss"]) for m in metrics), metrics
 
 
 @pytest.mark.parametrize("case", REF_CASES)
