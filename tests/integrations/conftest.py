@@ -12,6 +12,8 @@ verl is patched. The only stand-in is the NPU allocator (``tests/allocator/stand
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -207,6 +209,23 @@ def qwen3_moe(tmp_path_factory) -> str:
     from tests.integrations import verl_loop
 
     return verl_loop.save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture
+def own_attention_variables():
+    """mbridge's DeepSeek-V3 config says ``attention_backend=fused`` and the others ``auto``;
+    Megatron's GPTModel writes TE's ``NVTE_*`` variables from it and asserts one setting per
+    process (a real run builds one family per process; a test module may build several): the
+    test starts without them and they are put back after it."""
+    before = {name: os.environ.pop(name, None) for name in NVTE}
+    yield
+    for name, value in before.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -56,3 +56,17 @@ def hf_log_probs(path: str, lengths: tuple[int, ...], model_class=None) -> list[
             log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, row[1:].unsqueeze(-1))
             out.append(log_probs[:, 0])
     return out
+
+
+def infer_log_probs(worker, ids: torch.Tensor) -> torch.Tensor:
+    """``[S]``: verl's ``infer_batch`` log-probs of one sequence (``compute_loss=False``); the
+    last position has no next token (its value is the engine's, not a prediction)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.get_tensordict(
+        {"input_ids": tu.nested_tensor_from_tensor_list([ids]),
+         "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(ids)])},
+        {"temperature": 1.0, "compute_loss": False, "micro_batch_size_per_gpu": 1},
+    )  # fmt: skip
+    (row,) = tu.get(worker.infer_batch(data), "log_probs").unbind()
+    return row.float()

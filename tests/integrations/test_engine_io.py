@@ -22,6 +22,7 @@ pytest.importorskip("verl")
 from verl.utils.device import get_device_name
 
 from tests.integrations import verl_loop as loop
+from tests.integrations.log_probs import infer_log_probs
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
@@ -164,19 +165,6 @@ def test_verls_own_reference_offload_frees_the_weights_on_a_cpu(qwen3):
 # ---------------------------------------------------------------------------------------------
 
 
-def _log_probs(worker, ids: torch.Tensor) -> torch.Tensor:
-    """``[S]``: verl's ``infer_batch`` log-probs of one sequence (``compute_loss=False``)."""
-    from verl.utils import tensordict_utils as tu
-
-    data = tu.get_tensordict(
-        {"input_ids": tu.nested_tensor_from_tensor_list([ids]),
-         "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(ids)])},
-        {"temperature": 1.0, "compute_loss": False, "micro_batch_size_per_gpu": 1},
-    )  # fmt: skip
-    (row,) = tu.get(worker.infer_batch(data), "log_probs").unbind()
-    return row.float()
-
-
 @pytest.fixture(scope="module")
 def dist_checkpoint(tmp_path_factory):
     """A Megatron distributed checkpoint of a tiny Qwen3 trained one step through verl, written
@@ -194,7 +182,7 @@ def dist_checkpoint(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("dist_ckpt")
     dist_checkpointing.save(gpt.sharded_state_dict(), str(checkpoint))
     params = {n: p.detach().clone() for n, p in gpt.named_parameters()}
-    return path, str(checkpoint), params, _log_probs(worker, loop.sft_samples(7)[0])
+    return path, str(checkpoint), params, infer_log_probs(worker, loop.sft_samples(7)[0])
 
 
 def _te_disk_keys() -> set[str]:
@@ -234,9 +222,9 @@ def test_verl_worker_loads_the_dist_checkpoint(dist_checkpoint):
     worker = loop.new_worker(config, loop.sft_loss_fn())
     got = {n: p.detach() for n, p in _gpt(worker.engine).named_parameters()}
     _assert_equal(got, params)
-    assert torch.equal(_log_probs(worker, loop.sft_samples(7)[0]), log_probs)
+    assert torch.equal(infer_log_probs(worker, loop.sft_samples(7)[0]), log_probs)
     from_hf = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
-    assert not torch.equal(_log_probs(from_hf, loop.sft_samples(7)[0]), log_probs)  # control
+    assert not torch.equal(infer_log_probs(from_hf, loop.sft_samples(7)[0]), log_probs)  # control
 
 
 def test_verl_checkpoint_with_use_dist_checkpointing_resumes_exactly(dist_checkpoint, tmp_path):

@@ -40,6 +40,7 @@ from mcore_npu.integrations.verl.engine import (
 from mcore_npu.transformer.attention import NPUFusionAttention
 from tests.integrations import verl_loop as loop
 from tests.integrations.conftest import SFT_STEPS
+from tests.integrations.log_probs import infer_log_probs
 
 DENSE = loop.FAMILY_SETTINGS["qwen3"]  # the settings of the dense SFT run (conftest)
 
@@ -416,19 +417,6 @@ def _engine_logits(worker, ids: torch.Tensor) -> torch.Tensor:
     return logits[0].float()
 
 
-def _verl_log_probs(worker, ids: torch.Tensor) -> torch.Tensor:
-    """``[S - 1]``: verl's ``infer_batch`` log-probs of the next tokens of one sequence."""
-    from verl.utils import tensordict_utils as tu
-
-    data = tu.get_tensordict(
-        {"input_ids": tu.nested_tensor_from_tensor_list([ids]),
-         "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(ids)])},
-        {"temperature": 1.0, "compute_loss": False, "micro_batch_size_per_gpu": 1},
-    )  # fmt: skip
-    (row,) = tu.get(worker.infer_batch(data), "log_probs").unbind()
-    return row[:-1].float()
-
-
 def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported):
     """The exported tensors in a transformers Qwen3 (fp32): its logits equal the engine's forward
     on the same (bf16-valued) weights in fp32 within 1e-4; so do verl's log-probs. And the
@@ -442,7 +430,7 @@ def test_rollout_weights_give_the_engines_logits_in_transformers(qwen3, exported
     error = float((got - want).abs().max())
     print(f"exported weights in transformers: max |logit - engine| = {error:.2e}")
     assert error < 1e-4, error
-    log_probs = _verl_log_probs(worker, ids)  # verl's infer_batch, the model now fp32
+    log_probs = infer_log_probs(worker, ids)[:-1]  # verl's infer_batch, the model now fp32
     want_lp = torch.log_softmax(want, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
     lp_error = float((log_probs - want_lp).abs().max())
     print(f"verl's log-probs vs transformers': {lp_error:.2e}")

@@ -35,7 +35,7 @@ pytest.importorskip("verl")
 
 from tests.integrations import verl_loop as loop
 
-pytestmark = pytest.mark.usefixtures("cpu_runtime")
+pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 
 ROWS = yaml.safe_load((Path(__file__).parent / "recipe_settings.yaml").read_text())["rows"]
 FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
@@ -118,23 +118,6 @@ def _ref_section(effective: dict) -> dict:
 
 ACTOR_CASES = _cases(_actor_section)
 REF_CASES = _cases(_ref_section)
-
-
-NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
-@pytest.fixture(autouse=True)
-def _own_attention_variables():
-    """mbridge's DeepSeek-V3 config says ``attention_backend=fused`` and the others ``auto``;
-    Megatron's GPTModel writes TE's ``NVTE_*`` variables from it and asserts one setting per
-    process (a real run builds one family per process; this one builds four): each test starts
-    without them and puts them back."""
-    before = {name: os.environ.pop(name, None) for name in NVTE}
-    yield
-    for name, value in before.items():
-        os.environ.pop(name, None)
-        if value is not None:
-            os.environ[name] = value
 
 
 # ---------------------------------------------------------------------------------------------

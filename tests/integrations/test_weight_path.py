@@ -31,27 +31,13 @@ from mcore_npu.integrations.verl.engine import (
 from tests.integrations import verl_loop as loop
 from tests.integrations.conftest import save_tiny_deepseek_v3
 
-pytestmark = pytest.mark.usefixtures("cpu_runtime")
+pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 
 FALLBACK_LOG = "mcore_npu.integrations.verl.weight_path"
-NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 # DeepSeek-V3 on a CPU: Megatron's fused bias-dropout-add is torch.compile'd (~10 s first call)
 DEEPSEEK_CPU = {"bias_dropout_fusion": False}
 NO_Q_LORA_PLAIN_ROPE = dict(q_lora_rank=None,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _own_attention_variables():
-    """mbridge's DeepSeek-V3 config sets ``attention_backend=fused``, and Megatron's GPTModel
-    then writes TE's ``NVTE_*`` variables, which a later model with ``auto`` fails on (Megatron
-    asserts one setting per process): each test starts without them and puts them back."""
-    before = {name: os.environ.pop(name, None) for name in NVTE}
-    yield
-    for name, value in before.items():
-        os.environ.pop(name, None)
-        if value is not None:
-            os.environ[name] = value
 
 
 def _config(path, vanilla: bool, *, override=None, **fields):
