@@ -128,7 +128,7 @@ class NPUAlltoAllTokenDispatcher(_FusedPermute, MoEAlltoAllTokenDispatcher):
                 "pass the router's outputs unchanged"
             )
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-        if self.config.moe_router_padding_for_quantization:
+        if getattr(self.config, "moe_router_padding_for_quantization", False):  # 0.16+
             pad_multiple = moe_utils.get_align_size_for_quantization(self.config)
             self.routing_map = moe_utils.pad_routing_map(self.routing_map, pad_multiple)
         self.tokens_per_expert = self.preprocess(self.routing_map)
