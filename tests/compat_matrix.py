@@ -69,18 +69,19 @@ def build(version: str, python: str) -> Path:
     return env
 
 
-def parse_summary(text: str) -> dict[str, int]:
-    """Counts from pytest's last summary line, e.g. ``3 failed, 120 passed, 2 skipped in 9s``."""
-    lines = [ln for ln in text.splitlines() if re.search(r"\b(passed|failed|error)", ln)]
+def parse_summary(text: str) -> dict[str, int] | None:
+    """Counts from pytest's last summary line, e.g. ``3 failed, 120 passed, 2 skipped in 9s``;
+    None when there is none (pytest killed or crashed)."""
+    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|errors?)\b", ln)]
+    if not lines:
+        return None
     counts = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
-    for number, word in re.findall(
-        r"(\d+) (passed|failed|skipped|errors?)\b", lines[-1] if lines else ""
-    ):
+    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", lines[-1]):
         counts["errors" if word.startswith("error") else word] += int(number)
     return counts
 
 
-def run_tests(env: Path, workers: int, extra: list[str]) -> tuple[dict[str, int], float, int]:
+def run_tests(env: Path, workers: int, extra: list[str]) -> tuple[dict | None, float, int]:
     """Run TEST_PATHS in ``env``; the full log goes to ``env/pytest.log``."""
     xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 0 else []
     cmd = [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -92,11 +93,14 @@ def run_tests(env: Path, workers: int, extra: list[str]) -> tuple[dict[str, int]
     return parse_summary((env / "pytest.log").read_text()), seconds, proc.returncode
 
 
-def table(rows: list[tuple[str, dict[str, int], float]]) -> str:
+def table(rows: list[tuple[str, dict | None, float]]) -> str:
     """The markdown table docs/compat.md shows."""
     out = ["| megatron-core | passed | failed | skipped | errors | seconds |",
            "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for version, c, secs in rows:
+        if c is None:
+            out.append(f"| {version} | no pytest summary (killed or crashed) | | | | {secs:.0f} |")
+            continue
         out.append(f"| {version} | {c['passed']} | {c['failed']} | {c['skipped']} "
                    f"| {c['errors']} | {secs:.0f} |")  # fmt: skip
     return "\n".join(out)
