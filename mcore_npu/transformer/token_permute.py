@@ -26,6 +26,8 @@ same weights in its place (``_npu_router``); the spec uses it where the permute 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
@@ -185,7 +187,8 @@ class NPURouterMoELayer(MoELayer):
         if pg_collection is None:
             pg_collection = moe_utils.get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
-        if type(self.router) is TopKRouter and not hasattr(MoESubmodules(), "router"):
+        slots = {field.name for field in dataclasses.fields(MoESubmodules)}
+        if type(self.router) is TopKRouter and "router" not in slots:
             self.router = _npu_router(self.router, config, pg_collection)
 
 

@@ -26,9 +26,12 @@ def _megatrons_moe_layer() -> str:
     """The class the spec keeps for ``moe_permute_kernel='off'``: Megatron's ``MoELayer``, or on
     megatron-core 0.15 (no router slot) ``NPURouterMoELayer``, Megatron's layer with the router
     swapped (token_permute.py)."""
+    import dataclasses
+
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
-    return "MoELayer" if hasattr(MoESubmodules(), "router") else "NPURouterMoELayer"
+    slots = {field.name for field in dataclasses.fields(MoESubmodules)}
+    return "MoELayer" if "router" in slots else "NPURouterMoELayer"
 
 
 MEGATRONS_MOE_LAYER = _megatrons_moe_layer()
