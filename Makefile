@@ -9,7 +9,7 @@ VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: demo test test-verl test-megatron-bridge verl-env lint format bench clean-venv
+.PHONY: demo test test-verl test-megatron-bridge test-compat verl-env lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -49,6 +49,11 @@ test-megatron-bridge: $(VERL_STAMP)
 	$(VERL_BIN)/python -m tests.integrations.megatron_bridge_env $(MEGATRON_BRIDGE_DIR)
 	PYTHONPATH=$(MEGATRON_BRIDGE_DIR) $(VERL_BIN)/python -m pytest -q \
 		tests/integrations/scratch_megatron_bridge.py
+
+# release check, not CI: tests/ops, masks, transformer, training on every megatron-core release
+# pyproject admits, one venv each under .compat/<version> (docs/compat.md); COMPAT_VERSIONS picks
+test-compat:
+	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --workers $(TEST_WORKERS) $(COMPAT_VERSIONS)
 
 # the verl environment alone (CI builds it while `make test` runs)
 verl-env: $(VERL_STAMP)

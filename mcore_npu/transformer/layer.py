@@ -20,12 +20,17 @@ the module takes parallel_state's groups, as Megatron's own layer does when it i
 ``pg_collection``. A model built on process groups of its own (``GPTModel(...,
 pg_collection=groups)``) passes the same ``groups`` to the spec builder. Megatron's own classes
 stay ``ModuleSpec``s and get their groups from the layer. Nothing of Megatron's is patched.
+
+megatron-core 0.18+ calls the ``mlp`` slot itself, ``slot(config=, pg_collection=,
+is_mtp_layer=, name=)`` (its ``MLP`` has ``as_mlp_submodule`` for that); a ``BoundModuleSpec``
+takes that call too (:meth:`BoundModuleSpec.__call__`), so the same spec builds on every version.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import Any
 
 from megatron.core.transformer.mlp import MLP
@@ -52,6 +57,22 @@ class BoundModuleSpec:
             for key, value in self.params.items()
         }
         return BoundModuleSpec(self.module, params, copy.deepcopy(self.submodules, memo))
+
+    def __call__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None):
+        """Build the module as megatron-core 0.18+'s ``TransformerLayer`` asks (it calls the
+        slot): an MLP subclass gets ``tp_group=pg_collection.tp``, an MoE subclass
+        ``pg_collection`` and ``is_mtp_layer``; groups bound in ``params`` win; ``name`` is
+        passed where the class takes it."""
+        kwargs = dict(self.params)
+        if mlp_process_group_keyword(self.module) == "tp_group":
+            if pg_collection is not None:
+                kwargs.setdefault("tp_group", pg_collection.tp)
+        else:
+            kwargs.setdefault("pg_collection", pg_collection)
+            kwargs["is_mtp_layer"] = is_mtp_layer
+        if name is not None and "name" in inspect.signature(self.module.__init__).parameters:
+            kwargs["name"] = name
+        return self.module(config=config, submodules=self.submodules, **kwargs)
 
 
 def _megatron_groups_classes() -> tuple[type, ...]:

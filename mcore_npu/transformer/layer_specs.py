@@ -51,6 +51,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 from megatron.core.models.gpt import gpt_layer_specs as megatron_specs
@@ -287,26 +288,56 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool,
 
 def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
     """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, experts -> NPUGroupedMLP, shared
-    experts -> NPUSharedExpertMLP (each unless its operator is "off")."""
+    experts -> NPUSharedExpertMLP (each unless its operator is "off"). A part left as it is keeps
+    Megatron's own object (a ``functools.partial`` on megatron-core 0.18+, see ``_as_spec``)."""
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    mlp = subs.mlp
+    mlp = _as_spec(subs.mlp)
     if not isinstance(mlp, ModuleSpec):
         return
     if mlp.module is MLP:
-        subs.mlp = provider.dense_mlp(mlp)
+        subs.mlp = _swapped(subs.mlp, mlp, provider.dense_mlp(mlp))
         return
     moe = mlp.submodules
     if not hasattr(moe, "experts"):
         return
     if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
         moe.router = NPUTopKRouter
-    shared = moe.shared_experts
+    shared = _as_spec(moe.shared_experts)
     if isinstance(shared, ModuleSpec) and shared.module is SharedExpertMLP:
-        moe.shared_experts = provider.shared_experts(shared)
-    if isinstance(moe.experts, ModuleSpec):
-        moe.experts = provider.experts(moe.experts, grouped)
-    subs.mlp = provider.moe_layer(mlp)  # NPUMoELayer (fused permute) unless "off"
+        moe.shared_experts = _swapped(moe.shared_experts, shared, provider.shared_experts(shared))
+    experts = _as_spec(moe.experts)
+    if isinstance(experts, ModuleSpec):
+        moe.experts = _swapped(moe.experts, experts, provider.experts(experts, grouped))
+    layer = provider.moe_layer(mlp)  # NPUMoELayer unless "off"
+    if layer is mlp and not hasattr(moe, "router"):  # megatron-core 0.15: no router slot
+        from mcore_npu.transformer.token_permute import NPURouterMoELayer
+
+        layer = ModuleSpec(module=NPURouterMoELayer, params=dict(mlp.params),
+                           submodules=mlp.submodules)  # fmt: skip
+    subs.mlp = _swapped(subs.mlp, mlp, layer)
+
+
+def _as_spec(slot):
+    """``slot`` as a ``ModuleSpec``: megatron-core 0.18+ builds its MLP / MoE / expert specs as
+    ``functools.partial(cls, submodules=..., **params)`` (a dense MLP as
+    ``partial(MLP.as_mlp_submodule, ...)``); those become ``ModuleSpec(cls, params,
+    submodules)``. Anything else is returned as it is."""
+    if not isinstance(slot, functools.partial) or slot.args:
+        return slot
+    func = slot.func
+    owner = getattr(func, "__self__", None)
+    module = owner if getattr(func, "__name__", "") == "as_mlp_submodule" else func
+    if not isinstance(module, type):
+        return slot
+    params = dict(slot.keywords)
+    return ModuleSpec(module=module, params=params, submodules=params.pop("submodules", None))
+
+
+def _swapped(original, spec: ModuleSpec, new):
+    """``new``, or ``original`` (Megatron's own object, partial or not) when the provider kept
+    ``spec`` unchanged."""
+    return original if new is spec else new
 
 
 def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
@@ -326,8 +357,8 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
             "the TE names (only SelfAttention and MLASelfAttention are); pass "
             "param_layout='local'"
         )
-    if subs.mlp.module is MLP:
-        subs.mlp = _dense_mlp(provider, subs.mlp)
+    if getattr(_as_spec(subs.mlp), "module", None) is MLP:
+        subs.mlp = _dense_mlp(provider, _as_spec(subs.mlp))
         subs.pre_mlp_layernorm = IdentityOp
     subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
 

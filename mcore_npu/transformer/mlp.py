@@ -66,6 +66,19 @@ class NPUMLP(MLP):
         return output, output_bias
 
 
+def _steps_overlap_state(method):
+    """``method`` under megatron-core 0.18+'s ``overlap_state_check`` (PRE_FORWARD_COMM_DONE ->
+    FC1_FORWARD_DONE), the decorator Megatron puts on ``linear_fc1_forward_and_act`` to step its
+    shared-expert overlap state; ``method`` itself where Megatron has no such state (<= 0.17)."""
+    from megatron.core.transformer.moe import shared_experts
+
+    check = getattr(shared_experts, "overlap_state_check", None)
+    if check is None:
+        return method
+    states = shared_experts.SharedExpertState
+    return check(states.PRE_FORWARD_COMM_DONE, states.FC1_FORWARD_DONE)(method)
+
+
 class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
     """Megatron's ``SharedExpertMLP`` (gate, overlap, parameter names unchanged) whose MLP part
     is :class:`NPUMLP`: ``SharedExpertMLP.forward`` calls ``super().forward``, which the method
@@ -85,6 +98,10 @@ class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
         ``[S, B, H]`` -> cached fc2 input ``[S, B, F/tp]``. Other activations: Megatron's."""
         if not is_plain_swiglu(self.config):
             return super().linear_fc1_forward_and_act(overlapped_comm_output)
+        return self._fc1_and_swiglu(overlapped_comm_output)
+
+    @_steps_overlap_state
+    def _fc1_and_swiglu(self, overlapped_comm_output):
         from megatron.core.transformer.moe.shared_experts import set_tensor_grad_fn_sequence_sr
 
         assert self.config.moe_shared_expert_overlap and self.cached_fc1_input is not None

@@ -21,7 +21,8 @@ routing_map.sum(0)`` through dynamo and inductor (measured on this project's 2-c
 s per compilation, against 0.01 s eager) and needs a C++ toolchain. Here the undecorated function
 (``inspect.unwrap``: what ``torch.compile`` wraps) runs as is: the same statement, the same
 counts. Megatron's ``finalize_model_grads`` then updates ``expert_bias`` from them
-(``get_updated_expert_bias``) as for its own router.
+(``get_updated_expert_bias``) as for its own router. megatron-core 0.15 has no such method: its
+``routing`` counts inline, without ``jit_fuser``, and never calls the override below.
 
 Nothing is patched; the weight is not moved between devices (the model is placed as a whole).
 """
@@ -35,7 +36,11 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
-_MEGATRON_APPLY_EXPERT_BIAS = inspect.unwrap(TopKRouter._apply_expert_bias)
+_MEGATRON_APPLY_EXPERT_BIAS = (
+    inspect.unwrap(TopKRouter._apply_expert_bias)
+    if hasattr(TopKRouter, "_apply_expert_bias")
+    else None  # megatron-core 0.15: ``routing`` counts inline, no method to call or replace
+)
 """Megatron's ``TopKRouter._apply_expert_bias`` without its ``@jit_fuser`` (torch.compile) wrapper."""
 
 

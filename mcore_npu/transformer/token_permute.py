@@ -17,13 +17,21 @@ lives in the spec (``moe_permute_kernel``), never in ``config``:
 Where ``auto`` finds a torch_npu without the ``_with_routing_map`` operators it falls back to
 Megatron's unfused ``permute`` / ``unpermute`` with one warning per process (as MindSpeed does).
 Nothing is patched; ``config`` is read only.
+
+megatron-core 0.15 has no ``MoESubmodules.router`` slot: its ``MoELayer`` builds ``TopKRouter``
+itself, whose gating raises ``NameError`` without Transformer Engine (see ``router.py``). There
+``NPURouterMoELayer`` (and ``NPUMoELayer``, derived from it) put an ``NPUTopKRouter`` with the
+same weights in its place (``_npu_router``); the spec uses it where the permute is ``"off"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
@@ -35,6 +43,7 @@ from mcore_npu.ops import (
     moe_token_unpermute_with_routing_map,
 )
 from mcore_npu.ops.permute_dispatch import UNFUSED, resolve_permute_kernel
+from mcore_npu.transformer.router import NPUTopKRouter
 
 
 class _FusedPermute:
@@ -121,7 +130,7 @@ class NPUAlltoAllTokenDispatcher(_FusedPermute, MoEAlltoAllTokenDispatcher):
                 "pass the router's outputs unchanged"
             )
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-        if self.config.moe_router_padding_for_quantization:
+        if getattr(self.config, "moe_router_padding_for_quantization", False):  # 0.16+
             pad_multiple = moe_utils.get_align_size_for_quantization(self.config)
             self.routing_map = moe_utils.pad_routing_map(self.routing_map, pad_multiple)
         self.tokens_per_expert = self.preprocess(self.routing_map)
@@ -159,7 +168,31 @@ _DISPATCHERS = {
 }
 
 
-class NPUMoELayer(MoELayer):
+def _npu_router(router: TopKRouter, config, pg_collection) -> NPUTopKRouter:
+    """An ``NPUTopKRouter`` holding ``router``'s parameters and buffers (megatron-core 0.15, where
+    ``MoELayer`` builds ``TopKRouter`` itself); built under ``fork_rng`` so that the random
+    streams of the modules built after it are those of Megatron's layer."""
+    with torch.random.fork_rng(devices=[]):
+        npu = NPUTopKRouter(config=config, pg_collection=pg_collection)
+    npu.load_state_dict(router.state_dict())
+    return npu.to(router.weight.device)
+
+
+class NPURouterMoELayer(MoELayer):
+    """Megatron's ``MoELayer``; on megatron-core 0.15 (no ``MoESubmodules.router`` slot) with
+    :class:`NPUTopKRouter` in place of the ``TopKRouter`` Megatron builds (``_npu_router``)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+                 **megatron_kwargs):  # fmt: skip
+        if pg_collection is None:
+            pg_collection = moe_utils.get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
+        slots = {field.name for field in dataclasses.fields(MoESubmodules)}
+        if type(self.router) is TopKRouter and "router" not in slots:
+            self.router = _npu_router(self.router, config, pg_collection)
+
+
+class NPUMoELayer(NPURouterMoELayer):
     """Megatron's ``MoELayer`` with the fused-permute dispatchers (see the module docstring).
 
     Args:
@@ -169,7 +202,7 @@ class NPUMoELayer(MoELayer):
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 permute_kernel: str = "auto"):  # fmt: skip
+                 permute_kernel: str = "auto", **megatron_kwargs):  # fmt: skip
         if permute_kernel not in KERNELS:
             raise ValueError(
                 f"permute_kernel: unknown kernel {permute_kernel!r}; pass one of "
@@ -177,7 +210,8 @@ class NPUMoELayer(MoELayer):
             )
         if pg_collection is None:
             pg_collection = moe_utils.get_default_pg_collection()
-        super().__init__(config, submodules, layer_number, pg_collection)
+        # megatron_kwargs: what newer MoELayers take (0.17+: is_mtp_layer; 0.18+: name)
+        super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
         self.permute_kernel = permute_kernel
         fused = _DISPATCHERS.get(type(self.token_dispatcher))
         if fused is None:

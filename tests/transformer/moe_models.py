@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 
@@ -37,12 +38,24 @@ def local_moe_spec(config):
     block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                      normalization=config.normalization))  # fmt: skip
     for layer in block.layer_specs:
-        moe = layer.submodules.mlp.submodules
+        moe = submodules_of(layer.submodules.mlp)
         if hasattr(moe, "router"):
             moe.router = NPUTopKRouter
+        elif hasattr(moe, "experts"):  # megatron-core 0.15: no slot, Megatron's layer + our router
+            from mcore_npu.transformer.token_permute import NPURouterMoELayer
+
+            layer.submodules.mlp.module = NPURouterMoELayer
         if config.add_bias_linear and hasattr(moe, "experts"):
-            moe.experts.submodules.linear_fc2 = CopiedOutputRowParallelLinear
+            submodules_of(moe.experts).linear_fc2 = CopiedOutputRowParallelLinear
     return block
+
+
+def submodules_of(slot):
+    """A spec's ``submodules``: a ``ModuleSpec``'s field, or the ``submodules=`` keyword of the
+    ``functools.partial`` megatron-core 0.18+ builds MLP / MoE / expert specs as."""
+    if isinstance(slot, functools.partial):
+        return slot.keywords.get("submodules")
+    return slot.submodules
 
 
 def _row_parallel_linear():

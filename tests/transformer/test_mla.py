@@ -104,7 +104,8 @@ def test_layer_spec_builds_mla_in_both_layouts():
     from mcore_npu.transformer.mla import megatron_mla_constructs
     from mcore_npu.transformer.param_layout import match_names, rename_state_dict
 
-    assert megatron_mla.HAVE_TE and not megatron_mla_constructs()  # the 0.16.1 situation
+    have_te = megatron_mla.HAVE_TE  # 0.16.1: True (and Megatron's constructor fails without TE)
+    assert megatron_mla_constructs() == (not have_te)  # no TE here: only the flag decides
     config = mla_config()
     models = {}
     for layout in ("local", "te"):
@@ -112,7 +113,7 @@ def test_layer_spec_builds_mla_in_both_layouts():
                                       normalization="RMSNorm", kernel="reference",
                                       param_layout=layout)  # fmt: skip
         models[layout] = gpt(config, spec, seed=3 if layout == "local" else 4)
-    assert megatron_mla.HAVE_TE  # still Megatron's value
+    assert have_te == megatron_mla.HAVE_TE  # still Megatron's value
     local, te = models["local"], models["te"]
     with torch.no_grad():  # non-trivial norm weights, so that a dropped norm would show
         for name, p in local.named_parameters():
@@ -134,10 +135,11 @@ def test_where_megatrons_constructor_works_it_is_megatrons():
 
     config = mla_config()
     oracle = megatron_oracle(config)
+    before = mla.megatron_mla_constructs()  # 0.16.1: False; 0.18+ (HAVE_TE False): True
     with megatron_mla_without_te():
         assert mla.megatron_mla_constructs()
         model = gpt(config, npu_block(config), seed=5)
-    assert not mla.megatron_mla_constructs()  # the flag is back
+    assert mla.megatron_mla_constructs() == before  # the flag is back
     model.load_state_dict(oracle.state_dict(), strict=True)
     got, want = logits_and_grads(model, False), logits_and_grads(oracle, False)
     assert max(_worst(got, want)) <= TOLERANCE
@@ -247,8 +249,12 @@ def test_value_padding_switch_reaches_the_operator(monkeypatch, packed):
         got = _run_with(monkeypatch, stand_in, mode, packed)
         assert max(_worst(got, want)) <= 1e-6, mode
         seen[mode] = {call[3] for call in stand_in.calls if call[0] in ("SBH", "TND")}
-    # v: SBH [16, 2, 4 heads * Dv] or TND [16, 4, Dv], Dv = 12 unpadded, 24 padded
-    assert {s[-1] for s in seen["off"]} == {12 if packed else 48}
+    # v: SBH [16, 2, 4 heads * Dv] or TND [16, 4, Dv], Dv = 12 unpadded, 24 padded; megatron-core
+    # 0.18+ pads v to D itself on THD (multi_latent_attention._prepare_mla_core_attention_value)
+    from megatron.core.transformer import multi_latent_attention as megatron_mla
+
+    megatron_pads_thd = hasattr(megatron_mla, "_prepare_mla_core_attention_value")
+    assert {s[-1] for s in seen["off"]} == {(24 if megatron_pads_thd else 12) if packed else 48}
     assert {s[-1] for s in seen["on"]} == {24 if packed else 96}
 
 

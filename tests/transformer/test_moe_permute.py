@@ -22,6 +22,21 @@ from tests.transformer.moe_models import moe_config, npu_moe_spec
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
 
 
+def _megatrons_moe_layer() -> str:
+    """The class the spec keeps for ``moe_permute_kernel='off'``: Megatron's ``MoELayer``, or on
+    megatron-core 0.15 (no router slot) ``NPURouterMoELayer``, Megatron's layer with the router
+    swapped (token_permute.py)."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    slots = {field.name for field in dataclasses.fields(MoESubmodules)}
+    return "MoELayer" if "router" in slots else "NPURouterMoELayer"
+
+
+MEGATRONS_MOE_LAYER = _megatrons_moe_layer()
+
+
 def _logits_and_grads(config, **spec_kwargs):
     model = gpt(config, npu_moe_spec(config, **spec_kwargs))
     ids, pos = batch(b=2, s=16)
@@ -52,7 +67,7 @@ def test_fused_permute_layer_equals_megatrons_unfused_layer_bit_for_bit(dispatch
     assert type(layer).__name__ == "NPUMoELayer"
     name = {"alltoall": "NPUAlltoAllTokenDispatcher", "allgather": "NPUAllGatherTokenDispatcher"}
     assert type(layer.token_dispatcher).__name__ == name[dispatcher]
-    assert type(unfused[0].decoder.layers[0].mlp).__name__ == "MoELayer"
+    assert type(unfused[0].decoder.layers[0].mlp).__name__ == MEGATRONS_MOE_LAYER
     _assert_identical(fused, unfused)
 
 
@@ -98,7 +113,7 @@ def test_off_is_the_default_and_builds_megatrons_moe_layer(monkeypatch):
     config = moe_config()
     standin = install(monkeypatch)
     model, _, _ = _logits_and_grads(config)
-    assert type(model.decoder.layers[0].mlp).__name__ == "MoELayer"
+    assert type(model.decoder.layers[0].mlp).__name__ == MEGATRONS_MOE_LAYER
     assert not any("moe_token" in n for n in standin.names())
     assert config.moe_permute_fusion is False  # the intent lives in the spec, never in config
 
@@ -135,7 +150,7 @@ def test_the_layer_spec_and_the_provider_take_the_keyword():
     assert spec.submodules.mlp.module.__name__ == "NPUMoELayer"
     assert spec.submodules.mlp.params["permute_kernel"] == "auto"
     off = get_gpt_layer_npu_spec(kernel="reference", num_experts=4)
-    assert off.submodules.mlp.module.__name__ == "MoELayer"
+    assert off.submodules.mlp.module.__name__ == MEGATRONS_MOE_LAYER
     assert NPUSpecProvider(kernel="reference", moe_permute_kernel=None).fused["moe_permute"] == (
         "reference")  # fmt: skip
     assert NPUSpecProvider(kernel="reference").fused["moe_permute"] == "off"

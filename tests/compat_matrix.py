@@ -1,0 +1,136 @@
+"""``make test-compat``: the operator, mask, transformer and trainer tests on every megatron-core
+version ``pyproject.toml`` admits, one virtual environment per version under ``.compat/<version>``.
+
+Each environment installs ``requirements.lock`` (torch 2.13.0 CPU, the locked megatron-core), then
+replaces megatron-core by the version under test with ``--no-deps --ignore-requires-python`` (the
+0.17+ wheels declare Python >= 3.12; they install and run on 3.11), then this package with
+``--no-deps`` (plus triton where megatron-core needs it to import). A finished environment is stamped and reused. The script prints a table
+version -> passed / failed / skipped / errors / seconds, and exits non-zero if any version failed.
+
+    python3.11 -m tests.compat_matrix                      # every version
+    python3.11 -m tests.compat_matrix 0.15.3 0.19.2        # only these
+    python3.11 -m tests.compat_matrix --build-only         # the environments, no tests
+
+Standard library only: it runs with the interpreter that builds the environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPAT = ROOT / ".compat"
+# The newest release of each minor line pyproject admits (docs/compat.md lists the same ones;
+# tests/test_compat.py keeps the range, the table and this list in step).
+VERSIONS = ("0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
+TEST_PATHS = ("tests/ops", "tests/masks", "tests/transformer", "tests/training")
+# megatron-core 0.18+ imports triton unconditionally without declaring it (on Ascend,
+# triton-ascend provides the module); on a CPU host the plain wheel imports.
+TRITON = "triton==3.9.0"
+
+
+def _pip(env: Path, *args: str) -> None:
+    """Run ``env``'s pip quietly; raise with pip's output if it fails."""
+    cmd = [str(env / "bin" / "python"), "-m", "pip", "install", "--quiet", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+
+
+def _missing_module(env: Path) -> str | None:
+    """The module ``import megatron.core`` misses in ``env`` (None: it imports)."""
+    probe = "import megatron.core"
+    proc = subprocess.run(
+        [str(env / "bin" / "python"), "-c", probe], capture_output=True, text=True
+    )
+    found = re.search(r"No module named '([\w.]+)'", proc.stderr)
+    return found.group(1).split(".")[0] if proc.returncode and found else None
+
+
+def build(version: str, python: str) -> Path:
+    """Create (or reuse) ``.compat/<version>``: the lock, then megatron-core ``version``."""
+    env = COMPAT / version
+    stamp = env / ".installed"
+    if stamp.exists():
+        return env
+    subprocess.run([python, "-m", "venv", str(env)], check=True)
+    _pip(env, "-r", "requirements.lock")
+    _pip(env, "--no-deps", "--ignore-requires-python", f"megatron-core=={version}")
+    if _missing_module(env) == "triton":  # 0.18+ import triton at `import megatron.core`
+        _pip(env, "--no-deps", TRITON)
+    _pip(env, "--no-deps", "--no-build-isolation", "-e", ".")
+    stamp.write_text(version + "\n")
+    return env
+
+
+def parse_summary(text: str) -> dict[str, int] | None:
+    """Counts from pytest's last summary line, e.g. ``3 failed, 120 passed, 2 skipped in 9s``;
+    None when there is none (pytest killed or crashed)."""
+    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|errors?)\b", ln)]
+    if not lines:
+        return None
+    counts = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
+    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", lines[-1]):
+        counts["errors" if word.startswith("error") else word] += int(number)
+    return counts
+
+
+def run_tests(env: Path, workers: int, extra: list[str]) -> tuple[dict | None, float, int]:
+    """Run TEST_PATHS in ``env``; the full log goes to ``env/pytest.log``."""
+    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 0 else []
+    cmd = [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           *xdist, *TEST_PATHS, *extra]  # fmt: skip
+    start = time.monotonic()
+    with open(env / "pytest.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - start
+    return parse_summary((env / "pytest.log").read_text()), seconds, proc.returncode
+
+
+def table(rows: list[tuple[str, dict | None, float]]) -> str:
+    """The markdown table docs/compat.md shows."""
+    out = ["| megatron-core | passed | failed | skipped | errors | seconds |",
+           "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for version, c, secs in rows:
+        if c is None:
+            out.append(f"| {version} | no pytest summary (killed or crashed) | | | | {secs:.0f} |")
+            continue
+        out.append(f"| {version} | {c['passed']} | {c['failed']} | {c['skipped']} "
+                   f"| {c['errors']} | {secs:.0f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("versions", nargs="*", default=list(VERSIONS))
+    ap.add_argument("--python", default=os.environ.get("PYTHON", "python3.11"))
+    ap.add_argument("--workers", type=int, default=int(os.environ.get("TEST_WORKERS", "2")))
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    args = ap.parse_args(argv)
+    envs = [build(v, args.python) for v in args.versions]
+    if args.build_only:
+        return 0
+    rows, bad = [], []
+    for version, env in zip(args.versions, envs):
+        counts, secs, rc = run_tests(env, args.workers, args.pytest_args.split())
+        rows.append((version, counts, secs))
+        print(
+            f"megatron-core {version}: {counts} in {secs:.0f}s (log {env}/pytest.log)", flush=True
+        )
+        if rc:
+            bad.append(version)
+    print(table(rows))
+    if bad:
+        print(f"test-compat: failures on megatron-core {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The megatron-core range ``pyproject.toml`` declares is the range docs/compat.md shows measured.
+
+Every minor line (0.15, 0.16, ...) the declared range admits must have a row in the table of
+docs/compat.md, every row must be admitted, and ``make test-compat`` (tests/compat_matrix.py)
+must check exactly the versions of the table. Widening the range without a measured row fails.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from tests.compat_matrix import ROOT, VERSIONS
+
+TABLE_ROW = re.compile(r"^\|\s*(\d+\.\d+\.\d+)\s*\|", re.MULTILINE)
+
+
+def declared_specifier():
+    """The ``megatron-core`` specifier of pyproject's ``dependencies``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.name == "megatron-core":
+            return requirement.specifier
+    raise AssertionError("pyproject.toml declares no megatron-core dependency")
+
+
+def table_versions() -> list[Version]:
+    """The versions in the first column of docs/compat.md's table."""
+    return [Version(v) for v in TABLE_ROW.findall((ROOT / "docs" / "compat.md").read_text())]
+
+
+def admitted_minor_lines(specifier, majors=range(3), minors=range(100)) -> set[tuple[int, int]]:
+    """Each ``(major, minor)`` of which some release the specifier admits (probing x.y.0 ... x.y.99)."""
+    return {
+        (major, minor)
+        for major in majors
+        for minor in minors
+        if any(Version(f"{major}.{minor}.{patch}") in specifier for patch in range(100))
+    }
+
+
+def test_every_admitted_minor_line_is_measured():
+    specifier = declared_specifier()
+    listed = {(v.major, v.minor) for v in table_versions()}
+    missing = sorted(admitted_minor_lines(specifier) - listed)
+    assert not missing, (
+        f"pyproject.toml admits megatron-core{specifier}, but docs/compat.md has no measured row "
+        f"for {', '.join(f'{a}.{b}' for a, b in missing)}: run `make test-compat` with that "
+        "version in tests/compat_matrix.py VERSIONS and add its row, or narrow the range"
+    )
+
+
+def test_every_row_is_admitted_and_checked():
+    specifier = declared_specifier()
+    rows = table_versions()
+    assert rows, "docs/compat.md has no version table"
+    assert all(v in specifier for v in rows), (rows, str(specifier))
+    assert sorted(rows) == sorted(Version(v) for v in VERSIONS)
+
+
+def test_the_check_catches_a_wider_range():
+    """The probe itself: a range reaching 0.20 admits a line the table lacks."""
+    from packaging.specifiers import SpecifierSet
+
+    listed = {(v.major, v.minor) for v in table_versions()}
+    assert admitted_minor_lines(SpecifierSet(">=0.15,<0.21")) - listed == {(0, 20)}
+    assert admitted_minor_lines(SpecifierSet(">=0.14")) - listed >= {(0, 14), (1, 0)}
