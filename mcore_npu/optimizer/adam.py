@@ -35,12 +35,12 @@ from .host_offload import HOST, HostOffload
 from .remainders import join_master, split_master
 from .settings import AdamSettings
 
-__all__ = ["PrecisionAwareAdam"]
+__all__ = ["PrecisionAwareAdam", "step_tensor"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _step_tensor(value: float = 0.0) -> torch.Tensor:
+def step_tensor(value: float = 0.0) -> torch.Tensor:
     """A step counter as torch's Adam keeps it (not capturable): a float32 0-dim host tensor."""
     return torch.tensor(float(value), dtype=torch.float32)
 
@@ -132,7 +132,7 @@ class PrecisionAwareAdam(torch.optim.Adam):
         dtype on its home device (TE ``FusedAdam``'s method, which Megatron calls)."""
         home, s = self.offload.home(param), self.settings
         state = self.state[param]
-        state["step"] = _step_tensor()
+        state["step"] = step_tensor()
         state["exp_avg"] = torch.zeros(param.shape, dtype=s.exp_avg_dtype, device=home)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=s.exp_avg_sq_dtype, device=home)
         if s.precision_aware and param.untyped_storage().size() == 0:
@@ -177,7 +177,7 @@ class PrecisionAwareAdam(torch.optim.Adam):
         state = self.state[param]
         with torch.no_grad():
             if key == "step":
-                state["step"] = _step_tensor(float(value))
+                state["step"] = step_tensor(float(value))
             elif key == "master_param":
                 state[key] = self._stored_master(param, value.detach().float())
             else:
@@ -220,7 +220,7 @@ class PrecisionAwareAdam(torch.optim.Adam):
     def _load_value(self, param: torch.Tensor, key: str, value) -> None:
         state = self.state[param]
         if key == "step":
-            state["step"] = _step_tensor(float(value))
+            state["step"] = step_tensor(float(value))
         elif key == "master_param" and value.dtype != self._master_format(param):
             pass  # Megatron's placeholder for a state about to be set (set_scaled_state)
         elif key in state:
@@ -242,12 +242,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
             with torch.enable_grad():
                 loss = closure()
         self._move_new_state_to_right_device()
-        work = [
-            (group, p, self._grad(p))
-            for group in self.param_groups
-            for p in group["params"]
-            if self._grad(p) is not None
-        ]
+        grads = [(group, p, self._grad(p)) for group in self.param_groups for p in group["params"]]
+        work = [(group, p, g) for group, p, g in grads if g is not None]
         offloaded = [(group, p, g) for group, p, g in work if self.offload.holds(p)]
         self.offload.send_grads([(p, g) for _, p, g in offloaded])
         for group, param, grad in work:

@@ -45,14 +45,7 @@ class _Copies:
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``host.copy_(device)`` for each ``(host, device)`` pair, after the compute so far."""
-        if self.stream is None:
-            for host, device in pairs:
-                host.copy_(device)
-            return
-        self.stream.wait_stream(self.module.current_stream())
-        with self.module.stream(self.stream):
-            for host, device in pairs:
-                host.copy_(device, non_blocking=True)
+        self._copy(pairs, device_waits=False)
 
     def wait(self) -> None:
         """The host may read what :meth:`to_host` copied."""
@@ -61,15 +54,21 @@ class _Copies:
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``device.copy_(host)`` for each pair; later device work waits for the copies."""
+        self._copy(pairs, device_waits=True)
+
+    def _copy(self, pairs, *, device_waits: bool) -> None:
+        """``dst.copy_(src)`` for each ``(dst, src)``: in order without a side stream; else on
+        it, after the compute so far (and, ``device_waits``, before the compute that follows)."""
         if self.stream is None:
-            for device, host in pairs:
-                device.copy_(host)
+            for dst, src in pairs:
+                dst.copy_(src)
             return
         self.stream.wait_stream(self.module.current_stream())
         with self.module.stream(self.stream):
-            for device, host in pairs:
-                device.copy_(host, non_blocking=True)
-        self.module.current_stream().wait_stream(self.stream)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        if device_waits:
+            self.module.current_stream().wait_stream(self.stream)
 
 
 class HostOffload:

@@ -50,6 +50,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mcore_npu.optimizer.adam import step_tensor
+
 __all__ = ["exact_adam_resume", "torch_adam_distributed_optimizers"]
 
 
@@ -80,13 +82,7 @@ def _allocate_fresh_state(member) -> None:
     member.init_state_fn(inner, member.config)
     for group in inner.param_groups:
         for param in group["params"]:
-            inner.state[param].setdefault("step", _step_tensor(0.0))
-
-
-def _step_tensor(value: float) -> torch.Tensor:
-    """A step counter as torch's Adam keeps it without ``capturable`` / ``fused``: a float32
-    0-dim tensor on the CPU."""
-    return torch.tensor(float(value), dtype=torch.float32)
+            inner.state[param].setdefault("step", step_tensor(0.0))
 
 
 def _checkpoint_step(state_dict) -> float:
@@ -111,7 +107,7 @@ def _restoring_step(member):
         for group in inner.param_groups:
             for param in group["params"]:
                 if inner.state[param]:
-                    inner.state[param]["step"] = _step_tensor(step)
+                    inner.state[param]["step"] = step_tensor(step)
 
     return load_state_dict
 
