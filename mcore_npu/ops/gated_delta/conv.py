@@ -1,0 +1,26 @@
+"""Depthwise causal convolution with SiLU, segment-aware for packed sequences."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
+    """``silu(conv1d(x))`` with left padding ``W - 1`` per channel.
+
+    x: ``[B, T, C]``; weight: ``[C, 1, W]`` (Megatron's ``conv1d.weight``, no bias);
+    cu_seqlens: optional int ``[N + 1]`` segment starts over T (then B == 1): no position sees
+    across a segment boundary. Returns ``[B, T, C]`` in x's dtype.
+    """
+    if cu_seqlens is None:
+        return _conv(x, weight)
+    bounds = cu_seqlens.tolist()
+    parts = [_conv(x[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.cat(parts, dim=1)
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    width = weight.shape[-1]
+    y = F.conv1d(x.transpose(1, 2), weight, padding=width - 1, groups=x.shape[-1])
+    return F.silu(y[..., : x.shape[1]]).transpose(1, 2)
