@@ -8,8 +8,12 @@ STAMP  := $(VENV)/.installed
 VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
+# The third: MkDocs and the Material theme (requirements-docs.lock; no torch) for `make docs`.
+DOCS_VENV  ?= .venv-docs
+DOCS_BIN   := $(DOCS_VENV)/bin
+DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-verl test-megatron-bridge test-compat verl-env lint format bench clean-venv
+.PHONY: demo test test-verl test-megatron-bridge test-compat verl-env docs lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -24,6 +28,12 @@ $(VERL_STAMP): requirements-verl.lock pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_BIN)/python -m pip install --quiet -r requirements-verl.lock
 	$(VERL_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+$(DOCS_STAMP): requirements-docs.lock
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_BIN)/python -m pip install --quiet -r requirements-docs.lock
 	@touch $@
 
 demo: $(STAMP)
@@ -58,6 +68,11 @@ test-compat:
 # the verl environment alone (CI builds it while `make test` runs)
 verl-env: $(VERL_STAMP)
 
+# the documentation site (mkdocs.yml) into site/; strict: a broken link or anchor, or a page
+# missing from the nav, fails it (CI builds it while `make test` runs)
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -73,4 +88,4 @@ bench: $(STAMP)
 	$(BIN)/mcore-npu bench cp --out bench-out
 
 clean-venv:
-	rm -rf $(VENV) $(VERL_VENV)
+	rm -rf $(VENV) $(VERL_VENV) $(DOCS_VENV)

@@ -29,7 +29,7 @@ print(json.dumps({"seconds": seconds, "torch_seconds": torch_seconds, "heavy": h
 
 def test_import_is_light_and_cheap():
     # best of three fresh interpreters; judged as a ratio to `import torch` timed in the same run
-    # (measured: 0.4 ms against about 1 s; the README quotes the figure)
+    # (measured: 0.4 ms against about 1 s; docs/figures.md quotes the figure)
     results = [json.loads(run_command([sys.executable, "-c", PROBE], check=True).stdout)
                for _ in range(3)]  # fmt: skip
     assert all(r["heavy"] == [] for r in results), results

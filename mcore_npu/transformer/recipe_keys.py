@@ -9,7 +9,7 @@ side gets, and one log line per key accepted with no effect. A refusal is one ``
 line: key, value, why, what to do instead. Pure: no verl import, no global state, the input
 mapping is not changed.
 
-``python -m mcore_npu.transformer.recipe_keys`` prints the README table.
+``python -m mcore_npu.transformer.recipe_keys`` prints the table of docs/mindspeed.md.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def _plain(value):
 
 
 def render_table(table: dict | None = None) -> str:
-    """The README's markdown table: one row per key and value."""
+    """The markdown table of docs/mindspeed.md: one row per key and value."""
     table = load_table() if table is None else table
     rows = ["| key | value | what the plugin does |", "|---|---|---|"]
     for key, entry in table.items():

@@ -156,7 +156,7 @@ def test_one_step_equals_the_plugins_own_trainer(tmp_path):
 
     Both are bf16 models (verl's config refuses fp32) computing the same bf16 operations in
     the same order, so the tolerance stays at fp32 level: loss within 1e-5, every gradient
-    within 1e-5 of the largest gradient element (measured: see the README). The trainer's
+    within 1e-5 of the largest gradient element (measured: see docs/verl.md). The trainer's
     byte-level data needs a vocabulary of at least 257, so this Qwen3 has 264 (the trainer's
     default)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func

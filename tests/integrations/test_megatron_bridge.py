@@ -1,7 +1,7 @@
 """verl 0.9.1's default bridge, Megatron-Bridge (``vanilla_mbridge=False``), when it does not import.
 
 No Megatron-Bridge release imports next to megatron-core 0.16.1 without Transformer Engine (the
-README's verl section, "Megatron-Bridge", has the versions and the failing import), so the verl
+verl page, docs/verl.md "Megatron-Bridge", has the versions and the failing import), so the verl
 environment has none. What a user meets (``mcore_npu.integrations.verl.weight_path``): a model
 family the plugin's Hugging Face path covers builds through mbridge (``test_weight_path.py``
 checks that this gives mbridge's log-probs and exports exactly); any other family, and verl's
@@ -62,7 +62,7 @@ def tiny_phi3(tmp_path_factory) -> str:
 
 
 def test_an_uncovered_family_stops_with_one_line(cpu_runtime, tiny_phi3, capsys):
-    assert importlib.util.find_spec("megatron.bridge") is None  # the verl env has none (README)
+    assert importlib.util.find_spec("megatron.bridge") is None  # none in the verl env
     engine = _megatron_bridge_engine(tiny_phi3)
     with pytest.raises(ValueError, match=r"vanilla_mbridge=False selects Megatron-Bridge") as info:
         engine._build_tf_config()

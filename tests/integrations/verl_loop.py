@@ -143,7 +143,7 @@ def worker_config(
     (:func:`force_fp32`; verl's config refuses it).
     The learning rate decays linearly over ``total_steps`` (verl's default schedule) and the
     scheduler's state is part of the checkpoint (``use_checkpoint_opt_param_scheduler=True``:
-    without it verl does not restore the scheduler at all, see the README).
+    without it verl does not restore the scheduler at all, see docs/verl.md).
     """
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (

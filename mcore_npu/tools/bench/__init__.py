@@ -1,4 +1,4 @@
-"""``mcore-npu bench {attention,mask,step,cp}``: measurements behind the README's figures.
+"""``mcore-npu bench {attention,mask,step,cp}``: measurements behind docs/figures.md.
 
 Each benchmark module exposes::
 

@@ -1,11 +1,12 @@
-"""Write (or check) the README's benchmark section from the saved bench results.
+"""Write (or check) the benchmark section of docs/figures.md from the saved bench results.
 
-    python -m mcore_npu.tools.bench.readme            # rewrite the block in README.md
-    python -m mcore_npu.tools.bench.readme --check    # exit 1 if README.md differs from the JSON
+    python -m mcore_npu.tools.bench.readme            # rewrite the block in docs/figures.md
+    python -m mcore_npu.tools.bench.readme --check    # exit 1 if the page differs from the JSON
 
 The block sits between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``; it is generated from
-``docs/bench/{attention,mask,step}.json`` (the output of ``mcore-npu bench ... --out docs/bench``)
-by each benchmark module's own ``table()``, so the README cannot drift from what was measured.
+``docs/bench/{attention,mask,step,cp}.json`` (the output of ``mcore-npu bench ... --out
+docs/bench``) by each benchmark module's own ``table()``, so the page cannot drift from what was
+measured. Its plots are linked relative to the page (``bench/<name>.png``).
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def render(results_dir: Path) -> str:
             parts.append(
                 f"- goal {verdict}: {goal['text']} = {goal['measured']} (target <= {goal['limit']})"
             )
-        parts += ["", f"![{name}](docs/bench/{name}.png)", ""]
+        parts += ["", f"![{name}](bench/{name}.png)", ""]
     parts.append(END)
     return "\n".join(parts)
 
 
 def splice(readme: str, block: str) -> str:
     if BEGIN not in readme or END not in readme:
-        raise ValueError(f"README has no {BEGIN} ... {END} block to fill")
+        raise ValueError(f"the page has no {BEGIN} ... {END} block to fill")
     head, rest = readme.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return head + block + tail
@@ -56,18 +57,18 @@ def splice(readme: str, block: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcore_npu.tools.bench.readme")
     parser.add_argument("--results", default="docs/bench", type=Path)
-    parser.add_argument("--readme", default="README.md", type=Path)
+    parser.add_argument("--page", "--readme", default="docs/figures.md", type=Path)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
-    current = args.readme.read_text()
+    current = args.page.read_text()
     wanted = splice(current, render(args.results))
     if args.check:
         if current != wanted:
-            print(f"{args.readme} is out of date with {args.results}; run "
+            print(f"{args.page} is out of date with {args.results}; run "
                   "python -m mcore_npu.tools.bench.readme", file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    args.readme.write_text(wanted)
+    args.page.write_text(wanted)
     return 0
 
 
