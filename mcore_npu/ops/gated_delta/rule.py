@@ -1,13 +1,12 @@
-"""The gated delta rule (placeholder: the recurrent form through autograd).
+"""``chunk_gated_delta_rule``: fla's calling convention, checked, on the chosen kernel.
 
 State per value head ``S [K, V]``: ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``,
-``o_t = S_t^T q_t``.
+``o_t = S_t^T q_t``. The reference is the chunked form (``mcore_npu.ops.gated_delta.chunked``).
 """
 
 from __future__ import annotations
 
-import torch
-
+from mcore_npu.ops.gated_delta.chunked import chunked_gated_delta_rule
 from mcore_npu.ops.gated_delta.norms import l2norm
 
 
@@ -25,35 +24,7 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    groups = v.shape[2] // q.shape[2]
-    q = q.repeat_interleave(groups, dim=2).float() * scale
-    k = k.repeat_interleave(groups, dim=2).float()
-    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    outs, finals = [], []
-    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        init = (
-            None
-            if initial_state is None
-            else initial_state[n : n + 1]
-            if cu_seqlens is not None
-            else initial_state
-        )
-        o, final = _recurrent(q[:, s:e], k[:, s:e], v[:, s:e].float(), g[:, s:e].float(),
-                              beta[:, s:e].float(), init)  # fmt: skip
-        outs.append(o)
-        finals.append(final)
-    o = torch.cat(outs, dim=1).to(v.dtype)
-    return o, (torch.cat(finals, dim=0) if output_final_state else None)
-
-
-def _recurrent(q, k, v, g, beta, init):
-    b, t, hv, dk = q.shape
-    state = q.new_zeros(b, hv, dk, v.shape[-1]) if init is None else init.float()
-    outs = []
-    for i in range(t):
-        kt, vt = k[:, i], v[:, i]  # [B, HV, K], [B, HV, V]
-        state = state * g[:, i].exp()[..., None, None]
-        delta = vt - torch.einsum("bhk,bhkv->bhv", kt, state)
-        state = state + torch.einsum("bhk,bhv->bhkv", kt * beta[:, i, :, None], delta)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], state))
-    return torch.stack(outs, dim=1), state
+    return chunked_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
