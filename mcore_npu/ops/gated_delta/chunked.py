@@ -225,17 +225,19 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def chunked_gated_delta_rule(
     q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
-    cu_seqlens=None, chunk_size: int = DEFAULT_CHUNK,
+    cu_seqlens=None, chunk_size: int = DEFAULT_CHUNK, bounds: list[int] | None = None,
 ):  # fmt: skip
     """The reference on checked inputs (see ``chunk_gated_delta_rule`` for the shapes).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
     ``[B or N, HV, K, V]``; cu_seqlens int ``[N + 1]`` (B == 1). Returns ``o [B, T, HV, V]``
     in v's dtype and the final state ``[B or N, HV, K, V]`` (fp32; fp64 for fp64 inputs) or None.
-    ``chunk_size`` changes round-off only.
+    ``chunk_size`` changes round-off only; ``bounds`` (``[0, ..., T]``) saves re-reading
+    cu_seqlens from the device when the caller has it.
     """
     tokens = q.shape[1]
-    bounds = [0, tokens] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    if bounds is None:
+        bounds = [0, tokens] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
     plan = plan_chunks(tokens, bounds, chunk_size, q.device)
     meta = _Meta(float(scale), plan, v.shape[2] // q.shape[2], bool(output_final_state))
     return ChunkedGatedDelta.apply(q, k, v, g, beta, initial_state, meta)
