@@ -1,9 +1,9 @@
 """The chunked gated delta rule in plain PyTorch, with its own backward.
 
-The maths of one chunk is in ``mcore_npu.ops.gated_delta.chunk_terms``. Chunks run one after
-the other in a Python loop (NC = T / C steps): each step computes its chunk's terms, its output
-and the state it passes on, so memory holds one chunk's intermediates at a time, never the
-whole sequence's (what keeps fwd+bwd at a fraction of an autograd-through-chunks version).
+The maths of one chunk is in ``mcore_npu.ops.gated_delta.chunk_terms``. The terms of a block of
+``BLOCK`` chunks are computed together (batched solves); the state then passes through the
+block's chunks one after the other, so memory holds one block's intermediates at a time, never
+the whole sequence's (what keeps fwd+bwd at a fraction of an autograd-through-chunks version).
 Results are written straight into token-layout buffers.
 
 The backward saves only the inputs. It recomputes the chunk states in a forward pass over the
@@ -15,14 +15,16 @@ fp32 (fp64 for fp64 inputs); packed segments restart from their own initial stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from mcore_npu.ops.gated_delta.chunk_terms import input_grads, intra
+from mcore_npu.ops.gated_delta.chunk_terms import Intra, input_grads, intra
 from mcore_npu.ops.gated_delta.chunks import ChunkPlan, from_chunks, plan_chunks, to_chunks
 
 DEFAULT_CHUNK = 64
+BLOCK = 8
+"""Chunks whose terms are computed together (batched solves); bounds the memory alive."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,26 @@ class _Chunks:
         self.views = [to_chunks(x, meta.plan) for x in (q, k, v, g, beta)]
         self.meta, self.compute = meta, compute
 
-    def __getitem__(self, j: int):
+    def __getitem__(self, j):
+        """Chunk ``j`` (``[B, HV, C, ...]``) or a slice of chunks (``[B, HV, n, C, ...]``)."""
         q, k, v, g, beta = (x[:, :, j].to(self.compute) for x in self.views)
         if self.meta.groups > 1:
             q, k = (x.repeat_interleave(self.meta.groups, dim=1) for x in (q, k))
         return q * self.meta.scale, k, v, g, beta
+
+
+def _blocks(count: int, reverse: bool = False):
+    """``(first, end)`` chunk ranges of ``BLOCK`` chunks, in order or reversed."""
+    starts = list(range(0, count, BLOCK))
+    pairs = [(s, min(s + BLOCK, count)) for s in starts]
+    return reversed(pairs) if reverse else pairs
+
+
+def _pick(terms, i: int):
+    """Chunk ``i`` of block-batched inputs or terms (index 2 of every tensor)."""
+    if isinstance(terms, tuple):
+        return tuple(x[:, :, i] for x in terms)
+    return Intra(**{f.name: getattr(terms, f.name)[:, :, i] for f in fields(Intra)})
 
 
 def _buffer(like: torch.Tensor, dtype, plan: ChunkPlan, heads: int, *dims: int) -> torch.Tensor:
@@ -70,19 +87,25 @@ def _scan(chunks: _Chunks, inits, plan: ChunkPlan, out=None, states=None):
     finals = list(inits)  # an empty segment ends where it starts
     firsts, lasts = plan.first_chunks, plan.last_chunks
     state = None
-    for j in range(plan.chunks):
-        if j in firsts:
-            state = inits[firsts[j]]
-        if states is not None:
-            states[:, :, j] = state
-        t = intra(*chunks[j])
-        new_values = t.u - t.w @ state
-        if out is not None:
-            out[:, :, j] = t.q_dec @ state + t.attn @ new_values
-        state = t.decay * state + t.k_out.mT @ new_values
-        if j in lasts:
-            finals[lasts[j]] = state
+    for first, end in _blocks(plan.chunks):
+        block = intra(*chunks[first:end])
+        for j in range(first, end):
+            state = _step(j, _pick(block, j - first), state, inits, firsts, out, states)
+            if j in lasts:
+                finals[lasts[j]] = state
     return finals
+
+
+def _step(j, t, state, inits, firsts, out, states):
+    """One chunk of the forward scan; returns the state leaving it."""
+    if j in firsts:
+        state = inits[firsts[j]]
+    if states is not None:
+        states[:, :, j] = state
+    new_values = t.u - t.w @ state
+    if out is not None:
+        out[:, :, j] = t.q_dec @ state + t.attn @ new_values
+    return t.decay * state + t.k_out.mT @ new_values
 
 
 class ChunkedGatedDelta(torch.autograd.Function):
@@ -147,25 +170,37 @@ def _reverse_scan(chunks: _Chunks, states, d_o, d_finals, grads: _Grads, meta: _
     d_out_view = None if d_o is None else to_chunks(d_o, plan)
     b, hv, _, dk, dv = states.shape
     d_inits = [d if d is not None else states.new_zeros(b, hv, dk, dv) for d in d_finals]
-    firsts, lasts = plan.first_chunks, plan.last_chunks
     d_state = None
-    for j in reversed(range(plan.chunks)):
-        if j in lasts:
-            d_final = d_finals[lasts[j]]
-            d_state = states.new_zeros(b, hv, dk, dv) if d_final is None else d_final
-        q, k, v, g, beta = chunks[j]
-        t = intra(q, k, v, g, beta)
-        state = states[:, :, j]
-        new_values = t.u - t.w @ state
-        d_out = (torch.zeros_like(new_values) if d_out_view is None
-                 else d_out_view[:, :, j].to(compute))  # fmt: skip
-        d_new_values = t.attn.mT @ d_out + t.k_out @ d_state
-        grads.write(j, *input_grads(t, q, k, v, beta, state, new_values, d_out, d_state,
-                                    d_new_values))  # fmt: skip
-        d_state = t.q_dec.mT @ d_out + t.decay * d_state - t.w.mT @ d_new_values
-        if j in firsts:
-            d_inits[firsts[j]] = d_state
+    for first, end in _blocks(plan.chunks, reverse=True):
+        inputs = chunks[first:end]
+        block = intra(*inputs)
+        for j in reversed(range(first, end)):
+            d_state = _reverse_step(j, _pick(inputs, j - first), _pick(block, j - first),
+                                    d_state, states, d_out_view, d_finals, d_inits, grads,
+                                    compute)  # fmt: skip
     return d_inits
+
+
+def _reverse_step(j, inputs, t, d_state, states, d_out_view, d_finals, d_inits, grads, compute):
+    """One chunk of the reverse scan; returns dS of the state entering it."""
+    plan = grads.meta.plan
+    firsts, lasts = plan.first_chunks, plan.last_chunks
+    b, hv, _, dk, dv = states.shape
+    if j in lasts:
+        d_final = d_finals[lasts[j]]
+        d_state = states.new_zeros(b, hv, dk, dv) if d_final is None else d_final
+    q, k, v, _, beta = inputs
+    state = states[:, :, j]
+    new_values = t.u - t.w @ state
+    d_out = (torch.zeros_like(new_values) if d_out_view is None
+             else d_out_view[:, :, j].to(compute))  # fmt: skip
+    d_new_values = t.attn.mT @ d_out + t.k_out @ d_state
+    grads.write(j, *input_grads(t, q, k, v, beta, state, new_values, d_out, d_state,
+                                d_new_values))  # fmt: skip
+    d_state = t.q_dec.mT @ d_out + t.decay * d_state - t.w.mT @ d_new_values
+    if j in firsts:
+        d_inits[firsts[j]] = d_state
+    return d_state
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
