@@ -1,7 +1,7 @@
 """specs/gated_delta_cases.yaml: the table covers what the operators take, its cases pass
 reference vs float64 oracle, and ``verify``'s hardware mode calls the kernel ``auto`` picks.
 
-The full table (36 cases) runs in ``mcore-npu verify --cases specs/gated_delta_cases.yaml``; here
+The full table (32 cases) runs in ``mcore-npu verify --cases specs/gated_delta_cases.yaml``; here
 the cheaper half runs (the long fp32 rule cases repeat tests/ops/test_gated_delta.py)."""
 
 from __future__ import annotations
