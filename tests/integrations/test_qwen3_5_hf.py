@@ -2,13 +2,10 @@
 Hugging Face bridge (``mcore_npu.integrations.hf_qwen3_5``) into the NPU spec, against
 transformers 5.10.4's own models.
 
-Every model: 4 layers, 3 Gated DeltaNet + 1 full attention (``full_attention_interval=4``),
-hidden 64, vocab 128, GQA 4/2 heads of 16 with partial RoPE (a quarter of each head) and the
-gated attention output, GDN 2 key heads of 16 and 4 value heads of 8 (grouped values, K != V).
-The MoE ones: 4 experts, top-2, a gated shared expert. Weights are drawn with std 0.1, the
-zero-centred norms from N(0, 0.2^2) and the GDN output norm from 1 + N(0, 0.2^2) (away from
-their inits), so that a norm taken as the wrong kind changes the logits. fp32, reference
-kernels, one process (the CPU runtime of tests/integrations/conftest.py).
+The checkpoints are tests/integrations/qwen3_5_models.py's: 4 layers, 3 Gated DeltaNet + 1
+full attention, partial RoPE, gated attention, GVA with K != V, MoE with a gated shared expert,
+every norm away from its init. fp32, reference kernels, one process (the CPU runtime of
+tests/integrations/conftest.py).
 
 Checked: logits within 1e-4 of transformers for 7, 12 and 70 tokens; the same sequences packed
 into one thd batch give each one's logits; export is bit-exact (per-expert and fused expert
@@ -28,9 +25,9 @@ import torch
 pytest.importorskip("verl")
 
 import safetensors.torch
-import transformers
 
 from tests.integrations.conftest import VOCAB
+from tests.integrations.qwen3_5_models import KINDS, save_tiny
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
 
@@ -39,63 +36,15 @@ LENGTHS = (7, 12, 70)
 CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
                 bias_activation_fusion=False, bias_dropout_fusion=False,
                 gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
-TEXT = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-    max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-)  # fmt: skip
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-           shared_expert_intermediate_size=48)  # fmt: skip
-VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
-
-
-def _draw(model) -> None:
-    """Every weight from N(0, 0.1^2); zero-centred norms from N(0, 0.2^2), the GDN output norm
-    from 1 + N(0, 0.2^2); A_log kept (transformers' log U(0, 16)), dt_bias from N(1, 0.1^2)."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1 + 0.2 * noise)
-            elif "norm" in name:
-                param.copy_(0.2 * noise)
-            elif name.endswith("A_log") or "visual" in name:
-                continue
-            elif name.endswith("dt_bias"):
-                param.copy_(1 + 0.1 * noise)
-            else:
-                param.copy_(0.1 * noise)
-
-
-def _save(path, model_class, config):
-    torch.manual_seed(0)
-    model = model_class(config)
-    _draw(model)
-    model.save_pretrained(path, safe_serialization=True)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> (path, transformers model) of each tiny checkpoint."""
+    """kind -> (path, transformers model) of each tiny checkpoint (qwen3_5_models.py)."""
     made = {}
-    cases = {
-        "dense": (transformers.Qwen3_5ForCausalLM,
-                  transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96)),
-        "moe": (transformers.Qwen3_5MoeForCausalLM,
-                transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE)),
-        "next": (transformers.Qwen3NextForCausalLM,
-                 transformers.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96)),
-        "hub": (transformers.Qwen3_5MoeForConditionalGeneration,
-                transformers.Qwen3_5MoeConfig(text_config=dict(**TEXT, **MOE),
-                                              vision_config=VISION)),
-    }  # fmt: skip
-    for name, (model_class, config) in cases.items():
-        path = tmp_path_factory.mktemp(f"tiny_qwen3_5_{name}")
-        made[name] = (str(path), _save(path, model_class, config))
+    for kind in KINDS:
+        path = tmp_path_factory.mktemp(f"tiny_qwen3_5_{kind}")
+        made[kind] = (str(path), save_tiny(path, kind))
     return made
 
 
