@@ -71,6 +71,7 @@ class ModelSection:
     max_sequence_length: int = 256
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
+    rotary_percent: float = 1.0  # share of each head's dims RoPE rotates (Qwen3.5: 0.25)
     share_embeddings_and_output_weights: bool = False
     param_layout: str = "te"  # npu_fusion parameter names: te (TE spec's) | local (local spec's)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -441,6 +442,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_experts(cfg, world_size)
     _validate_mla(cfg)
     _validate_gdn(cfg)
+    _validate_rotary_percent(cfg)
     _validate_train(cfg)
     _validate_optimizer(cfg)
 
@@ -466,6 +468,13 @@ def _validate_optimizer(cfg) -> None:
 def is_gdn(cfg) -> bool:
     """Whether the model has Gated DeltaNet layers (``experimental_attention_variant``)."""
     return cfg.model.extra.get("experimental_attention_variant") == "gated_delta_net"
+
+
+def _validate_rotary_percent(cfg) -> None:
+    value = cfg.model.rotary_percent
+    if not 0 < value <= 1:
+        _fail("model.rotary_percent", value, "must be in (0, 1]",
+              "use 1.0 (full RoPE) or the rotated share, e.g. 0.25")  # fmt: skip
 
 
 def _validate_gdn(cfg) -> None:

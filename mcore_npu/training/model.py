@@ -71,7 +71,8 @@ def transformer_config(cfg):
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     if is_mla(cfg):
-        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base))
+        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base),
+                                    rotary_percent=float(m.rotary_percent))  # fmt: skip
     if is_gdn(cfg):  # Megatron's own config asserts CP == 1 for GDN
         from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
@@ -235,6 +236,7 @@ def build_model(cfg, config=None, *, pre_process=None, post_process=None):
         share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
+        rotary_percent=float(cfg.model.rotary_percent),
     )
     if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module

@@ -24,6 +24,8 @@ def test_the_tiny_config_builds_a_gdn_config_with_megatrons_pattern():
     assert linear_attention_pattern(config) == [1, 1, 1, 0]
     assert (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 4)
     assert config.num_moe_experts == 4 and config.moe_shared_expert_intermediate_size == 64
+    assert config.layernorm_zero_centered_gamma and config.attention_output_gate
+    assert config.moe_shared_expert_gate and load_config(TINY).model.rotary_percent == 0.25
 
 
 def test_the_qwen3_5_config_validates_for_its_node_only():
@@ -43,6 +45,8 @@ def test_the_qwen3_5_config_validates_for_its_node_only():
     assert config.sequence_parallel and config.bf16 and config.moe_grouped_gemm
     assert config.recompute_granularity == "full" and config.recompute_method == "uniform"
     assert cfg.fused.moe_permute == "torch_npu" and not cfg.data.pack_sequences
+    assert config.layernorm_zero_centered_gamma and config.attention_output_gate
+    assert config.moe_shared_expert_gate and cfg.model.rotary_percent == 0.25
     with pytest.raises(ConfigError, match="parallel.expert"):  # ETP 2: 8 ranks / 2 < EP 8
         load_config(QWEN, ["parallel.expert_tensor=null"], world_size=16)
     with pytest.raises(ConfigError, match="parallel.tensor"):  # TP x PP = 4 ranks a replica
@@ -65,6 +69,7 @@ BAD = [
     (["model.linear_attention_freq=null"], "model.linear_attention_freq"),
     (["parallel.context=4"], "model.linear_num_key_heads"),  # 2 key heads over 4 CP ranks
     (["parallel.expert_tensor=0"], "parallel.expert_tensor"),
+    (["model.rotary_percent=0"], "model.rotary_percent"),
 ]
 
 
