@@ -439,7 +439,8 @@ def main():
     finally:
         del sys.modules["torch_npu"]
     mla = mla_parallel.cases()  # an MLA GPT: CP=2 and TP=2 against one process (own layouts)
-    gdn, gdn_refused = gdn_cp.cases(), gdn_cp.refusals()  # Gated DeltaNet's all-to-all
+    gdn = gdn_cp.cases() + gdn_cp.layer_cases()  # Gated DeltaNet's all-to-all
+    gdn_refused = gdn_cp.refusals()
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
@@ -487,7 +488,7 @@ def main_cp4():
         results.append(check_packed(comm, 8, 4, lengths=PACKED_LENGTHS_CP4))
     results.append(check_thd("all_gather", 8, 4, causal, real=REAL_CP4, cp=4,
                              padded=PACKED_LENGTHS_CP4))  # fmt: skip
-    gdn = gdn_cp.cases()  # Gated DeltaNet's all-to-all over four head groups
+    gdn = gdn_cp.cases() + gdn_cp.layer_cases()  # Gated DeltaNet over four head groups
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)

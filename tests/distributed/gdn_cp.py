@@ -183,9 +183,81 @@ def cases():
     ]
 
 
+def check_layer(layout: str, padded=None, recompute=False):
+    """The real ``NPUGatedDeltaNet`` (the hybrid spec's GDN layer, H=CP, HV=2CP key/value
+    heads) on this rank's chunks against a copy of it whose CP seam is
+    ``NoContextParallel`` (the one-process layer) on the whole sequence: output, input
+    gradient and every parameter gradient (summed over CP). Both are built from one seed."""
+    from mcore_npu.transformer.gated_delta_net import NoContextParallel
+    from tests.transformer.gdn_models import gdn_config, gdn_layer
+
+    group = _cp_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    extra = (
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        if recompute
+        else {}
+    )
+    config = gdn_config(
+        context_parallel_size=size,
+        linear_num_key_heads=size,
+        linear_num_value_heads=2 * size,
+        init_method_std=0.3,  # outputs of order 1 (0.02 leaves them near 1e-3)
+        **extra,
+    )
+    layer, one = gdn_layer(config, seed=0), gdn_layer(config, seed=0)  # the same weights
+    for mine, theirs in zip(layer.parameters(), one.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    one.context_parallel = NoContextParallel()  # an instance of ours: the seam at CP = 1
+    assert type(layer.context_parallel).__name__ == "GDNContextParallel"
+    gen = torch.Generator().manual_seed(3)
+    packed = layout == "thd"
+    total = sum(padded) if packed else 8 * size
+    x = torch.randn(total, 1 if packed else 2, config.hidden_size, generator=gen)
+    dy = torch.randn(x.shape, generator=gen)
+    params = _packed_params(padded) if packed else None
+    cu = params.cu_seqlens_q_padded.long() if packed else None
+    index = (thd_get_partitioned_indices(cu, total, size, rank) if packed
+             else _zigzag_index(total))  # fmt: skip
+
+    x_one = x.clone().requires_grad_()
+    y_one, _ = one(x_one, None, packed_seq_params=params)
+    y_one.backward(dy)
+    x_mine = x.index_select(0, index).clone().requires_grad_()
+    y_mine, _ = layer(x_mine, None, packed_seq_params=params)
+    y_mine.backward(dy.index_select(0, index))
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad, group=group)
+    want = {"out": y_one.detach().index_select(0, index), "dx": x_one.grad.index_select(0, index),
+            **{f"d{n}": p.grad for n, p in one.named_parameters()}}  # fmt: skip
+    got = {"out": y_mine.detach(), "dx": x_mine.grad, **{f"d{n}": g for n, g in grads.items()}}
+    errors = torch.tensor([[(got[n] - want[n]).abs().max(), want[n].abs().max()] for n in want])
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=group)
+    return {"module": "NPUGatedDeltaNet", "layout": layout, "cp": size, "padded": padded,
+            "recompute": recompute, "max_abs_error": dict(zip(want, errors[:, 0].tolist())),
+            "max_abs_value": dict(zip(want, errors[:, 1].tolist()))}  # fmt: skip
+
+
+def _packed_params(padded):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                           max_seqlen_q=max(padded), max_seqlen_kv=max(padded))  # fmt: skip
+
+
+def layer_cases():
+    """The layer in sbhd, packed thd, and with selective recompute of its core."""
+    cp = dist.get_world_size(_cp_group())
+    return [check_layer("sbhd"), check_layer("thd", padded=(4 * cp, 2 * cp, 6 * cp)),
+            check_layer("sbhd", recompute=True)]  # fmt: skip
+
+
 def main() -> None:
     rt = runtime.initialize(runtime.ParallelLayout(context=dist_size()), seed=0)
-    results, found = cases(), refusals()
+    results, found = cases() + layer_cases(), refusals()
     if rt.launch.rank == 0:
         for result in results:
             print("GDN_CASE " + json.dumps(result), flush=True)

@@ -268,23 +268,30 @@ def test_mla_down_projections_cross_between_te_and_npu_checkpoints_at_tp2(report
 
 
 def _check_gdn_cases(cases, cp):
+    functions = [c for c in cases if "module" not in c]
+    layers = [c for c in cases if c.get("module") == "NPUGatedDeltaNet"]
     covered = {(c["layout"], c["value_heads"] > c["key_heads"], c["real"] is not None)
-               for c in cases}  # fmt: skip
+               for c in functions}  # fmt: skip
     assert {("sbhd", True, False), ("sbhd", False, False), ("thd", True, False),
             ("thd", True, True)} <= covered  # fmt: skip
-    for case in cases:
+    assert {(c["layout"], c["recompute"]) for c in layers} == {
+        ("sbhd", False), ("thd", False), ("sbhd", True)}  # fmt: skip
+    for case in functions + layers:
         assert case["cp"] == cp, case
         errors, values = case["max_abs_error"], case["max_abs_value"]
-        assert set(errors) == {"out", "dx", "dconv", "dA_log", "ddt_bias", "dnorm"}, case
+        assert {"out", "dx", "dconv1d.weight" if "module" in case else "dconv", "dA_log",
+                "ddt_bias"} <= set(errors), case  # fmt: skip
         for name, error in errors.items():  # fp32 sums over the sequence: relative to the size
-            assert error <= TOLERANCE * max(1.0, values[name]), (name, case)
-            assert values[name] > 1e-3, (name, case)  # nothing compared is ~0
+            assert error <= TOLERANCE * values[name], (name, case)
+            assert values[name] > 1e-4, (name, case)  # nothing compared is ~0
 
 
 def test_gated_delta_net_all_to_all_matches_one_process(report):
     """GDN under CP=2 by all-to-all (sequence <-> heads, zigzag undone and redone): output, the
     in_proj-output gradient and the summed conv1d / A_log / dt_bias / out_norm gradients equal
-    one process on the whole sequence; GVA and not, sbhd and packed thd (padding tails too)."""
+    one process on the whole sequence; GVA and not, sbhd and packed thd (padding tails too).
+    And the real NPUGatedDeltaNet (sbhd, thd, selective recompute): output, input and every
+    parameter gradient against the same layer with its CP seam at CP = 1."""
     _check_gdn_cases(report["GDN_CASE"], 2)
 
 
