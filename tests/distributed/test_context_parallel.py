@@ -282,7 +282,10 @@ def _check_gdn_cases(cases, cp):
         assert {"out", "dx", "dconv1d.weight" if "module" in case else "dconv", "dA_log",
                 "ddt_bias"} <= set(errors), case  # fmt: skip
         for name, error in errors.items():  # fp32 sums over the sequence: relative to the size
-            assert error <= TOLERANCE * values[name], (name, case)
+            # dA_log / ddt_bias sum s*b terms far larger than the result (exp(A_log) up to 16):
+            # the round-off of a different matmul blocking (HV/CP heads) measured 1.0e-5 of it
+            loose = name in ("dA_log", "ddt_bias") and "module" in case
+            assert error <= (10 if loose else 1) * TOLERANCE * values[name], (name, case)
             assert values[name] > 1e-4, (name, case)  # nothing compared is ~0
 
 
