@@ -491,9 +491,12 @@ def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: tor
     """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``.
 
     Under context parallelism each rank holds 2 of the 2*CP chunks: the token sum and count are
-    summed over the CP group (as Megatron's ``loss_func`` does), the gradient flows through the
-    local sum only and the loss is multiplied by CP, because the gradient all-reduce averages
-    over data x context ranks.
+    summed over the CP group (as Megatron's ``loss_func`` does) and the gradient flows through
+    the local sum only. The gradient all-reduce averages over data x context ranks; the factor
+    CP that makes up for it is Megatron's: its schedule multiplies a two-value loss function's
+    loss by the CP size (``forward_step_calc_loss``, megatron-core 0.15 to 0.19), and scales the
+    MoE auxiliary losses to match. Multiplying here as well doubled every gradient at CP=2
+    (hidden by Adam, not by the MoE auxiliary loss, whose scale is Megatron's alone).
     """
     mask = loss_mask.reshape(-1).float()
     local_sum = (per_token_loss.float().reshape(-1) * mask).sum()
@@ -505,7 +508,7 @@ def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: tor
     totals = torch.stack([local_sum.detach(), mask.sum()])
     dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
     count = totals[1].clamp(min=1)
-    loss = local_sum / count * cp_size
+    loss = local_sum / count
     return loss, {"lm loss": (totals[0] / count).detach().clone()}
 
 

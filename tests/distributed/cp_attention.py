@@ -28,7 +28,7 @@ from mcore_npu.ops import reference
 from mcore_npu.training import runtime
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
-from tests.distributed import cp_rope, mla_parallel
+from tests.distributed import cp_rope, gdn_cp, mla_parallel
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
@@ -439,6 +439,8 @@ def main():
     finally:
         del sys.modules["torch_npu"]
     mla = mla_parallel.cases()  # an MLA GPT: CP=2 and TP=2 against one process (own layouts)
+    gdn = gdn_cp.cases() + gdn_cp.layer_cases()  # Gated DeltaNet's all-to-all
+    gdn_refused = gdn_cp.refusals()
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
@@ -455,6 +457,9 @@ def main():
             print("ROPE " + json.dumps(result), flush=True)
         for result in mla:
             print("MLA " + json.dumps(result), flush=True)
+        for result in gdn:
+            print("GDN_CASE " + json.dumps(result), flush=True)
+        print("GDN_REFUSALS " + json.dumps(gdn_refused), flush=True)
         print("STANDIN_THD_GATHER " + json.dumps({"padded": PADDED, "forward": thd_stand_in.forward_calls}),
               flush=True)  # fmt: skip
     runtime.shutdown()
@@ -483,9 +488,12 @@ def main_cp4():
         results.append(check_packed(comm, 8, 4, lengths=PACKED_LENGTHS_CP4))
     results.append(check_thd("all_gather", 8, 4, causal, real=REAL_CP4, cp=4,
                              padded=PACKED_LENGTHS_CP4))  # fmt: skip
+    gdn = gdn_cp.cases() + gdn_cp.layer_cases()  # Gated DeltaNet over four head groups
     if rt.launch.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
+        for result in gdn:
+            print("GDN_CASE " + json.dumps(result), flush=True)
     runtime.shutdown()
 
 

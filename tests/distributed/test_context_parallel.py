@@ -38,16 +38,26 @@ def report():
     for line in _launch(2).splitlines():
         tag, _, payload = line.partition(" ")
         if tag in ("CASE", "STANDIN", "REFUSALS", "REFUSALS_THD", "THD_REFUSALS", "MEMO",
-                   "STANDIN_THD", "STANDIN_THD_GATHER", "ROPE", "MLA"):  # fmt: skip
+                   "STANDIN_THD", "STANDIN_THD_GATHER", "ROPE", "MLA", "GDN_CASE",
+                   "GDN_REFUSALS"):  # fmt: skip
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
 
 @pytest.fixture(scope="module")
-def cases_cp4():
-    """The CP=4 cases of ``cp_attention.py --cp 4`` on 4 gloo ranks."""
-    prefix = "CASE "
-    return [json.loads(line[len(prefix) :]) for line in _launch(4, "--cp", "4").splitlines()
+def launch_cp4():
+    """stdout of ``cp_attention.py --cp 4`` on 4 gloo ranks."""
+    return _launch(4, "--cp", "4")
+
+
+@pytest.fixture(scope="module")
+def cases_cp4(launch_cp4):
+    """The CP=4 attention cases of that launch."""
+    return _tagged(launch_cp4, "CASE ")
+
+
+def _tagged(stdout: str, prefix: str) -> list[dict]:
+    return [json.loads(line[len(prefix) :]) for line in stdout.splitlines()
             if line.startswith(prefix)]  # fmt: skip
 
 
@@ -252,3 +262,51 @@ def test_mla_down_projections_cross_between_te_and_npu_checkpoints_at_tp2(report
     (case,) = [r for r in report["MLA"] if "checkpoint" in r]
     assert case["tp"] == 2 and case["downs"] == 4  # 2 layers x (q, kv)
     assert case["te_to_npu"] == 0.0 and case["npu_to_te"] == 0.0, case
+
+
+# -- Gated DeltaNet: context parallelism by all-to-all (tests/distributed/gdn_cp.py) ----------
+
+
+def _check_gdn_cases(cases, cp):
+    functions = [c for c in cases if "module" not in c]
+    layers = [c for c in cases if c.get("module") == "NPUGatedDeltaNet"]
+    covered = {(c["layout"], c["value_heads"] > c["key_heads"], c["real"] is not None)
+               for c in functions}  # fmt: skip
+    assert {("sbhd", True, False), ("sbhd", False, False), ("thd", True, False),
+            ("thd", True, True)} <= covered  # fmt: skip
+    assert {(c["layout"], c["recompute"]) for c in layers} == {
+        ("sbhd", False), ("thd", False), ("sbhd", True)}  # fmt: skip
+    for case in functions + layers:
+        assert case["cp"] == cp, case
+        errors, values = case["max_abs_error"], case["max_abs_value"]
+        assert {"out", "dx", "dconv1d.weight" if "module" in case else "dconv", "dA_log",
+                "ddt_bias"} <= set(errors), case  # fmt: skip
+        for name, error in errors.items():  # fp32 sums over the sequence: relative to the size
+            # dA_log / ddt_bias sum s*b terms far larger than the result (exp(A_log) up to 16):
+            # the round-off of a different matmul blocking (HV/CP heads) measured 1.0e-5 of it
+            loose = name in ("dA_log", "ddt_bias") and "module" in case
+            assert error <= (10 if loose else 1) * TOLERANCE * values[name], (name, case)
+            assert values[name] > 1e-4, (name, case)  # nothing compared is ~0
+
+
+def test_gated_delta_net_all_to_all_matches_one_process(report):
+    """GDN under CP=2 by all-to-all (sequence <-> heads, zigzag undone and redone): output, the
+    in_proj-output gradient and the summed conv1d / A_log / dt_bias / out_norm gradients equal
+    one process on the whole sequence; GVA and not, sbhd and packed thd (padding tails too).
+    And the real NPUGatedDeltaNet (sbhd, thd, selective recompute): output, input and every
+    parameter gradient against the same layer with its CP seam at CP = 1."""
+    _check_gdn_cases(report["GDN_CASE"], 2)
+
+
+def test_gated_delta_net_all_to_all_cp4_matches_one_process(launch_cp4):
+    """The same over four CP ranks (four head groups, chunks of 1-2 tokens per rank)."""
+    _check_gdn_cases(_tagged(launch_cp4, "GDN_CASE "), 4)
+
+
+def test_gated_delta_net_cp_refusals_name_the_value_and_the_fix(report):
+    (found,) = report["GDN_REFUSALS"]
+    assert "3 heads per tensor-parallel rank" in found["heads"] and "fix" in found["heads"]
+    assert "context_parallel_size=2" in found["heads"]
+    assert "3 local tokens" in found["odd_chunk"] and "fix" in found["odd_chunk"]
+    assert "[3, 5]" in found["sections"] and "in_proj sections" in found["sections"]
+    assert "padded length 6" in found["thd_length"] and "fix" in found["thd_length"]

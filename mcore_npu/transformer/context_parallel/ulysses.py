@@ -31,8 +31,10 @@ from mcore_npu.transformer.context_parallel import chunks
 from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indices
 
 
-class _Order:
-    """How the rank-ordered gathered tokens (dim 0) map to natural order and back."""
+class TokenOrder:
+    """How the rank-ordered gathered tokens (dim 0) map to natural order and back (sbhd: whole
+    chunks; thd, with ``thd_ends``: every packed sequence's own chunks). Also used by the Gated
+    DeltaNet's all-to-all (:mod:`mcore_npu.transformer.gated_delta_net.context_parallel`)."""
 
     def __init__(self, size: int, device, thd_ends=None) -> None:
         self.size, self.packed = size, thd_ends is not None
@@ -67,7 +69,7 @@ def _packed_order(ends: tuple[int, ...], size: int, device: torch.device):
     return natural.to(device), ranked.to(device)
 
 
-def _seq_to_heads(x, group, order: _Order):
+def _seq_to_heads(x, group, order: TokenOrder):
     """``[t_local, *batch, n, d]`` -> ``[t, *batch, n/CP, d]``, natural token order."""
     if not order.packed:
         return _dense_seq_to_heads(x, group)
@@ -79,7 +81,7 @@ def _seq_to_heads(x, group, order: _Order):
     return order.to_natural(received.reshape(size * t_local, *batch, n // size, d))
 
 
-def _heads_to_seq(x, group, order: _Order):
+def _heads_to_seq(x, group, order: TokenOrder):
     """``[t, *batch, n/CP, d]`` (natural order) -> ``[t_local, *batch, n, d]``: the inverse."""
     if not order.packed:
         return _dense_heads_to_seq(x, group)
@@ -225,7 +227,7 @@ def attention(
             f"thd_ends: expected the local padded cumulative ends without a leading 0, ending at "
             f"the local token count {query.shape[0]}; got {thd_ends!r}"
         )
-    order = _Order(size, query.device, thd_ends)
+    order = TokenOrder(size, query.device, thd_ends)
     q, k, v = (SeqToHeads.apply(t, group, order) for t in (query, key, value))
     kwargs = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
     kwargs.update(_mask_kwargs(causal, window, packed, query.device))
