@@ -8,9 +8,11 @@ handed to the real ``TransformerConfig`` (no TypeError may come out of it; none 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
@@ -341,3 +343,36 @@ def test_the_gdn_outcome_is_described_for_both_kinds_of_model():
     )
     assert "models with gated-delta-net layers: honoured" in row
     assert "other models: no effect" in row
+
+
+GDN_RECIPES = Path(__file__).parents[1] / "integrations" / "gdn_recipes.yaml"
+
+
+@pytest.mark.parametrize(
+    "recipe", yaml.safe_load(GDN_RECIPES.read_text())["recipes"], ids=lambda r: r["name"]
+)
+def test_the_qwen3_5_recipes_translate_at_their_own_parallel_sizes(recipe):
+    """The five Qwen3.5 recipes' key sets (three distinct ones), verbatim, on a model with
+    gated-delta-net layers at the recipe's TP / PP / CP: every key accepted, the MoE and recompute
+    keys to Megatron, the fused switches to the spec, kvallgather to the full-attention layers."""
+    sizes, keys = recipe["parallel"], recipe["keys"]
+    context = RecipeContext(
+        config_class=TransformerConfig, num_layers=48, tensor_parallel_size=sizes["tensor"],
+        pipeline_parallel_size=sizes["pipeline"], context_parallel_size=sizes["context"],
+        sequence_parallel=sizes["tensor"] > 1, gated_delta_net=True,
+    )  # fmt: skip
+    plan = translate(keys, context)
+    passed = ("recompute_method", "recompute_granularity", "recompute_num_layers",
+              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm",
+              "moe_token_dispatcher_type", "moe_router_dtype")  # fmt: skip
+    want = {key: keys[key] for key in passed if key in keys}
+    if "context_parallel_algo" in keys:
+        want["cp_comm_type"] = "all_gather"
+        cp_line = next(line for line in plan.log if "context_parallel_algo" in line)
+        assert "the full-attention layers" in cp_line, cp_line
+    assert plan.megatron == want
+    fused = {"use_fused_rmsnorm": "rms_norm_kernel", "use_fused_swiglu": "swiglu_kernel",
+             "moe_permute_fusion": "moe_permute_kernel"}  # fmt: skip
+    assert plan.spec == {fused[key]: None for key in keys if key in fused}
+    l2norm = [line for line in plan.log if "use_naive_l2norm" in line]
+    assert len(l2norm) == 1 and "no effect" not in l2norm[0], l2norm
