@@ -3,6 +3,9 @@
 The attention table (default) is described below. ``--cases specs/fused_ops_cases.yaml`` runs
 the fused operators' table instead (``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul``; see
 ``mcore_npu.tools.fused_cases``) in the same two modes, with columns forward / grad0 / grad1.
+``--cases specs/gated_delta_cases.yaml`` runs the Gated DeltaNet operators' table
+(``mcore_npu.tools.gdn_cases``: the kernel ``auto`` picks on the NPU vs the reference, or the
+reference vs float64 oracles), columns forward / state / grad0..grad5.
 
 Two modes, chosen by the device:
 
@@ -532,8 +535,12 @@ class Target:
         return "hardware" if self.hardware else "oracle"
 
     def check(self, case: AttentionCase) -> CaseResult:
-        from mcore_npu.tools import fused_cases
+        from mcore_npu.tools import fused_cases, gdn_cases
 
+        if isinstance(case, gdn_cases.GatedDeltaCase):
+            if self.hardware:
+                return gdn_cases.check_kernel_gdn_case(case, self.device)
+            return gdn_cases.check_reference_gdn_case(case, self.device)
         if isinstance(case, fused_cases.FusedCase):
             if self.hardware:
                 return fused_cases.check_kernel_fused_case(case, self.device)
@@ -575,10 +582,13 @@ def select_cases(path: str | Path | None, substring: str | None) -> list[Attenti
 
     A fused-operator table (``kind: fused_ops``) gives ``FusedCase`` objects instead.
     """
-    from mcore_npu.tools import fused_cases
+    from mcore_npu.tools import fused_cases, gdn_cases
 
     fused = path is not None and fused_cases.is_fused_table(path)
-    cases = fused_cases.load_fused_cases(path) if fused else load_cases(path)
+    if path is not None and gdn_cases.is_gated_delta_table(path):
+        cases = gdn_cases.load_gated_delta_cases(path)
+    else:
+        cases = fused_cases.load_fused_cases(path) if fused else load_cases(path)
     if substring:
         cases = [case for case in cases if substring in case.id]
         if not cases:
@@ -726,11 +736,14 @@ def _run_text(cases: list[AttentionCase], target: Target, args) -> list[CaseResu
         f"cases: {args.cases} ({len(cases)} cases{selection}); mode {target.mode}, "
         f"device {target.device}"
     )
-    from mcore_npu.tools import fused_cases
+    from mcore_npu.tools import fused_cases, gdn_cases
 
-    fused = isinstance(cases[0], fused_cases.FusedCase)
-    report = _TextReport(id_width=max(len(case.id) for case in cases) + 2,
-                         quantities=fused_cases.QUANTITIES if fused else QUANTITIES)  # fmt: skip
+    quantities = QUANTITIES
+    if isinstance(cases[0], fused_cases.FusedCase):
+        quantities = fused_cases.QUANTITIES
+    elif isinstance(cases[0], gdn_cases.GatedDeltaCase):
+        quantities = gdn_cases.QUANTITIES
+    report = _TextReport(id_width=max(len(case.id) for case in cases) + 2, quantities=quantities)
     report.header()
     results = run_cases(cases, target.check, on_result=report.row)
     failures = [result for result in results if not result.passed]

@@ -63,6 +63,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.gated_delta_net.spec import hybrid_layer_specs, is_gdn
 from mcore_npu.transformer.layer import bind_mlp_process_groups
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
@@ -141,13 +142,18 @@ def get_gpt_decoder_block_npu_spec(
     rope_kernel: str | None = "off",
     mla_value_padding: str = "auto",
     pg_collection=None,
+    gdn_naive_l2norm: bool = False,
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
 
     Mirrors ``get_gpt_decoder_block_spec(config, use_transformer_engine=False, ...)``: the same
     layer pattern (``moe_layer_freq``), pipeline-stage slicing and final norm, with every layer's
-    core attention and every torch norm swapped as in ``get_gpt_layer_npu_spec``.
+    core attention and every torch norm swapped as in ``get_gpt_layer_npu_spec``. With
+    ``config.experimental_attention_variant="gated_delta_net"`` the layers that
+    ``linear_attention_freq`` marks (Megatron's reading, at each layer's global position) get
+    ``NPUGatedDeltaNet`` as ``self_attention`` (``mcore_npu/transformer/gated_delta_net``); the
+    others keep the NPU attention.
 
     Args:
         config: Megatron ``TransformerConfig``.
@@ -156,6 +162,8 @@ def get_gpt_decoder_block_npu_spec(
             ``get_gpt_layer_npu_spec`` (``config.multi_latent_attention`` builds MLA); with ``"te"``
             the final norm has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block
             spec's.
+        gdn_naive_l2norm: GDN layers l2-normalise q and k with plain torch before the rule
+            (MindSpeed's ``use_naive_l2norm``) instead of inside it.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
             ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
             ``pp_rank``, ...).
@@ -181,6 +189,11 @@ def get_gpt_decoder_block_npu_spec(
         swapped.setdefault(id(spec), _swap_npu_parts(spec, provider, grouped, pg_collection))
         for spec in block.layer_specs
     ]
+    if is_gdn(config):
+        block.layer_specs = hybrid_layer_specs(
+            block.layer_specs, config, provider, vp_stage=block_spec_kwargs.get("vp_stage"),
+            pp_rank=block_spec_kwargs.get("pp_rank"), naive_l2norm=gdn_naive_l2norm,
+        )  # fmt: skip
     block.layer_norm = provider.layer_norm()
     return block
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mcore_npu.ops.gated_delta.checks import validate_conv
+
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
     """``silu(conv1d(x))`` with left padding ``W - 1`` per channel.
@@ -13,9 +15,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens=None) -> 
     cu_seqlens: optional int ``[N + 1]`` segment starts over T (then B == 1): no position sees
     across a segment boundary. Returns ``[B, T, C]`` in x's dtype.
     """
+    bounds = validate_conv(x, weight, cu_seqlens)
     if cu_seqlens is None:
         return _conv(x, weight)
-    bounds = cu_seqlens.tolist()
     parts = [_conv(x[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     return torch.cat(parts, dim=1)
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mcore_npu.ops._checks import check_finite_nonnegative, check_tensor, fail
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x**2, -1) + eps)`` computed in fp32, returned in x's dtype.
 
     x: ``[..., D]``. This is MindSpeed's ``use_naive_l2norm`` and fla's in-kernel l2norm.
     """
+    check_tensor("l2norm", "x", x, "reference")
+    check_finite_nonnegative("l2norm", "eps", eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -21,6 +25,20 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     x, z: ``[..., V]``; weight: ``[V]`` (not zero-centred: it starts at 1). The statistics run in
     fp32; ``rmsnorm(x)`` is cast to x's dtype before the weight, the gate runs in fp32.
     """
+    _check_gated(x, z, weight, eps)
     xf = x.float()
     x_hat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * x_hat * F.silu(z.float())).to(x.dtype)
+
+
+def _check_gated(x, z, weight, eps) -> None:
+    op, shown = "gated_rms_norm", (("x", x), ("z", z), ("weight", weight))
+    for name, t in shown:
+        check_tensor(op, name, t, "reference", shown)
+    if z.shape != x.shape:
+        fail(op, ValueError, "z", f"shape {list(z.shape)} differs from x's {list(x.shape)}",
+             "pass the gate z with x's shape [..., V]", shown)  # fmt: skip
+    if weight.shape != x.shape[-1:]:
+        fail(op, ValueError, "weight", f"shape {list(weight.shape)}, expected "
+             f"[{x.shape[-1]}] (x's last dimension)", "pass out_norm.weight [V]", shown)  # fmt: skip
+    check_finite_nonnegative(op, "eps", eps)

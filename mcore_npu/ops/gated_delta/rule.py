@@ -1,59 +1,97 @@
-"""The gated delta rule (placeholder: the recurrent form through autograd).
+"""``chunk_gated_delta_rule``: fla's calling convention, checked, on the chosen kernel.
 
 State per value head ``S [K, V]``: ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``,
-``o_t = S_t^T q_t``.
+``o_t = S_t^T q_t``. The reference is the chunked form (``mcore_npu.ops.gated_delta.chunked``).
+
+``kernel="auto"`` picks, for NPU tensors: torch_npu's forward-only kernel for calls that need no
+gradient (when it takes the shapes), else the trainable fla_npu Ascend C chain (when installed
+and it takes the call), else fla's triton-ascend kernel (when installed), else the reference.
+Everywhere else it picks the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_npu.ops.gated_delta import fla_npu_chain, kernels
+from mcore_npu.ops.gated_delta.checks import validate_rule
+from mcore_npu.ops.gated_delta.chunked import chunked_gated_delta_rule
 from mcore_npu.ops.gated_delta.norms import l2norm
+
+KERNELS = ("auto", "reference", "fla_npu", "fla", "torch_npu")
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will want gradients of any of these tensors."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def choose_kernel(kernel: str, q, v, *, grad: bool, initial_state=None) -> str:
+    """The kernel that runs this call (``auto`` resolved; see the module docstring)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"chunk_gated_delta_rule: kernel: unknown kernel {kernel!r}\n"
+                         f"  fix: pass one of {', '.join(KERNELS)} ('auto' picks the Ascend "
+                         "kernels for NPU tensors and the reference elsewhere)")  # fmt: skip
+    if kernel != "auto":
+        return kernel
+    if q.device.type != "npu":
+        return "reference"
+    forward_only = not grad and kernels.torch_npu_rule() is not None
+    if forward_only and kernels.torch_npu_unsupported(q, v) is None:
+        return "torch_npu"
+    if fla_npu_chain.available() and fla_npu_chain.unsupported(q, v, initial_state) is None:
+        return "fla_npu"
+    if kernels.fla_rule() is not None:
+        return "fla"
+    return "reference"
 
 
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None, use_qk_l2norm_in_kernel=False, kernel="auto",
 ):  # fmt: skip
     """fla's ``chunk_gated_delta_rule``.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g (log-decay, <= 0), beta: ``[B, T, HV]``;
     HV a multiple of H (value head h reads q/k head ``h // (HV // H)``); scale defaults to
-    ``K ** -0.5``; initial_state ``[B or N, HV, K, V]``; cu_seqlens int ``[N + 1]`` (B == 1).
-    Returns ``o [B, T, HV, V]`` in v's dtype and the fp32 final state (or None).
+    ``K ** -0.5``; initial_state ``[B or N, HV, K, V]``; cu_seqlens int ``[N + 1]`` (B == 1,
+    every segment starts from its own initial state, zero by default).
+    Returns ``o [B, T, HV, V]`` in v's dtype and the fp32 final state ``[B or N, HV, K, V]``
+    (or None). ``kernel``: one of ``KERNELS`` (see the module docstring).
+
+    Raises:
+        TypeError, ValueError: a bad argument (named, with the value and the fix).
+        ImportError: an explicitly named Ascend kernel that is not installed.
     """
+    grad = needs_grad(q, k, v, g, beta, initial_state)
+    chosen = choose_kernel(kernel, q, v, grad=grad, initial_state=initial_state) if isinstance(
+        q, torch.Tensor) and isinstance(v, torch.Tensor) else "reference"  # fmt: skip
+    bounds = validate_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, kernel=chosen,
+    )  # fmt: skip
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    common = dict(scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state)  # fmt: skip
+    if chosen == "torch_npu":
+        if grad:
+            raise ValueError("chunk_gated_delta_rule: kernel: 'torch_npu' is forward only (no "
+                             "derivative) but this call needs gradients\n  fix: use "
+                             "kernel='auto', or run it under torch.no_grad()")  # fmt: skip
+        return kernels.run_torch_npu(q, k, v, g, beta, bounds=bounds,
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                     **common)  # fmt: skip
+    if chosen == "fla":
+        return kernels.run_fla(q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               **common)  # fmt: skip
+    if chosen == "fla_npu":
+        return fla_npu_chain.run(q, k, v, g, beta, bounds=bounds, cu_seqlens=cu_seqlens,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                 **common)  # fmt: skip
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    groups = v.shape[2] // q.shape[2]
-    q = q.repeat_interleave(groups, dim=2).float() * scale
-    k = k.repeat_interleave(groups, dim=2).float()
-    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    outs, finals = [], []
-    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        init = (
-            None
-            if initial_state is None
-            else initial_state[n : n + 1]
-            if cu_seqlens is not None
-            else initial_state
-        )
-        o, final = _recurrent(q[:, s:e], k[:, s:e], v[:, s:e].float(), g[:, s:e].float(),
-                              beta[:, s:e].float(), init)  # fmt: skip
-        outs.append(o)
-        finals.append(final)
-    o = torch.cat(outs, dim=1).to(v.dtype)
-    return o, (torch.cat(finals, dim=0) if output_final_state else None)
-
-
-def _recurrent(q, k, v, g, beta, init):
-    b, t, hv, dk = q.shape
-    state = q.new_zeros(b, hv, dk, v.shape[-1]) if init is None else init.float()
-    outs = []
-    for i in range(t):
-        kt, vt = k[:, i], v[:, i]  # [B, HV, K], [B, HV, V]
-        state = state * g[:, i].exp()[..., None, None]
-        delta = vt - torch.einsum("bhk,bhkv->bhv", kt, state)
-        state = state + torch.einsum("bhk,bhv->bhkv", kt * beta[:, i, :, None], delta)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], state))
-    return torch.stack(outs, dim=1), state
+    return chunked_gated_delta_rule(q, k, v, g, beta, bounds=bounds, **common)

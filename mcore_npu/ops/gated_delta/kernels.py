@@ -1,0 +1,97 @@
+"""The Ascend kernels of the gated delta rule, looked up at call time (never at import).
+
+- ``fla``: fla's ``chunk_gated_delta_rule`` (its triton-ascend backend on an NPU), trainable,
+  fla's own calling convention, so the call passes through unchanged.
+- ``torch_npu``: ``torch_npu.npu_chunk_gated_delta_rule(query, key, value, *, beta,
+  initial_state, actual_seq_lengths, scale, g)``, **forward only** (no derivative). Its layout
+  is TND: q/k ``[T, Nk, Dk]``, v ``[T, Nv, Dv]``, beta/g ``[T, Nv]``, states
+  ``[B, Nv, Dv, Dk]`` (transposed against fla's ``[.., K, V]``), bf16 with Dk = Dv = 128 and
+  Nv <= 64 (op-plugin's documented constraints).
+- ``fla_npu``: the trainable Ascend C building blocks of flash-linear-attention-npu
+  (``mcore_npu.ops.gated_delta.fla_npu_chain``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from mcore_npu.ops.gated_delta.norms import l2norm
+
+NPU_FORWARD_DTYPES = (torch.bfloat16,)
+NPU_FORWARD_HEAD_DIM = 128
+NPU_FORWARD_MAX_HEADS = 64
+
+
+def import_optional(name: str):
+    """The module, or None when it does not import (any exception: a broken CANN as well)."""
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None
+
+
+def fla_rule():
+    """fla's trainable ``chunk_gated_delta_rule``, or None."""
+    module = import_optional("fla.ops.gated_delta_rule")
+    return getattr(module, "chunk_gated_delta_rule", None)
+
+
+def torch_npu_rule():
+    """``torch_npu.npu_chunk_gated_delta_rule`` (forward only), or None."""
+    return getattr(import_optional("torch_npu"), "npu_chunk_gated_delta_rule", None)
+
+
+def torch_npu_unsupported(q, v) -> str | None:
+    """Why the forward-only torch_npu kernel cannot take this call, or None when it can."""
+    if v.dtype not in NPU_FORWARD_DTYPES or q.dtype not in NPU_FORWARD_DTYPES:
+        return f"it takes bfloat16 only (q {q.dtype}, v {v.dtype})"
+    if q.shape[-1] != NPU_FORWARD_HEAD_DIM or v.shape[-1] != NPU_FORWARD_HEAD_DIM:
+        return f"it takes K = V = 128 only (K {q.shape[-1]}, V {v.shape[-1]})"
+    if v.shape[2] > NPU_FORWARD_MAX_HEADS:
+        return f"it takes at most 64 value heads ({v.shape[2]})"
+    return None
+
+
+def run_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+            use_qk_l2norm_in_kernel):  # fmt: skip
+    """fla's kernel with fla's own keywords (the operator's convention is fla's)."""
+    rule = fla_rule()
+    if rule is None:
+        raise ImportError("kernel='fla' needs flash-linear-attention (fla) with its "
+                          "triton-ascend backend; fix: pip install flash-linear-attention on the "
+                          "Ascend machine, or use kernel='auto' / 'reference'")  # fmt: skip
+    return rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
+
+
+def run_torch_npu(q, k, v, g, beta, *, scale, initial_state, output_final_state, bounds,
+                  use_qk_l2norm_in_kernel):  # fmt: skip
+    """torch_npu's forward-only kernel: fla layout in, TND for the operator, fla layout out.
+
+    ``bounds``: ``[0, T]`` (then every batch row is one sequence) or the packed segments.
+    """
+    op = torch_npu_rule()
+    if op is None:
+        raise ImportError("kernel='torch_npu' needs torch_npu.npu_chunk_gated_delta_rule "
+                          "(torch-npu 26.1.0 or newer); fix: upgrade torch-npu, or use "
+                          "kernel='auto'")  # fmt: skip
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    b, t, hv, dv = v.shape
+    packed = len(bounds) > 2 or b == 1
+    lengths = [e - s for s, e in zip(bounds, bounds[1:])] if packed else [t] * b
+    if initial_state is None:
+        state = v.new_zeros(len(lengths), hv, dv, q.shape[-1])
+    else:
+        state = initial_state.transpose(-1, -2).to(v.dtype).contiguous()
+    out, final = op(
+        q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, hv, dv),
+        beta=beta.reshape(b * t, hv).to(v.dtype), initial_state=state,
+        actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32, device=v.device),
+        scale=float(scale), g=g.reshape(b * t, hv).float(),
+    )  # fmt: skip
+    final = final.transpose(-1, -2).float() if output_final_state else None
+    return out.reshape(b, t, hv, dv), final

@@ -1,0 +1,297 @@
+"""The Gated DeltaNet case table (``specs/gated_delta_cases.yaml``) and its float64 oracles.
+
+``load_gated_delta_cases`` expands the table into one :class:`GatedDeltaCase` per case and
+dtype; ``make_call`` draws seeded inputs (in float64, then cast, so a case's inputs agree across
+dtypes). The oracles are written here from the definitions, token by token in float64 (the
+recurrence ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``, ``o_t = S_t^T q_t``;
+the convolution as explicit sums over taps), sharing no code with ``mcore_npu.ops``.
+``check_reference_gdn_case`` compares the reference with them; ``check_kernel_gdn_case`` the
+kernel that ``auto`` picks on the device with the float32 reference on the CPU. Both return
+``verify``'s ``CaseResult``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import nullcontext
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from mcore_npu.tools.cases import Tolerance
+
+GDN_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/gated_delta_cases.yaml")))
+OPERATORS = ("chunk_gated_delta_rule", "causal_conv1d", "l2norm", "gated_rms_norm")
+QUANTITIES = ("forward", "state", "grad0", "grad1", "grad2", "grad3", "grad4", "grad5")
+"""Output, final state (the rule only), then the gradients of the inputs in call order."""
+
+
+@dataclass(frozen=True)
+class GatedDeltaCase:
+    id: str
+    operator: str
+    params: tuple[tuple[str, Any], ...]
+    dtype: torch.dtype
+    forward: Tolerance
+    grad: Tolerance
+    seed: int
+
+    def param(self, name: str, default=None):
+        return dict(self.params).get(name, default)
+
+
+def is_gated_delta_table(path) -> bool:
+    """Whether ``path`` is a Gated DeltaNet table (``kind: gated_delta``)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and loaded.get("kind") == "gated_delta"
+
+
+def load_gated_delta_cases(path=None) -> list[GatedDeltaCase]:
+    table = yaml.safe_load(Path(path or GDN_TABLE).read_text(encoding="utf-8"))
+    cases = []
+    for operator in OPERATORS:
+        for entry in table.get(operator, []):
+            for dtype_name in table["dtypes"]:
+                tol = table["tolerances"][dtype_name]
+                digest = int(hashlib.sha256(entry["name"].encode()).hexdigest()[:6], 16)
+                cases.append(GatedDeltaCase(
+                    f"{operator}/{entry['name']}/{dtype_name}", operator,
+                    tuple(sorted((k, _freeze(v)) for k, v in entry.items())),
+                    getattr(torch, dtype_name), Tolerance(**tol["forward"]),
+                    Tolerance(**tol["grad"]), table["seed"] + digest,
+                ))  # fmt: skip
+    return cases
+
+
+def _freeze(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _normal(shape, seed) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _uniform(shape, seed) -> torch.Tensor:
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _layout(case: GatedDeltaCase) -> tuple[int, int, list[int] | None]:
+    """``(batch, tokens, cu_seqlens bounds or None)``."""
+    segments = case.param("segments")
+    if segments is None:
+        return case.param("batch"), case.param("tokens"), None
+    bounds = [0]
+    for length in segments:
+        bounds.append(bounds[-1] + length)
+    return 1, bounds[-1], bounds
+
+
+def make_call(case: GatedDeltaCase, dtype: torch.dtype, device="cpu"):
+    """``(leaves, kwargs)``: the differentiable inputs in call order and the other arguments."""
+    s = case.seed
+    if case.operator == "chunk_gated_delta_rule":
+        leaves, kwargs = _rule_inputs(case, s, device)
+    elif case.operator == "causal_conv1d":
+        b, t, bounds = _layout(case)
+        c, w = case.param("channels"), case.param("width")
+        leaves = [_normal((b, t, c), s), _normal((c, 1, w), s + 1) / w**0.5]
+        kwargs = {"cu_seqlens": _bounds_tensor(bounds, device)}
+    elif case.operator == "l2norm":
+        x = _normal(case.param("shape"), s)
+        if case.param("tiny"):
+            x = x * 1e-4  # rows small enough for eps to matter
+        leaves, kwargs = [x], {}
+    else:
+        shape = case.param("shape")
+        weight = 1 + 0.3 * _normal(shape[-1:], s + 2)
+        leaves, kwargs = (
+            [_normal(shape, s), _normal(shape, s + 1), weight],
+            {"eps": case.param("eps")},
+        )
+    leaves = [t.to(dtype).to(device).requires_grad_(not case.param("no_grad")) for t in leaves]
+    return leaves, kwargs
+
+
+def _bounds_tensor(bounds, device):
+    return None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def _rule_inputs(case: GatedDeltaCase, s: int, device):
+    b, t, bounds = _layout(case)
+    (h, hv), (dk, dv) = case.param("heads"), case.param("dims")
+    q, k = _normal((b, t, h, dk), s), _normal((b, t, h, dk), s + 1)
+    if not case.param("l2norm"):  # the caller's q and k arrive unit-norm
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    decay = case.param("decay")
+    g = torch.full((b, t, hv), decay, dtype=torch.float64) if case.param("strong") else (
+        decay * _uniform((b, t, hv), s + 3))  # fmt: skip
+    beta = torch.sigmoid(_normal((b, t, hv), s + 4))
+    leaves = [q, k, _normal((b, t, hv, dv), s + 2), g, beta]
+    if case.param("initial"):
+        rows = b if bounds is None else len(bounds) - 1
+        leaves.append(0.5 * _normal((rows, hv, dk, dv), s + 5))
+    kwargs = {"cu_seqlens": _bounds_tensor(bounds, device), "output_final_state": True,
+              "use_qk_l2norm_in_kernel": bool(case.param("l2norm"))}  # fmt: skip
+    return leaves, kwargs
+
+
+def call_operator(case: GatedDeltaCase, leaves, kwargs, kernel: str = "reference"):
+    """Run the operator through ``mcore_npu.ops.gated_delta``: ``(out, final state or None)``."""
+    from mcore_npu.ops import gated_delta
+
+    if case.operator == "chunk_gated_delta_rule":
+        q, k, v, g, beta, *init = leaves
+        return gated_delta.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=init[0] if init else None, kernel=kernel, **kwargs
+        )
+    if case.operator == "causal_conv1d":
+        return gated_delta.causal_conv1d(*leaves, **kwargs), None
+    if case.operator == "l2norm":
+        return gated_delta.l2norm(*leaves), None
+    return gated_delta.gated_rms_norm(*leaves, **kwargs), None
+
+
+# --------------------------------------------------------------------------------------------
+# the float64 oracles
+# --------------------------------------------------------------------------------------------
+
+
+def oracle(case: GatedDeltaCase, leaves, kwargs):
+    """The float64 answer from the definitions (differentiable): ``(out, state or None)``."""
+    if case.operator == "chunk_gated_delta_rule":
+        q, k, v, g, beta, *init = leaves
+        bounds = kwargs["cu_seqlens"]
+        return recurrent_rule(
+            q, k, v, g, beta, initial_state=init[0] if init else None,
+            bounds=None if bounds is None else bounds.tolist(),
+            l2norm=kwargs["use_qk_l2norm_in_kernel"],
+        )  # fmt: skip
+    if case.operator == "causal_conv1d":
+        bounds = kwargs["cu_seqlens"]
+        return conv_oracle(*leaves, None if bounds is None else bounds.tolist()), None
+    if case.operator == "l2norm":
+        (x,) = leaves
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), None
+    x, z, weight = leaves
+    rms = torch.sqrt((x * x).mean(-1, keepdim=True) + kwargs["eps"])
+    return weight * (x / rms) * z / (1 + torch.exp(-z)), None
+
+
+def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=False,
+                   scale=None):  # fmt: skip
+    """The gated delta rule token by token in float64 (see the module docstring).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
+    ``[B or N, HV, K, V]``; bounds: packed segment bounds (B == 1). Returns
+    ``(o [B, T, HV, V], final [B or N, HV, K, V])`` in float64.
+    """
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, t, heads, dk = q.shape
+    value_heads = v.shape[2]
+    head_of = [h // (value_heads // heads) for h in range(value_heads)]
+    segments = [(row, 0, t) for row in range(b)] if bounds is None else [
+        (0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    outs, finals = {}, []
+    for n, (row, start, end) in enumerate(segments):
+        heads_final = []
+        for h in range(value_heads):
+            state = (initial_state[n, h].double() if initial_state is not None
+                     else v.new_zeros(dk, v.shape[-1]))  # fmt: skip
+            for i in range(start, end):
+                kt, qt = k[row, i, head_of[h]], q[row, i, head_of[h]] * scale
+                state = torch.exp(g[row, i, h]) * state
+                state = state + beta[row, i, h] * torch.outer(kt, v[row, i, h] - kt @ state)
+                outs[row, i, h] = qt @ state
+            heads_final.append(state)
+        finals.append(torch.stack(heads_final))
+    out = torch.stack([torch.stack([torch.stack([outs[row, i, h] for h in range(value_heads)])
+                                    for i in range(t)]) for row in range(b)])  # fmt: skip
+    return out, torch.stack(finals)
+
+
+def conv_oracle(x, weight, bounds=None):
+    """``silu(sum_j w[c, j] x[t - (W - 1) + j, c])`` over taps inside the token's segment."""
+    b, t, c = x.shape
+    width = weight.shape[-1]
+    starts = [0] * t
+    for s, e in zip((bounds or [0, t])[:-1], (bounds or [0, t])[1:]):
+        starts[s:e] = [s] * (e - s)
+    rows = []
+    for i in range(t):
+        acc = x.new_zeros(b, c)
+        for j in range(width):
+            src = i - (width - 1) + j
+            if src >= starts[i]:
+                acc = acc + weight[:, 0, j] * x[:, src]
+        rows.append(acc / (1 + torch.exp(-acc)))
+    return torch.stack(rows, dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------
+
+
+def _compare_all(case, got, got_leaves, want, want_leaves):
+    """Forward, state and every input gradient (seeded upstream gradients)."""
+    from mcore_npu.tools.verify import CaseResult, compare
+
+    (out, state), (want_out, want_state) = got, want
+    comparisons = [compare("forward", out, want_out, None, case.forward)]
+    if want_state is not None:
+        comparisons.append(compare("state", state, want_state, None, case.forward))
+    if case.param("no_grad"):
+        return CaseResult(case.id, tuple(comparisons))
+    up_out = _normal(want_out.shape, case.seed + 99)
+    up_state = None if want_state is None else _normal(want_state.shape, case.seed + 98)
+
+    def grads(result, leaves):
+        o, st = result
+        loss = (o * up_out.to(o)).sum()
+        if st is not None:
+            loss = loss + (st * up_state.to(st)).sum()
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    for i, (g, w) in enumerate(zip(grads(got, got_leaves), grads(want, want_leaves))):
+        g = torch.zeros_like(got_leaves[i]) if g is None else g
+        comparisons.append(compare(f"grad{i}", g, w, None, case.grad))
+    return CaseResult(case.id, tuple(comparisons))
+
+
+def _grad_mode(case):
+    return torch.no_grad() if case.param("no_grad") else nullcontext()
+
+
+def check_reference_gdn_case(case: GatedDeltaCase, device="cpu"):
+    """The reference in the case's dtype against the float64 oracle (same rounded inputs)."""
+    leaves, kwargs = make_call(case, case.dtype, device)
+    with _grad_mode(case):
+        got = call_operator(case, leaves, kwargs, "reference")
+    exact, cpu_kwargs = make_call(case, case.dtype, "cpu")
+    exact = [t.detach().double().requires_grad_(not case.param("no_grad")) for t in exact]
+    with _grad_mode(case):
+        want = oracle(case, exact, cpu_kwargs)
+    return _compare_all(case, got, leaves, want, exact)
+
+
+def check_kernel_gdn_case(case: GatedDeltaCase, device):
+    """The kernel ``auto`` picks on ``device`` against the float32 reference on the CPU."""
+    leaves, kwargs = make_call(case, case.dtype, device)
+    with _grad_mode(case):
+        got = call_operator(case, leaves, kwargs, "auto")
+    rounded, cpu_kwargs = make_call(case, case.dtype, "cpu")
+    wide = [t.detach().float().requires_grad_(not case.param("no_grad")) for t in rounded]
+    with _grad_mode(case):
+        want = call_operator(case, wide, cpu_kwargs, "reference")
+    return _compare_all(case, got, leaves, want, wide)

@@ -1,0 +1,80 @@
+"""``GDNTransformerConfig``: Megatron's ``TransformerConfig`` that admits Gated DeltaNet under CP.
+
+Megatron-Core 0.16.1's ``TransformerConfig.__post_init__`` asserts ``context_parallel_size == 1``
+whenever ``experimental_attention_variant == "gated_delta_net"`` (transformer_config.py, the GDN
+block of ``__post_init__``), next to its other GDN checks (bare ``assert`` s). This subclass runs
+those checks itself, as ``ValueError`` s naming the field, the value and the fix, then runs
+Megatron's ``__post_init__`` on its own instance with the variant hidden for that call only, and
+sets it back. Nothing of Megatron is patched and no user object is written to: the instance being
+constructed is this class's.
+
+Under context parallelism the GDN layers split heads over ``tp * cp`` ranks (all-to-all, sequence
+<-> heads), so both head counts must divide by ``tensor_model_parallel_size *
+context_parallel_size``.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+GDN = "gated_delta_net"
+
+_HEAD_FIELDS = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
+class GDNTransformerConfig(TransformerConfig):
+    """``TransformerConfig`` whose Gated DeltaNet checks allow ``context_parallel_size > 1``.
+
+    Same fields as ``TransformerConfig`` (no new ones); build it with the same keywords.
+    """
+
+    def __post_init__(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant != GDN:
+            super().__post_init__()
+            return
+        check_gdn_fields(self)
+        self.experimental_attention_variant = None  # Megatron's GDN block would assert CP == 1
+        try:
+            super().__post_init__()
+        finally:
+            self.experimental_attention_variant = variant
+
+
+def check_gdn_fields(config) -> None:
+    """Megatron 0.16.1's GDN checks, as ValueErrors, with CP allowed (heads split over TP x CP).
+
+    Raises:
+        ValueError: a field is missing or does not divide as the layer needs.
+    """
+    if getattr(config, "linear_attention_freq", None) is None:
+        raise ValueError(
+            "linear_attention_freq: None with experimental_attention_variant='gated_delta_net'; "
+            "set an int N (every N-th layer is full attention) or a list (1 = GDN layer)"
+        )
+    for name in _HEAD_FIELDS:
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: {value!r}; set a positive int for the GDN layers")
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    if value_heads % key_heads:
+        raise ValueError(
+            f"linear_num_value_heads: {value_heads} is not a multiple of linear_num_key_heads "
+            f"({key_heads}); pick a multiple (value head h reads key head h // (HV // H))"
+        )
+    ranks = config.tensor_model_parallel_size * config.context_parallel_size
+    for name, heads in (
+        ("linear_num_key_heads", key_heads),
+        ("linear_num_value_heads", value_heads),
+    ):
+        if heads % ranks:
+            raise ValueError(
+                f"{name}: {heads} heads do not split over tensor_model_parallel_size x "
+                f"context_parallel_size = {ranks} ranks; use a multiple of {ranks} or fewer ranks"
+            )

@@ -1,0 +1,351 @@
+"""``NPUGatedDeltaNet``: Megatron-Core 0.16.1's Gated DeltaNet layer without fla, CUDA or TE.
+
+The same parameters, names, shapes and checkpoint splits as
+``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (so Megatron GDN checkpoints load and save
+unchanged), the same constructor keywords, and the operators of ``mcore_npu.ops.gated_delta``:
+
+====================  =========================================  ==========================
+name                  shape (per TP rank; tp = TP size)           note
+====================  =========================================  ==========================
+``in_proj.weight``    ``[(2*Hk*K + 2*Hv*V + 2*Hv) / tp, h]``       rows ``[q|k|v|z|beta|alpha]``
+``in_proj.layer_norm_weight``  ``[h]``                           TE layout: the input norm
+``conv1d.weight``     ``[(2*Hk*K + Hv*V) / tp, 1, W]``              depthwise, no bias
+``A_log``, ``dt_bias``  ``[Hv / tp]``
+``out_norm.weight``   ``[V]``                                     gated RMSNorm per head
+``out_proj.weight``   ``[h, Hv*V / tp]``
+====================  =========================================  ==========================
+
+(Hk, Hv = ``linear_num_key_heads`` / ``linear_num_value_heads``, K, V = their head dims,
+W = ``linear_conv_kernel_dim``.) In the local layout the input norm is the layer's
+``input_layernorm`` and ``in_proj`` is a plain ``ColumnParallelLinear``.
+
+Forward, ``[s, b, h] -> ([s, b, h], bias)`` (``[s/tp, b, h]`` in and out under sequence
+parallelism; packed thd is ``[t, 1, h]`` with ``PackedSeqParams``):
+
+    in_proj -> (CP: sequence -> heads) -> causal conv + SiLU on q|k|v (per packed segment)
+    -> g = -exp(A_log) * softplus(alpha + dt_bias) in fp32, beta = sigmoid(beta)
+    -> chunk_gated_delta_rule (l2norm of q, k in the kernel; per packed segment)
+    -> out_norm(o) * silu(z) per value head -> (CP: heads -> sequence) -> out_proj
+
+Beyond Megatron 0.16.1: packed sequences (``cu_seqlens_q_padded``, else ``cu_seqlens_q``, reach
+the convolution and the rule: no token sees across a segment); tensor parallelism with sequence
+parallelism (heads split over TP); selective recompute (``"core_attn"`` in
+``recompute_modules``: everything between the two projections is recomputed in the backward);
+context parallelism through a seam (:class:`NoContextParallel` describes it; ``context_parallel``
+in this package provides the all-to-all one). Inference (a KV/state cache) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from mcore_npu.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm
+from mcore_npu.transformer.gated_delta_net.packing import segment_bounds
+from mcore_npu.transformer.gated_delta_net.sharded import CONV_PARTS, IN_PROJ_PARTS, split_factory
+
+
+@dataclass
+class NPUGatedDeltaNetSubmodules:
+    """Megatron's ``GatedDeltaNetSubmodules`` slots (the same names)."""
+
+    in_proj: ModuleSpec | type = IdentityOp
+    out_norm: ModuleSpec | type = IdentityOp
+    out_proj: ModuleSpec | type = IdentityOp
+
+
+class NoContextParallel:
+    """The context-parallel seam of the layer, at CP = 1 (every method is the identity).
+
+    A CP implementation has the same three methods:
+
+    - ``to_heads(x, sections, packed_seq_params)``: ``x [s/cp, b, C]`` (this rank's sequence
+      part, all TP-local heads; channels in ``sections`` order, each ``(heads, head_dim)``:
+      q, k, v, z, beta, alpha) -> ``[s, b, C/cp]`` (the whole sequence in its original order,
+      this CP rank's share of every section's heads, same section order);
+    - ``heads(count) -> slice``: which of ``count`` TP-local heads this CP rank holds;
+    - ``to_sequence(x, packed_seq_params)``: ``[s, b, Hv/cp * V]`` -> ``[s/cp, b, Hv * V]``.
+    """
+
+    size = 1
+
+    def to_heads(self, x, sections, packed_seq_params):
+        return x
+
+    def heads(self, count: int) -> slice:
+        return slice(0, count)
+
+    def to_sequence(self, x, packed_seq_params):
+        return x
+
+
+class NPUGatedDeltaNet(MegatronModule):
+    """Gated DeltaNet with Megatron 0.16.1's names; ``[s, b, h] -> ([s, b, h], bias)``.
+
+    Args (Megatron's ``GatedDeltaNet`` keywords):
+        config: ``TransformerConfig`` with the ``linear_*`` fields.
+        submodules: ``NPUGatedDeltaNetSubmodules`` (or Megatron's ``GatedDeltaNetSubmodules``).
+        layer_number, bias, conv_init, A_init_range, pg_collection: as Megatron's.
+        conv_bias: only False (Megatron's default; the conv operator has no bias).
+        use_qk_l2norm: l2-normalise q and k (in the rule's kernel).
+        naive_l2norm: normalise q and k with plain torch before the rule instead
+            (``x * rsqrt(sum(x^2) + 1e-6)``, back in the input dtype: MindSpeed's
+            ``use_naive_l2norm``).
+        kernel: the rule's kernel choice when the operator takes one (None: its default).
+        cp_comm_type: accepted (Megatron passes it to attention slots) and unused.
+    """
+
+    def __init__(self, config, submodules, layer_number: int | None = None, bias: bool = False,
+                 conv_bias: bool = False, conv_init: float | None = None,
+                 use_qk_l2norm: bool = True, A_init_range: tuple[float, float] = (1, 16),
+                 pg_collection=None, naive_l2norm: bool = False, kernel: str | None = None,
+                 cp_comm_type=None, **_unused):  # fmt: skip
+        _check_arguments(config, conv_bias, A_init_range)
+        super().__init__(config)
+        self.layer_number, self.bias, self.conv_bias = layer_number, bias, conv_bias
+        self.conv_init, self.A_init_range = conv_init, tuple(A_init_range)
+        self.use_qk_l2norm, self.naive_l2norm, self.kernel = use_qk_l2norm, naive_l2norm, kernel
+        self.pg_collection = _process_groups(pg_collection)
+        self.tp_size = self.pg_collection.tp.size()
+        self._set_sizes(config)
+        self.in_proj = build_module(
+            submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,
+            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="fc1", tp_group=self.pg_collection.tp,
+        )  # fmt: skip
+        device = _device_of(self.in_proj)
+        self.conv1d = torch.nn.Conv1d(
+            self.conv_dim_local_tp, self.conv_dim_local_tp, kernel_size=self.conv_kernel_dim,
+            groups=self.conv_dim_local_tp, padding=self.conv_kernel_dim - 1, bias=False,
+            device=device, dtype=config.params_dtype,
+        )  # fmt: skip
+        heads = self.num_v_heads_local_tp
+        factory = dict(dtype=config.params_dtype, device=device)
+        self.dt_bias = torch.nn.Parameter(torch.ones(heads, **factory))
+        self.A_log = torch.nn.Parameter(torch.zeros(heads, **factory))
+        for param in (self.conv1d.weight, self.dt_bias, self.A_log):
+            param.tensor_model_parallel = True
+            param.partition_dim = 0
+        self.out_norm = build_module(submodules.out_norm, config=config,
+                                     hidden_size=self.value_head_dim,
+                                     eps=config.layernorm_epsilon,
+                                     tp_group=self.pg_collection.tp)  # fmt: skip
+        self.out_proj = build_module(
+            submodules.out_proj, self.v_dim, self.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
+            tp_group=self.pg_collection.tp,
+        )  # fmt: skip
+        self.context_parallel = _context_parallel(self.pg_collection)
+        self.recompute_core = config.recompute_granularity == "selective" and "core_attn" in (
+            config.recompute_modules or ()
+        )
+        self.reset_parameters()
+
+    def _set_sizes(self, config) -> None:
+        self.hidden_size = config.hidden_size
+        self.conv_kernel_dim = config.linear_conv_kernel_dim
+        self.key_head_dim, self.value_head_dim = (
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
+        self.num_key_heads = config.linear_num_key_heads
+        self.num_value_heads = config.linear_num_value_heads
+        self.qk_dim = self.key_head_dim * self.num_key_heads
+        self.v_dim = self.value_head_dim * self.num_value_heads
+        self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
+        self.conv_dim = 2 * self.qk_dim + self.v_dim
+        self.conv_dim_local_tp = self.conv_dim // self.tp_size
+        self.num_k_heads_local_tp = self.num_key_heads // self.tp_size
+        self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
+
+    # ----------------------------------------------------------------------------- init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's initialisation: dt_bias = 1, A_log = log(U(A_init_range)), conv1d uniform
+        (``conv_init``, else torch's Conv1d bound ``1/sqrt(W)``). The values are drawn for all
+        heads from the default generator and this TP rank's rows are kept, so a TP model starts
+        from the weights of the one-process model with the same seed."""
+        if not self.config.perform_initialization:
+            return
+        tp_rank = self.pg_collection.tp.rank()
+        low, high = self.A_init_range
+        a = torch.empty(self.num_value_heads, dtype=torch.float32).uniform_(low, high)
+        self.A_log.copy_(a.log().chunk(self.tp_size)[tp_rank])
+        self.dt_bias.fill_(1.0)
+        bound = (
+            self.conv_init if self.conv_init is not None else 1 / math.sqrt(self.conv_kernel_dim)
+        )
+        full = torch.empty(self.conv_dim, 1, self.conv_kernel_dim).uniform_(-bound, bound)
+        parts = full.split([self.qk_dim, self.qk_dim, self.v_dim])
+        local = [p.chunk(self.tp_size)[tp_rank] for p in parts]
+        self.conv1d.weight.copy_(torch.cat(local))
+
+    # -------------------------------------------------------------------------- forward
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, attention_bias=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):  # fmt: skip
+        """``[s, b, h]`` (``[s/tp, b, h]`` with SP; thd ``[t, 1, h]``) -> ``(out, bias)``.
+
+        ``attention_mask`` is not read (causal by construction; right padding does not reach
+        the real tokens). Packed thd takes its segments from ``packed_seq_params``.
+        """
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(
+                "inference_context: NPUGatedDeltaNet has no recurrent-state cache; run GDN "
+                "models for training / full-sequence forwards only"
+            )
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, b, C/tp]
+        qkvzba = self.context_parallel.to_heads(qkvzba, self._sections(), packed_seq_params)
+        bounds = segment_bounds(packed_seq_params, qkvzba.shape[0], qkvzba.shape[1])
+        if self.recompute_core and self.training:
+            from megatron.core import tensor_parallel
+
+            out = tensor_parallel.checkpoint(self._mix, False, qkvzba, bounds)
+        else:
+            out = self._mix(qkvzba, bounds)
+        out = self.context_parallel.to_sequence(out, packed_seq_params)
+        return self.out_proj(out)
+
+    def _sections(self) -> list[tuple[int, int]]:
+        """``(heads, head_dim)`` of q, k, v, z, beta, alpha in this TP rank's ``in_proj`` rows."""
+        hk, hv = self.num_k_heads_local_tp, self.num_v_heads_local_tp
+        k, v = self.key_head_dim, self.value_head_dim
+        return [(hk, k), (hk, k), (hv, v), (hv, v), (hv, 1), (hv, 1)]
+
+    def _mix(self, qkvzba: torch.Tensor, bounds) -> torch.Tensor:
+        """Everything between the projections: ``[s, b, C]`` -> ``[s, b, hv * V]`` (this rank's
+        heads; ``bounds``: int ``[N + 1]`` segment starts over s for packed thd, or None)."""
+        seq, batch = qkvzba.shape[:2]
+        hk_slice, hv_slice = self._cp_heads()
+        hk, hv = hk_slice.stop - hk_slice.start, hv_slice.stop - hv_slice.start
+        dk, dv = self.key_head_dim, self.value_head_dim
+        x = qkvzba.transpose(0, 1)  # [b, s, C]
+        qkv, z, b, a = x.split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        qkv = causal_conv1d(qkv, self._conv_weight(hk_slice, hv_slice), cu_seqlens=bounds)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k = q.reshape(batch, seq, hk, dk), k.reshape(batch, seq, hk, dk)
+        v = v.reshape(batch, seq, hv, dv)
+        if self.use_qk_l2norm and self.naive_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        a_log, dt_bias = self.A_log[hv_slice].float(), self.dt_bias[hv_slice].float()
+        g = -a_log.exp() * F.softplus(a.float() + dt_bias)  # [b, s, hv], fp32
+        o, _ = self._rule(q, k, v, g, b.sigmoid(), bounds)  # [b', s', hv, V]
+        o = o.reshape(batch, seq, hv, dv)
+        y = self.out_norm(o, z.reshape(batch, seq, hv, dv))
+        return y.reshape(batch, seq, hv * dv).transpose(0, 1).contiguous()
+
+    def _rule(self, q, k, v, g, beta, bounds):
+        in_kernel = self.use_qk_l2norm and not self.naive_l2norm
+        extra = {} if self.kernel is None else {"kernel": self.kernel}
+        if bounds is not None and q.shape[0] > 1:  # thd is one row; never reached otherwise
+            raise ValueError(f"packed_seq_params: thd needs batch 1, got {q.shape[0]}")
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds,
+                                      use_qk_l2norm_in_kernel=in_kernel, **extra)  # fmt: skip
+
+    def _cp_heads(self) -> tuple[slice, slice]:
+        """This CP rank's slices of the TP-local key and value heads."""
+        cp = self.context_parallel
+        return cp.heads(self.num_k_heads_local_tp), cp.heads(self.num_v_heads_local_tp)
+
+    def _conv_weight(self, hk: slice, hv: slice) -> torch.Tensor:
+        """``conv1d.weight`` rows of the heads in ``hk`` / ``hv`` (all of them at CP = 1)."""
+        weight = self.conv1d.weight
+        if self.context_parallel.size == 1:
+            return weight
+        dk, dv = self.key_head_dim, self.value_head_dim
+        q, k, v = weight.split(
+            [self.num_k_heads_local_tp * dk] * 2 + [self.num_v_heads_local_tp * dv]
+        )
+        rows = lambda t, s, d: t[s.start * d : s.stop * d]  # noqa: E731
+        return torch.cat([rows(q, hk, dk), rows(k, hk, dk), rows(v, hv, dv)])
+
+    # ---------------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        """Megatron 0.16.1's keys: ``A_log`` / ``dt_bias`` / ``conv1d.weight`` TP-sharded on
+        axis 0, ``in_proj.weight`` split into ``.query .key .value .z .beta .alpha`` and
+        ``conv1d.weight`` into ``.query .key .value`` (see ``sharded.py``)."""
+        from megatron.core.transformer.utils import (
+            make_sharded_tensors_for_checkpoint,
+            sharded_state_dict_default,
+        )
+
+        metadata = _with_dp_cp_group(metadata)
+        tp_group = tp_group if tp_group is not None else self.pg_collection.tp
+        groups = dict(tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        result = make_sharded_tensors_for_checkpoint(
+            own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets, **groups
+        )
+        conv = self.conv1d.state_dict(prefix="", keep_vars=True)
+        result.update(make_sharded_tensors_for_checkpoint(
+            conv, f"{prefix}conv1d.", {"weight": 0}, sharded_offsets, **groups))  # fmt: skip
+        for name in ("in_proj", "out_norm", "out_proj"):
+            module = getattr(self, name)
+            result.update(sharded_state_dict_default(
+                module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group))  # fmt: skip
+        tp = self.tp_size
+        qk, v, hv = self.qk_dim // tp, self.v_dim // tp, self.num_value_heads // tp
+        key = f"{prefix}in_proj.weight"
+        result[key] = split_factory(result[key], [qk, qk, v, v, hv, hv], IN_PROJ_PARTS)
+        key = f"{prefix}conv1d.weight"
+        result[key] = split_factory(result[key], [qk, qk, v], CONV_PARTS)
+        return result
+
+
+def _check_arguments(config, conv_bias: bool, A_init_range) -> None:
+    if conv_bias:
+        raise ValueError(
+            "conv_bias: True is not supported by NPUGatedDeltaNet (the causal conv operator has "
+            "no bias); pass conv_bias=False, Megatron's default"
+        )
+    low, high = A_init_range
+    if not 0 <= low <= high:
+        raise ValueError(f"A_init_range: {A_init_range!r}; pass (low, high) with 0 <= low <= high")
+    act = getattr(config, "activation_func", F.silu)
+    if act is not F.silu:
+        raise ValueError(
+            f"activation_func: {getattr(act, '__name__', act)!r}; the GDN conv and output gate "
+            "run SiLU (F.silu), as Qwen3.5 / Qwen3-Next do; set activation_func=F.silu"
+        )
+
+
+def _process_groups(pg_collection):
+    if pg_collection is not None:
+        return pg_collection
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+
+
+def _device_of(module) -> torch.device:
+    weight = getattr(module, "weight", None)
+    return weight.device if weight is not None else torch.device("cpu")
+
+
+def _context_parallel(pg_collection):
+    """The CP seam: :class:`NoContextParallel` at CP = 1, else the all-to-all implementation."""
+    cp_group = getattr(pg_collection, "cp", None)
+    if cp_group is None or cp_group.size() == 1:
+        return NoContextParallel()
+    try:
+        from mcore_npu.transformer.gated_delta_net.context_parallel import GDNContextParallel
+    except ImportError as err:
+        raise ValueError(
+            f"context_parallel_size: {cp_group.size()} needs the GDN all-to-all "
+            f"(mcore_npu.transformer.gated_delta_net.context_parallel: {err}); run with CP 1"
+        ) from err
+    return GDNContextParallel(cp_group)
+
+
+def _with_dp_cp_group(metadata):
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return ensure_metadata_has_dp_cp_group(metadata)
