@@ -326,7 +326,7 @@ def _describe(key: str, outcome: dict) -> str:
         "megatron": lambda: "Megatron's `{}`".format(outcome.get("as", key)) + (
             " (refused where the model's config class lacks it)" if "as" in outcome else ""),
         "spec": lambda: f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
-        + (" (= the spec's `kernel`)" if outcome["set"] is None else " (Megatron's own module)"),
+        + _SPEC_NOTES.get(outcome["set"], ""),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
         "offload": lambda: "the CPU optimizer offload, one log line: "
@@ -342,6 +342,9 @@ def _describe(key: str, outcome: dict) -> str:
         "gdn": lambda: _describe_gdn(key, outcome),
     }[do]()  # fmt: skip
     return text.replace("|", "\\|")
+
+
+_SPEC_NOTES = {None: " (= the spec's `kernel`)", "off": " (Megatron's own module)"}
 
 
 def _describe_gdn(key: str, outcome: dict) -> str:

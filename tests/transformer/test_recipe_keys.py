@@ -81,8 +81,8 @@ CASES = [
     ({"use_naive_l2norm": False}, BASE, {}, {}, {}, "no effect: no gated-delta-net layers"),
     # Kimi-K2.5's recipe sets it on an MLA model: accepted, no effect, one line
     ({"use_naive_l2norm": True}, MLA, {}, {}, {}, "no effect: no gated-delta-net layers"),
-    ({"use_naive_l2norm": True}, GDN, {}, {}, {}, "use_qk_l2norm_in_kernel=False"),
-    ({"use_naive_l2norm": False}, GDN, {}, {}, {}, "no fused l2norm kernel"),
+    ({"use_naive_l2norm": True}, GDN, {}, {"gdn_naive_l2norm": True}, {}, None),
+    ({"use_naive_l2norm": False}, GDN, {}, {"gdn_naive_l2norm": False}, {}, None),
     ({"context_parallel_algo": "kvallgather_cp_algo"}, GDN_CP2,
      {"cp_comm_type": "all_gather"}, {}, {}, "the full-attention layers; the gated-delta-net"),
     ({"experimental_attention_variant": "gated_delta_net"}, GDN,
@@ -328,12 +328,12 @@ def test_the_perf_tuning_pages_keys_translate_except_mc2():
 def test_use_naive_l2norm_is_one_log_line_on_every_model():
     """Honoured on a model with gated-delta-net layers, no effect on any other (Kimi-K2.5's MLA
     recipe): one line each, and never a Megatron kwarg or a spec keyword."""
-    for context, fragment in ((GDN, "honour"), (MLA, "no effect"), (BASE, "no effect")):
+    for context, spec in ((GDN, {"gdn_naive_l2norm": True}), (MLA, {}), (BASE, {})):
         plan = translate({"use_naive_l2norm": True}, context)
         lines = [line for line in plan.log if "use_naive_l2norm" in line]
         assert len(lines) == 1, plan.log
-        assert (fragment == "no effect") == ("no effect" in lines[0]), lines
-        assert plan.megatron == {} and plan.spec == {}
+        assert ("no effect" in lines[0]) == (not spec), lines
+        assert plan.megatron == {} and plan.spec == spec
 
 
 def test_the_gdn_outcome_is_described_for_both_kinds_of_model():
@@ -341,7 +341,7 @@ def test_the_gdn_outcome_is_described_for_both_kinds_of_model():
     row = next(
         line for line in table.splitlines() if line.startswith("| `use_naive_l2norm` | `true`")
     )
-    assert "models with gated-delta-net layers: honoured" in row
+    assert "models with gated-delta-net layers: NPU spec `gdn_naive_l2norm=True`;" in row
     assert "other models: no effect" in row
 
 
@@ -373,6 +373,5 @@ def test_the_qwen3_5_recipes_translate_at_their_own_parallel_sizes(recipe):
     assert plan.megatron == want
     fused = {"use_fused_rmsnorm": "rms_norm_kernel", "use_fused_swiglu": "swiglu_kernel",
              "moe_permute_fusion": "moe_permute_kernel"}  # fmt: skip
-    assert plan.spec == {fused[key]: None for key in keys if key in fused}
-    l2norm = [line for line in plan.log if "use_naive_l2norm" in line]
-    assert len(l2norm) == 1 and "no effect" not in l2norm[0], l2norm
+    assert plan.spec == {**{fused[key]: None for key in keys if key in fused},
+                         "gdn_naive_l2norm": True}  # fmt: skip
