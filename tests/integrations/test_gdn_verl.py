@@ -1,0 +1,262 @@
+"""Qwen3.5 (a Gated DeltaNet hybrid MoE) through verl 0.9.1's ``TrainingWorker`` and the plugin's
+engine, with the key sets of the five public Ascend recipes that train it, verbatim
+(``tests/integrations/gdn_recipes.yaml``: three distinct key sets).
+
+- A tiny ``qwen3_5_moe_text`` checkpoint (transformers 5.10.4): 3 GDN layers + 1 full-attention
+  layer (partial RoPE, gated attention output, zero-centred norms), 4 experts top-2 with the
+  shared expert and its gate; weights rounded to bf16 before saving (the engine loads bf16, so
+  both sides hold the same numbers), norms, ``A_log`` and ``dt_bias`` away from their inits.
+- verl's ``TrainingWorker`` picks the plugin's engine (``VERL_ENGINE_DEVICE=npu``,
+  ``VERL_ENGINE_VENDOR=huawei``); the recipe's ``override_transformer_config`` goes in unchanged.
+  The model comes from the plugin's Hugging Face path (mbridge has no Qwen3.5 bridge; the
+  recipes' ``vanilla_mbridge=False`` falls back to it: ``weight_path.py``).
+- One forward and backward through verl's ``forward_backward_batch`` on the GPTModel cast to fp32
+  (bf16 weights computed in fp32): log-probs within 1e-3 of transformers' (the same weights, fp32),
+  in bshd as the recipes run it, thd (``use_remove_padding=True``) and thd with
+  ``use_dynamic_bsz`` (a 16-token budget: the 24 tokens run as several micro-batches);
+  every parameter of every GDN layer gets a finite, non-zero gradient.
+- A stand-in ``torch_npu`` (no NPU here; it records each call and answers with the plugin's
+  reference) with op-plugin's forward-only ``npu_chunk_gated_delta_rule``: verl's forward-only
+  log-prob pass (no gradients), which the dispatch sends to that kernel on an NPU, calls it with
+  the documented TND layout and gives the reference kernel's log-probs.
+- ``use_naive_l2norm=True`` reaches the GDN layers (``NPUGatedDeltaNet.naive_l2norm``); on a
+  model without GDN layers (the tiny DeepSeek-V3, the architecture of Kimi-K2.5 whose recipe sets
+  it) it is accepted with one log line and no effect.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+import transformers
+import yaml
+from verl.workers.engine_workers import TrainingWorker
+
+from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
+from mcore_npu.ops.gated_delta import chunk_gated_delta_rule
+from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
+from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
+from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
+
+pytestmark = pytest.mark.usefixtures("cpu_runtime")
+
+RECIPES = yaml.safe_load((Path(__file__).parent / "gdn_recipes.yaml").read_text())["recipes"]
+CASES = [(recipe["name"], layout) for recipe in RECIPES for layout in recipe["layouts"]]
+CASES.append((RECIPES[0]["name"], "thd"))  # thd without dynamic batch, once
+BY_NAME = {recipe["name"]: recipe for recipe in RECIPES}
+LENGTHS = (12, 7, 5)
+TOKEN_BUDGET = 16  # max_token_len_per_gpu of the dynamic-batch case: 24 tokens, > 1 micro-batch
+TOLERANCE = 1e-3
+
+QWEN3_5_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)  # fmt: skip  (layer_types: transformers' default, 3 linear_attention + 1 full_attention)
+
+
+def save_tiny_qwen3_5_moe(path) -> str:
+    """The tiny Qwen3.5 MoE (text) checkpoint in ``path``, bf16-exact fp32 weights (seed 0)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
+    assert config.layer_types.count("linear_attention") == 3
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                param.add_(torch.randn_like(param) * 0.2)  # a dropped one shows
+            param.copy_(param.to(torch.bfloat16).float())
+    model.save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory) -> str:
+    return save_tiny_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(qwen3_5_moe) -> list[torch.Tensor]:
+    """transformers' log-probs of the :func:`packed_batch` rows, fp32 (computed once)."""
+    return hf_log_probs(qwen3_5_moe, LENGTHS)
+
+
+def _engine(path: str, keys: dict, *, thd: bool):
+    """``(engine after _build_tf_config, the worker's own engine config)``."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VERL_ENGINE_DEVICE", "npu")
+        env.setenv("VERL_ENGINE_VENDOR", "huawei")
+        config = training_worker_config(path, remove_padding=thd, override_transformer_config=keys)
+        worker = TrainingWorker(config)
+    engine = worker.engine
+    assert type(engine) is NPUMegatronEngineWithLMHead
+    engine._build_tf_config()  # the first two steps of engine.initialize()
+    return engine, worker.config.engine_config
+
+
+def _gpt(engine):
+    model = engine.module[0]
+    while not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _grad(param) -> torch.Tensor:
+    """``main_grad`` (Megatron's DDP) plus ``param.grad`` (the fp32 cast's own accumulator)."""
+    extra = param.grad if param.grad is not None else 0
+    return param.main_grad.float() + extra
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
+    name, layout, qwen3_5_moe, hf_reference
+):
+    keys = BY_NAME[name]["keys"]
+    engine, worker_engine_config = _engine(qwen3_5_moe, keys, thd=layout != "bshd")
+    before = copy.deepcopy(dict(worker_engine_config.override_transformer_config))
+    engine.module = engine._build_megatron_module()
+    assert before == keys  # the worker's config still holds the recipe as written
+    assert engine.npu_spec_keywords["gdn_naive_l2norm"] is True
+    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+    assert len(gdn) == 3 and all(m.naive_l2norm for m in gdn)
+    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        assert getattr(engine.tf_config, key) == keys[key]
+    _gpt(engine).float()  # the bf16-loaded weights, computed in fp32
+
+    data, _ = packed_batch(LENGTHS)
+    if layout == "thd_dynamic":
+        data = _dynamic(data)
+    result = engine.forward_backward_batch(data, mean_negative_log_prob)
+    rows = result["model_output"]["log_probs"].unbind()
+    got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
+    error = max(float((g - w).abs().max()) for g, w in zip(got, hf_reference, strict=True))
+    print(f"{name} ({layout}): max |log p - log p_hf| = {error:.2e}")
+    assert error < TOLERANCE, f"{name} ({layout}): max |log p - log p_hf| = {error:.2e}"
+    for layer in gdn:
+        for pname, param in layer.named_parameters():
+            grad = _grad(param)
+            assert torch.isfinite(grad).all(), pname
+            assert grad.abs().sum() > 0, f"{pname}: zero gradient"
+
+
+def _dynamic(data):
+    """The same batch with verl's dynamic batch size: a token budget instead of a row count."""
+    from verl.utils import tensordict_utils as tu
+
+    tensors = {key: data[key] for key in ("input_ids", "loss_mask", "temperature")}
+    return tu.get_tensordict(
+        tensors, {"use_dynamic_bsz": True, "max_token_len_per_gpu": TOKEN_BUDGET}
+    )
+
+
+def test_use_naive_l2norm_on_a_model_without_gdn_layers_is_one_log_line(
+    tiny_deepseek_v3_model, caplog
+):
+    """Kimi-K2.5's recipe sets ``use_naive_l2norm=True`` on an MLA model (no GDN layers):
+    accepted, nothing reaches Megatron or the spec, one log line says it has no effect."""
+    with caplog.at_level(logging.INFO, logger="mcore_npu.integrations.verl.recipe"):
+        engine, _ = _engine(tiny_deepseek_v3_model, {"use_naive_l2norm": True}, thd=True)
+    lines = [r.getMessage() for r in caplog.records if "use_naive_l2norm" in r.getMessage()]
+    assert len(lines) == 1 and "no effect" in lines[0], lines
+    assert "gdn_naive_l2norm" not in engine.npu_spec_keywords
+    assert "use_naive_l2norm" not in engine.engine_config.override_transformer_config
+
+
+class ForwardOnlyTorchNpu(types.ModuleType):
+    """A stand-in ``torch_npu`` (no NPU here) holding op-plugin's forward-only
+    ``npu_chunk_gated_delta_rule(query, key, value, *, beta, initial_state, actual_seq_lengths,
+    scale, g) -> (out, final_state)`` (torch-npu 26.1.0; TND: q/k ``[T, Nk, Dk]``, v
+    ``[T, Nv, Dv]``, beta/g ``[T, Nv]``, states ``[N, Nv, Dv, Dk]``). It records every call and
+    answers with the plugin's reference kernel on fla's layout."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_npu")
+        self.calls: list[dict] = []
+
+    def npu_chunk_gated_delta_rule(
+        self, query, key, value, *, beta, initial_state, actual_seq_lengths, scale, g
+    ):
+        self.calls.append(dict(query=query, key=key, value=value, beta=beta, g=g, scale=scale,
+                               initial_state=initial_state, grad=torch.is_grad_enabled(),
+                               actual_seq_lengths=actual_seq_lengths))  # fmt: skip
+        bounds = torch.tensor([0, *itertools.accumulate(actual_seq_lengths.tolist())])
+        out, final = chunk_gated_delta_rule(
+            query[None], key[None], value[None], g[None], beta[None], scale=scale,
+            initial_state=initial_state.transpose(-1, -2).float(), output_final_state=True,
+            cu_seqlens=bounds, kernel="reference",
+        )  # fmt: skip
+        return out[0], final.transpose(-1, -2).to(value.dtype)
+
+
+def _forward_only_log_probs(engine, data) -> list[torch.Tensor]:
+    """verl's forward-only pass (its log-prob computation: no gradients), one row per sample."""
+    with torch.no_grad():
+        result = engine.forward_backward_batch(data, mean_negative_log_prob, forward_only=True)
+    rows = result["model_output"]["log_probs"].unbind()
+    return [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
+
+
+def test_forward_only_log_probs_call_torch_npus_gated_delta_rule_as_documented(
+    qwen3_5_moe, monkeypatch
+):
+    """The nightly recipe's keys, bshd, the bf16 model as verl loads it. On an NPU the GDN
+    layers' dispatch (``kernel=None``: auto) sends this no-gradient call to torch_npu's
+    forward-only kernel; CPU tensors make auto pick the reference, so the layers are given
+    ``kernel="torch_npu"`` (their constructor argument) on this engine's model."""
+    engine, _ = _engine(qwen3_5_moe, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
+    engine.module = engine._build_megatron_module()
+    data, _ = packed_batch(LENGTHS)
+    reference = _forward_only_log_probs(engine, data)
+    standin = ForwardOnlyTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", standin)
+    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+    for layer in gdn:
+        layer.kernel = "torch_npu"
+    got = _forward_only_log_probs(engine, data)
+    error = max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True))
+    print(f"stand-in torch_npu vs reference kernel (bf16 model): max |diff log p| = {error:.2e}")
+    assert error <= 1e-3, error
+    assert len(standin.calls) == len(gdn) == 3  # one call per GDN layer, one micro-batch
+    rows, seq = len(LENGTHS), max(LENGTHS)  # bshd: rows right-padded to the longest
+    nk, nv, dk, dv = (QWEN3_5_MOE[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                               "linear_key_head_dim", "linear_value_head_dim"))  # fmt: skip
+    for call in standin.calls:
+        assert call["grad"] is False
+        assert call["query"].shape == call["key"].shape == (rows * seq, nk, dk)
+        assert call["value"].shape == (rows * seq, nv, dv)
+        assert call["beta"].shape == call["g"].shape == (rows * seq, nv)
+        assert call["query"].dtype == call["value"].dtype == call["beta"].dtype == torch.bfloat16
+        assert call["g"].dtype == torch.float32 and bool((call["g"] <= 0).all())
+        assert call["initial_state"].shape == (rows, nv, dv, dk)
+        assert call["actual_seq_lengths"].dtype == torch.int32
+        assert call["actual_seq_lengths"].tolist() == [seq] * rows
+        assert call["scale"] == pytest.approx(dk**-0.5)
+        norms = call["query"].float().norm(dim=-1)  # use_naive_l2norm: q, k unit-norm already
+        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
