@@ -24,7 +24,9 @@ DeepSeek-V3 checkpoints in any dtype, which mbridge's own reader cannot here) ar
 ``bridge_from_config`` as the plugin's subclass of mbridge's class. Multi-token prediction:
 mbridge 0.15.1 builds MTP layers from Transformer Engine's spec; for its MiMo bridge the plugin
 builds them from the NPU spec instead (``install_npu_mtp_block``), every other bridge with MTP
-layers is refused (``refuse_mbridge_mtp``).
+layers is refused (``refuse_mbridge_mtp``). Qwen3.5 (dense, MoE, the hub's vision-language form)
+and Qwen3-Next, for which mbridge has no bridge, go through the plugin's own
+(``mcore_npu.integrations.hf_qwen3_5``, registered with mbridge's ``register_model``).
 
 Or, for a model built elsewhere from ``get_gpt_decoder_block_npu_spec(param_layout="te")``,
 ``load_hf_weights(model, path)``. Needs ``pip install "mcore-npu[hf]"`` (mbridge, transformers,
@@ -44,6 +46,8 @@ from mcore_npu.transformer.layer_specs import (
 
 # model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
 NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
+# model types mbridge has no bridge for, bridged by the plugin (mcore_npu.integrations.hf_qwen3_5)
+PLUGIN_BRIDGES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _auto_bridge():
@@ -102,6 +106,10 @@ def bridge_from_config(hf_config, **bridge_kwargs):
     from mcore_npu.integrations import mbridge_fixes
 
     expose_hf_config_fields(hf_config)
+    if getattr(hf_config, "model_type", None) in PLUGIN_BRIDGES:
+        from mcore_npu.integrations import hf_qwen3_5  # registers its bridge with mbridge
+
+        return hf_qwen3_5.Qwen3_5Bridge(hf_config, **bridge_kwargs)
     if mbridge_fixes.needs_fixed_bridge(hf_config):
         return mbridge_fixes.fixed_bridge_class(hf_config.model_type)(hf_config, **bridge_kwargs)
     return _auto_bridge().from_config(hf_config, **bridge_kwargs)
@@ -199,6 +207,10 @@ _SOFTMAX_TOP_K_RENORMALISED = {
     "mixtral": lambda hf_config: True,  # MixtralTopKRouter always divides by the top-k sum
     "qwen2_moe": lambda hf_config: bool(getattr(hf_config, "norm_topk_prob", False)),
     "qwen3_moe": lambda hf_config: bool(getattr(hf_config, "norm_topk_prob", False)),
+    # Qwen3.5 MoE's router always divides by the top-k sum; Qwen3-Next's with norm_topk_prob
+    "qwen3_5_moe": lambda hf_config: True,
+    "qwen3_5_moe_text": lambda hf_config: True,
+    "qwen3_next": lambda hf_config: bool(getattr(hf_config, "norm_topk_prob", True)),
 }
 
 

@@ -213,7 +213,8 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
     on_disk = load_sharded_metadata(str(path))
     names = {value.key for value in on_disk.values()}  # objects are listed once per shard
     source = [name for name in names if not OPTIMIZER_KEY.match(name)]
-    target = {value.key for value in nested_values(model_state)}
+    written = {id(value): _written_keys(value) for value in nested_values(model_state)}
+    target = {key for keys in written.values() for key in keys}
     try:
         matched = match_names(source, sorted(target), every_source=False)
         unused = unused_names(source, _taken_by_any_rank(set(matched.values())))
@@ -223,10 +224,24 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
         raise ValueError(f"checkpoint {path}: {err}") from None
     kept = {}
     for name, value in model_state.items():
-        if value.key in matched:
+        keys = written[id(value)]
+        if keys == [value.key] and value.key in matched:
             value.key = matched[value.key]
             kept[name] = value
+        elif keys != [value.key] and all(matched.get(key) == key for key in keys):
+            kept[name] = value  # a factory whose split tensors are on disk under their names
     return kept
+
+
+def _written_keys(value) -> list[str]:
+    """The checkpoint names ``value`` writes: its key, or for a ``ShardedTensorFactory`` that
+    splits a tensor under new names (the GDN layer's ``in_proj.weight.query`` ...) those."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(value, ShardedTensorFactory):
+        return [value.key]
+    return sorted({part.key for part in nested_values(value.build())})
 
 
 def _taken_by_any_rank(taken: set[str]) -> set[str]:

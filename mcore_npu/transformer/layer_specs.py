@@ -11,6 +11,8 @@ releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
 - in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed), the experts ->
   ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection), the shared experts ->
   ``NPUSharedExpertMLP``;
+- ``SelfAttention`` -> ``NPUSelfAttention`` (its ``attention_output_gate`` computed eagerly, not
+  through Megatron's ``torch.compile``'d function), or ``NPURotarySelfAttention`` with fused RoPE;
 - the layer stays Megatron's ``TransformerLayer`` (so ``get_gpt_mtp_block_spec`` takes the spec);
   an MLP slot holding a subclass of Megatron's MLP / MoE classes becomes a ``BoundModuleSpec``
   that holds the process groups given as ``pg_collection=`` (none: parallel_state's), built
@@ -68,6 +70,7 @@ from mcore_npu.transformer.layer import bind_mlp_process_groups
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
+from mcore_npu.transformer.self_attention import NPUSelfAttention
 from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
@@ -361,7 +364,7 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
     subs = layer.submodules
     if subs.self_attention.module is NPUMLASelfAttention:
         _fuse_latent_norms(subs.self_attention.submodules, provider)
-    elif subs.self_attention.module in (SelfAttention, NPURotarySelfAttention):
+    elif subs.self_attention.module in (SelfAttention, NPUSelfAttention, NPURotarySelfAttention):
         subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
         subs.input_layernorm = IdentityOp
     else:

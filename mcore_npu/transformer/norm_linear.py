@@ -12,6 +12,10 @@ on it before ``ColumnParallelLinear`` all-gathers the sequence (inside its autog
 each rank's norm-weight gradient covers only its shard. Those parameters are tagged
 ``sequence_parallel = True`` and Megatron's ``finalize_model_grads`` sums them over the
 tensor-parallel group, as it does for the norms of the local spec.
+
+``layernorm_zero_centered_gamma=True`` (as TE's ``zero_centered_gamma``): ``layer_norm_weight``
+starts at 0 and the norm multiplies by ``1 + layer_norm_weight`` (see
+``mcore_npu.transformer.norms`` for the precision of each path).
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ class NormColumnParallelLinear(ColumnParallelLinear):
         self.norm_kernel = norm_kernel
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
         device = self.weight.device if self.weight is not None else None
         factory = dict(dtype=config.params_dtype, device=device)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, **factory))
+        start = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(start(input_size, **factory))
         self.layer_norm_bias = None
         if self.normalization == "LayerNorm":
             self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, **factory))
@@ -68,6 +74,8 @@ class NormColumnParallelLinear(ColumnParallelLinear):
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """The fused norm alone: ``[..., h] -> [..., h]``."""
         shape = (x.shape[-1],)
+        if self.zero_centered_gamma:
+            return self._zero_centered_norm(x)
         if self.normalization == "RMSNorm" and self.norm_kernel is not None:
             gamma = self.layer_norm_weight.to(x.dtype)
             return rms_norm(x, gamma, self.eps, kernel=self.norm_kernel)
@@ -75,15 +83,20 @@ class NormColumnParallelLinear(ColumnParallelLinear):
             return F.rms_norm(x, shape, self.layer_norm_weight, self.eps)
         return F.layer_norm(x, shape, self.layer_norm_weight, self.layer_norm_bias, self.eps)
 
+    def _zero_centered_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x_hat * (1 + layer_norm_weight) (+ layer_norm_bias)``; ``1 + w`` in float32."""
+        shape, gamma = (x.shape[-1],), 1.0 + self.layer_norm_weight.float()
+        if self.normalization == "RMSNorm" and self.norm_kernel is not None:
+            return rms_norm(x, gamma.to(x.dtype), self.eps, kernel=self.norm_kernel)
+        if self.normalization == "RMSNorm":
+            return F.rms_norm(x.float(), shape, gamma, self.eps).to(x.dtype)
+        bias = None if self.layer_norm_bias is None else self.layer_norm_bias.float()
+        return F.layer_norm(x.float(), shape, gamma, bias, self.eps).to(x.dtype)
+
 
 def _check_norm(config) -> None:
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(
             f"normalization: {config.normalization!r} is not supported by NormColumnParallelLinear;"
             " use 'LayerNorm' or 'RMSNorm'"
-        )
-    if config.layernorm_zero_centered_gamma:
-        raise NotImplementedError(
-            "layernorm_zero_centered_gamma: not supported by the torch norms of this spec; "
-            "set it to False"
         )

@@ -12,11 +12,21 @@ pass ``kernel=None`` for ``torch.nn.RMSNorm``. Each token is normalised on its o
 parallelism changes nothing in the forward. ``extra_state=True`` (the TE parameter layout) builds
 the variants with Transformer Engine's empty ``_extra_state`` entry
 (``mcore_npu.transformer.extra_state``).
+
+Zero-centred gamma (``layernorm_zero_centered_gamma=True``, what Qwen3.5 and Qwen3-Next use): the
+weight starts at 0 and the norm multiplies by ``1 + weight``, as Transformer Engine's norms do
+with ``zero_centered_gamma`` (Megatron's TE spec passes the flag to every ``TENorm``; its local
+``WrappedTorchNorm`` refuses it). The names stay ``weight`` / ``bias``, so a Megatron checkpoint
+written with the flag loads unchanged. ``1 + weight`` is formed in float32; the torch path
+normalises in float32 and casts back at the end (TE's and Hugging Face's ``Qwen3_5RMSNorm``
+order); the fused ``npu_rms_norm`` path takes gamma in the input's dtype, so under bf16 the
+``1 + weight`` factor is rounded to bf16 there.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mcore_npu.ops import KERNELS, rms_norm
 from mcore_npu.transformer.extra_state import EmptyExtraState, TELayerNorm, TERMSNorm
@@ -33,33 +43,84 @@ class NPURMSNorm(torch.nn.Module):
 
     ``weight`` ``[H]`` (``torch.nn.RMSNorm``'s name) is gamma; ``eps`` is Megatron's
     ``layernorm_epsilon`` (the slot passes it).
+    ``zero_centered_gamma``: the weight starts at 0 and gamma is ``1 + weight`` (formed in
+    float32, then cast to x's dtype for the operator).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, kernel: str = "auto") -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-5, kernel: str = "auto",
+                 zero_centered_gamma: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        start = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(start(hidden_size))
         self.eps, self.kernel = float(eps), kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gamma = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        if self.zero_centered_gamma:
+            gamma = (1.0 + self.weight.float()).to(x.dtype)
+        else:
+            gamma = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         return rms_norm(x, gamma, self.eps, kernel=self.kernel)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, kernel={self.kernel!r}"
+        centred = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}, kernel={self.kernel!r}{centred}"
 
 
 class TENPURMSNorm(EmptyExtraState, NPURMSNorm):
     """:class:`NPURMSNorm` with TE's ``_extra_state`` entry."""
 
 
-# (normalization, fused rms_norm kernel given, TE extra state) -> class
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with zero-centred gamma: x ``[*, H]`` -> ``x_hat * (1 + weight)``,
+    computed in float32 and cast back to x's dtype; ``weight`` ``[H]`` starts at 0."""
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), self.normalized_shape, gamma, self.eps).to(x.dtype)
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` with zero-centred gamma: ``x_hat * (1 + weight) + bias`` in
+    float32, cast back to x's dtype; ``weight`` ``[H]`` starts at 0, ``bias`` ``[H]`` at 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = 1.0 + self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, gamma, bias, self.eps).to(x.dtype)
+
+
+class TEZeroCenteredRMSNorm(EmptyExtraState, ZeroCenteredRMSNorm):
+    """:class:`ZeroCenteredRMSNorm` with TE's ``_extra_state`` entry."""
+
+
+class TEZeroCenteredLayerNorm(EmptyExtraState, ZeroCenteredLayerNorm):
+    """:class:`ZeroCenteredLayerNorm` with TE's ``_extra_state`` entry."""
+
+
+# (normalization, fused rms_norm kernel given, TE extra state, zero-centred gamma) -> class
 _CLASSES = {
-    ("LayerNorm", False, False): torch.nn.LayerNorm,
-    ("LayerNorm", False, True): TELayerNorm,
-    ("RMSNorm", False, False): torch.nn.RMSNorm,
-    ("RMSNorm", False, True): TERMSNorm,
-    ("RMSNorm", True, False): NPURMSNorm,
-    ("RMSNorm", True, True): TENPURMSNorm,
+    ("LayerNorm", False, False, False): torch.nn.LayerNorm,
+    ("LayerNorm", False, True, False): TELayerNorm,
+    ("RMSNorm", False, False, False): torch.nn.RMSNorm,
+    ("RMSNorm", False, True, False): TERMSNorm,
+    ("RMSNorm", True, False, False): NPURMSNorm,
+    ("RMSNorm", True, True, False): TENPURMSNorm,
+    ("LayerNorm", False, False, True): ZeroCenteredLayerNorm,
+    ("LayerNorm", False, True, True): TEZeroCenteredLayerNorm,
+    ("RMSNorm", False, False, True): ZeroCenteredRMSNorm,
+    ("RMSNorm", False, True, True): TEZeroCenteredRMSNorm,
+    ("RMSNorm", True, False, True): NPURMSNorm,
+    ("RMSNorm", True, True, True): TENPURMSNorm,
 }
 
 
@@ -69,16 +130,13 @@ class SequenceParallelNorm:
     Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...) plus
     ``kernel`` and ``extra_state`` (from the spec's params): RMSNorm is :class:`NPURMSNorm` with
     that kernel, or ``torch.nn.RMSNorm`` when ``kernel`` is None; ``extra_state=True`` adds TE's
-    empty ``_extra_state`` entry.
+    empty ``_extra_state`` entry. ``config.layernorm_zero_centered_gamma``: the zero-centred
+    variants (``NPURMSNorm(zero_centered_gamma=True)``, :class:`ZeroCenteredRMSNorm`,
+    :class:`ZeroCenteredLayerNorm`).
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, kernel: str | None = None,
                 *, extra_state: bool = False, **_unused):  # fmt: skip
-        if config.layernorm_zero_centered_gamma:
-            raise NotImplementedError(
-                "layernorm_zero_centered_gamma: not supported by the torch norms of this spec; "
-                "set it to False"
-            )
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
         if config.normalization not in ("LayerNorm", "RMSNorm"):
@@ -87,7 +145,8 @@ class SequenceParallelNorm:
                 "'RMSNorm'"
             )
         fused = config.normalization == "RMSNorm" and kernel is not None
-        norm_class = _CLASSES[(config.normalization, fused, bool(extra_state))]
-        extra = {"kernel": kernel} if fused else {}
+        centred = bool(config.layernorm_zero_centered_gamma)
+        norm_class = _CLASSES[(config.normalization, fused, bool(extra_state), centred)]
+        extra = {"kernel": kernel, "zero_centered_gamma": centred} if fused else {}
         norm = norm_class(hidden_size, eps=eps, **extra)
         return _tag(norm, config)

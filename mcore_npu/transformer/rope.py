@@ -38,10 +38,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from megatron.core.transformer.attention import SelfAttention
 
 from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import rotary_mul
+from mcore_npu.transformer.self_attention import NPUSelfAttention
 
 try:  # megatron-core 0.16: yarn's concentration factor, as Attention.forward applies it
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
@@ -97,8 +97,9 @@ class _Pending:
     offset: int | None  # static inference: the first position of this call
 
 
-class NPURotarySelfAttention(SelfAttention):
-    """``SelfAttention`` whose RoPE runs through ``npu_rotary_mul`` (see the module doc).
+class NPURotarySelfAttention(NPUSelfAttention):
+    """``SelfAttention`` whose RoPE runs through ``npu_rotary_mul`` (see the module doc); the
+    output gate as :class:`NPUSelfAttention` (eager).
 
     Args:
         config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection:

@@ -23,7 +23,8 @@ spec wherever a class goes. The fused operators (``npu_rms_norm`` in every RMSNo
 ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` say otherwise; ``"off"``
 keeps Megatron's own module for that part. ``rope_kernel`` (default ``"off"``: Megatron's own
 RoPE; None = ``kernel``) puts ``NPURotarySelfAttention`` (``npu_rotary_mul``) in the
-``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider.
+``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider;
+with ``"off"`` the slot holds ``NPUSelfAttention`` (Megatron's, its output gate eager).
 Multi-latent attention layers get ``NPUMLASelfAttention`` (``mla_self_attention(spec)``, fused
 RoPE on the rope slice with ``rope_kernel``); ``mla_value_padding`` reaches every core attention.
 Whether the installed megatron-core has the protocol and the builders is probed
@@ -46,6 +47,7 @@ from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.norms import SequenceParallelNorm
 from mcore_npu.transformer.rope import NPURotarySelfAttention, RopeCosSinCache
+from mcore_npu.transformer.self_attention import NPUSelfAttention
 
 FUSED_KERNELS = (*KERNELS, "off")
 """Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` /
@@ -192,10 +194,13 @@ class NPUSpecProvider(BackendSpecProvider):
         return None if kernel == "off" else kernel
 
     def self_attention(self, attention: ModuleSpec) -> ModuleSpec:
-        """Megatron's ``SelfAttention`` spec -> ``NPURotarySelfAttention`` (unless ``"off"``)."""
+        """Megatron's ``SelfAttention`` spec -> ``NPURotarySelfAttention`` (fused RoPE), or
+        ``NPUSelfAttention`` with ``rope_kernel="off"``; both compute ``attention_output_gate``
+        eagerly (``mcore_npu.transformer.self_attention``)."""
         kernel = self._on("rope")
         if kernel is None:
-            return attention
+            return ModuleSpec(module=NPUSelfAttention, params=dict(attention.params),
+                              submodules=attention.submodules)  # fmt: skip
         params = {**attention.params, "rope_kernel": kernel, "rope_cache": self.rope_cache,
                   "seq_lengths_memo": self.seq_lengths_memo}  # fmt: skip
         return ModuleSpec(module=NPURotarySelfAttention, params=params,
