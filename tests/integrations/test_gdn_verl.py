@@ -27,6 +27,7 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import sys
@@ -109,12 +110,14 @@ def hf_reference(qwen3_5_moe) -> list[torch.Tensor]:
 
 
 def _engine(path: str, keys: dict, *, thd: bool):
-    """``(engine after _build_tf_config, the worker's own engine config)``."""
+    """``(engine after _build_tf_config, the worker's own engine config)``, with the recipes'
+    ``vanilla_mbridge=False`` (Megatron-Bridge does not import here: the mbridge fallback)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VERL_ENGINE_DEVICE", "npu")
         env.setenv("VERL_ENGINE_VENDOR", "huawei")
         config = training_worker_config(path, remove_padding=thd, override_transformer_config=keys)
-        worker = TrainingWorker(config)
+        engine_config = dataclasses.replace(config.engine_config, vanilla_mbridge=False)
+        worker = TrainingWorker(dataclasses.replace(config, engine_config=engine_config))
     engine = worker.engine
     assert type(engine) is NPUMegatronEngineWithLMHead
     engine._build_tf_config()  # the first two steps of engine.initialize()
@@ -143,6 +146,7 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
     before = copy.deepcopy(dict(worker_engine_config.override_transformer_config))
     engine.module = engine._build_megatron_module()
     assert before == keys  # the worker's config still holds the recipe as written
+    assert engine.mbridge_fallback and not worker_engine_config.vanilla_mbridge
     assert engine.npu_spec_keywords["gdn_naive_l2norm"] is True
     gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
     assert len(gdn) == 3 and all(m.naive_l2norm for m in gdn)
@@ -153,7 +157,13 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
     data, _ = packed_batch(LENGTHS)
     if layout == "thd_dynamic":
         data = _dynamic(data)
+    micro_batches = _count_micro_batches(engine)
     result = engine.forward_backward_batch(data, mean_negative_log_prob)
+    if layout == "thd_dynamic":  # the token budget split the 24 tokens
+        assert len(micro_batches) > 1 and max(micro_batches) <= TOKEN_BUDGET, micro_batches
+        assert sum(micro_batches) == sum(LENGTHS)
+    else:
+        assert micro_batches == [sum(LENGTHS)]
     rows = result["model_output"]["log_probs"].unbind()
     got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
     error = max(float((g - w).abs().max()) for g, w in zip(got, hf_reference, strict=True))
@@ -164,6 +174,20 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
             grad = _grad(param)
             assert torch.isfinite(grad).all(), pname
             assert grad.abs().sum() > 0, f"{pname}: zero gradient"
+
+
+def _count_micro_batches(engine) -> list[int]:
+    """The token count of every micro-batch the engine runs from now on (a spy on this engine
+    instance's ``forward_step`` that calls through)."""
+    tokens, forward = [], engine.forward_step
+
+    def counting_forward(batch_iter, *args, **kwargs):
+        micro = next(batch_iter)
+        tokens.append(int(micro["input_ids"].offsets()[-1]))
+        return forward(iter([micro]), *args, **kwargs)
+
+    engine.forward_step = counting_forward
+    return tokens
 
 
 def _dynamic(data):
@@ -260,3 +284,18 @@ def test_forward_only_log_probs_call_torch_npus_gated_delta_rule_as_documented(
         assert call["scale"] == pytest.approx(dk**-0.5)
         norms = call["query"].float().norm(dim=-1)  # use_naive_l2norm: q, k unit-norm already
         assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "hub"),
+    [(transformers.Qwen3_5MoeTextConfig, False), (transformers.Qwen3_5MoeConfig, True),
+     (transformers.Qwen3_5Config, True), (transformers.Qwen3NextConfig, False)],
+)  # fmt: skip
+def test_the_gdn_hybrids_are_covered_by_the_weight_path_fallback(config_class, hub):
+    """``vanilla_mbridge=False`` without Megatron-Bridge builds these through the plugin's own
+    bridge (``hf_qwen3_5``); the hub (vision-language) form trains its language model."""
+    from mcore_npu.integrations.verl.weight_path import uncovered_reason
+
+    config = config_class()
+    assert (getattr(config, "vision_config", None) is not None) == hub
+    assert uncovered_reason(config) is None
