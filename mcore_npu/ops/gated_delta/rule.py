@@ -28,7 +28,8 @@ def needs_grad(*tensors) -> bool:
     )
 
 
-def choose_kernel(kernel: str, q, v, *, grad: bool, initial_state=None) -> str:
+def choose_kernel(kernel: str, q, v, *, grad: bool, initial_state=None,
+                  output_final_state=False) -> str:  # fmt: skip
     """The kernel that runs this call (``auto`` resolved; see the module docstring)."""
     if kernel not in KERNELS:
         raise ValueError(f"chunk_gated_delta_rule: kernel: unknown kernel {kernel!r}\n"
@@ -41,7 +42,8 @@ def choose_kernel(kernel: str, q, v, *, grad: bool, initial_state=None) -> str:
     forward_only = not grad and kernels.torch_npu_rule() is not None
     if forward_only and kernels.torch_npu_unsupported(q, v) is None:
         return "torch_npu"
-    if fla_npu_chain.available() and fla_npu_chain.unsupported(q, v, initial_state) is None:
+    chain = fla_npu_chain.available()
+    if chain and fla_npu_chain.unsupported(q, v, initial_state, output_final_state) is None:
         return "fla_npu"
     if kernels.fla_rule() is not None:
         return "fla"
@@ -66,8 +68,10 @@ def chunk_gated_delta_rule(
         ImportError: an explicitly named Ascend kernel that is not installed.
     """
     grad = needs_grad(q, k, v, g, beta, initial_state)
-    chosen = choose_kernel(kernel, q, v, grad=grad, initial_state=initial_state) if isinstance(
-        q, torch.Tensor) and isinstance(v, torch.Tensor) else "reference"  # fmt: skip
+    chosen = "reference"
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor):
+        chosen = choose_kernel(kernel, q, v, grad=grad, initial_state=initial_state,
+                               output_final_state=output_final_state)  # fmt: skip
     bounds = validate_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
