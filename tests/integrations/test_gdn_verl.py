@@ -2,9 +2,10 @@
 engine, with the key sets of the five public Ascend recipes that train it, verbatim
 (``tests/integrations/gdn_recipes.yaml``: three distinct key sets).
 
-- A tiny ``qwen3_5_moe_text`` checkpoint (transformers 5.10.4): 3 GDN layers + 1 full-attention
-  layer (partial RoPE, gated attention output, zero-centred norms), 4 experts top-2 with the
-  shared expert and its gate; weights rounded to bf16 before saving (the engine loads bf16, so
+- A tiny ``qwen3_5_moe_text`` checkpoint (transformers 5.10.4): 3 GDN layers (2 key heads, 4
+  value heads, K = V = 128: the head size the Ascend kernels take) + 1 full-attention layer
+  (partial RoPE, gated attention output, zero-centred norms), 4 experts top-2 with the shared
+  expert and its gate; weights rounded to bf16 before saving (the engine loads bf16, so
   both sides hold the same numbers), norms, ``A_log`` and ``dt_bias`` away from their inits.
 - verl's ``TrainingWorker`` picks the plugin's engine (``VERL_ENGINE_DEVICE=npu``,
   ``VERL_ENGINE_VENDOR=huawei``); the recipe's ``override_transformer_config`` goes in unchanged.
@@ -19,6 +20,11 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
   reference) with op-plugin's forward-only ``npu_chunk_gated_delta_rule``: verl's forward-only
   log-prob pass (no gradients), which the dispatch sends to that kernel on an NPU, calls it with
   the documented TND layout and gives the reference kernel's log-probs.
+- A stand-in ``fla_npu`` (``tests/gated_delta_standin.py``: its forward blocks compute what
+  fla_npu documents, its backward blocks answer zeros) under a training step with the nightly
+  recipe's full recompute: per GDN layer the documented forward chain twice (forward, recompute)
+  and the backward chain once, in order; the forward's log-probs equal the reference kernel's
+  within the bf16 model's own round-off (its distance to the same weights computed in fp32).
 - ``use_naive_l2norm=True`` reaches the GDN layers (``NPUGatedDeltaNet.naive_l2norm``); on a
   model without GDN layers (the tiny DeepSeek-V3, the architecture of Kimi-K2.5 whose recipe sets
   it) it is accepted with one log line and no effect.
@@ -46,6 +52,7 @@ from verl.workers.engine_workers import TrainingWorker
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from mcore_npu.ops.gated_delta import chunk_gated_delta_rule
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
+from tests.gated_delta_standin import install_fla_npu
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
@@ -59,27 +66,15 @@ LENGTHS = (12, 7, 5)
 TOKEN_BUDGET = 16  # max_token_len_per_gpu of the dynamic-batch case: 24 tokens, > 1 micro-batch
 TOLERANCE = 1e-3
 
+# layer_types: transformers' default, 3 linear_attention + 1 full_attention
 QWEN3_5_MOE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-)  # fmt: skip  (layer_types: transformers' default, 3 linear_attention + 1 full_attention)
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    initializer_range=0.1, tie_word_embeddings=False,
+)  # fmt: skip
 
 
 def save_tiny_qwen3_5_moe(path) -> str:
@@ -239,12 +234,12 @@ class ForwardOnlyTorchNpu(types.ModuleType):
         return out[0], final.transpose(-1, -2).to(value.dtype)
 
 
-def _forward_only_log_probs(engine, data) -> list[torch.Tensor]:
+def _forward_only_log_probs(engine, data, lengths=LENGTHS) -> list[torch.Tensor]:
     """verl's forward-only pass (its log-prob computation: no gradients), one row per sample."""
     with torch.no_grad():
         result = engine.forward_backward_batch(data, mean_negative_log_prob, forward_only=True)
     rows = result["model_output"]["log_probs"].unbind()
-    return [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
+    return [row[: n - 1].float() for row, n in zip(rows, lengths, strict=True)]
 
 
 def test_forward_only_log_probs_call_torch_npus_gated_delta_rule_as_documented(
@@ -299,3 +294,64 @@ def test_the_gdn_hybrids_are_covered_by_the_weight_path_fallback(config_class, h
     config = config_class()
     assert (getattr(config, "vision_config", None) is not None) == hub
     assert uncovered_reason(config) is None
+
+
+FORWARD_CHAIN = [
+    "npu_chunk_local_cumsum",
+    "npu_chunk_scaled_dot_kkt",
+    "npu_solve_tri",
+    "npu_recompute_w_u_fwd",
+    "npu_chunk_gated_delta_rule_fwd_h",
+    "npu_chunk_fwd_o",
+]
+BACKWARD_CHAIN = ["npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h",
+                  "npu_chunk_bwd_dv_local", "npu_chunk_gated_delta_rule_bwd_dhu",
+                  "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
+                  "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"]  # fmt: skip
+CHAIN_LENGTHS = (64, 40, 9)  # bshd rows of 64 tokens: whole chunks, as the stand-in computes
+
+
+def test_training_step_runs_the_fla_npu_chain_as_documented(qwen3_5_moe, monkeypatch):
+    """The nightly recipe's keys (full recompute), bshd, the bf16 model as verl loads it, one
+    training forward and backward. On an NPU the GDN layers' dispatch (auto) picks the trainable
+    fla_npu chain for bf16, K = V = 128; CPU tensors make auto pick the reference, so the layers
+    are given ``kernel="fla_npu"`` (their constructor argument) on this engine's model."""
+    engine, _ = _engine(qwen3_5_moe, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
+    engine.module = engine._build_megatron_module()
+    data, _ = packed_batch(CHAIN_LENGTHS)
+    reference = _forward_only_log_probs(engine, data, CHAIN_LENGTHS)
+    recorder = install_fla_npu(monkeypatch)
+    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+    for layer in gdn:
+        layer.kernel = "fla_npu"
+    result = engine.forward_backward_batch(data, mean_negative_log_prob)
+    rows = result["model_output"]["log_probs"].unbind()
+    got = [row[: n - 1].float() for row, n in zip(rows, CHAIN_LENGTHS, strict=True)]
+    error = max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True))
+    for layer in gdn:
+        layer.kernel = None
+    _gpt(engine).float()  # the model's own bf16 round-off: the same weights computed in fp32
+    exact = _forward_only_log_probs(engine, data, CHAIN_LENGTHS)
+    round_off = max(float((e - r).abs().max()) for e, r in zip(exact, reference, strict=True))
+    print(
+        f"stand-in fla_npu vs reference kernel (bf16 model): max |diff log p| = {error:.2e}; "
+        f"the bf16 model vs fp32: {round_off:.2e}"
+    )
+    assert error <= round_off, (error, round_off)  # within the bf16 model's own round-off
+    names = recorder.names()
+    forward, backward = len(FORWARD_CHAIN), len(BACKWARD_CHAIN)
+    chains = []  # the recorded calls cut into the two documented chains
+    while names:
+        if names[:forward] == FORWARD_CHAIN:
+            chains.append("forward")
+            names = names[forward:]
+        elif names[:backward] == BACKWARD_CHAIN:
+            chains.append("backward")
+            names = names[backward:]
+        else:
+            raise AssertionError(f"not a documented chain: {names[:backward]}")
+    # the forward of every layer, then per layer (last first) its recompute and its backward
+    assert chains == ["forward"] * 3 + ["forward", "backward"] * 3, chains
+    shapes = [s for name, s, _ in recorder.calls if name == "npu_chunk_fwd_o"]
+    rows, value_heads = len(CHAIN_LENGTHS), QWEN3_5_MOE["linear_num_value_heads"]
+    assert {s[0] for s in shapes} == {(rows, value_heads, max(CHAIN_LENGTHS), 128)}
