@@ -28,7 +28,7 @@ Megatron (TE names)                               Hugging Face
 ``self_attention.in_proj.layer_norm_weight``      ``input_layernorm.weight``
 ``self_attention.conv1d.weight`` / ``A_log`` /     ``linear_attn.conv1d.weight`` / ``A_log`` /
 ``dt_bias`` / ``out_proj.weight``                 ``dt_bias`` / ``out_proj.weight``
-``self_attention.out_norm.weight``                ``linear_attn.norm.weight`` - 1 (see 2.)
+``self_attention.out_norm.weight``                ``linear_attn.norm.weight`` (see 2.)
 ``self_attention.linear_qkv.weight``, per query   ``self_attn.q_proj`` (per head ``[q_h |
   group ``[q heads | gate heads | k | v]``         gate_h]``), ``k_proj``, ``v_proj``
 ``self_attention.linear_qkv.layer_norm_weight``   ``input_layernorm.weight``
@@ -51,12 +51,13 @@ Which expert form a checkpoint has is read from its tensor names when it loads; 
 writes the form that was loaded (per expert, what ``save_pretrained`` of transformers 5.10.4
 writes, when nothing was loaded).
 
-2. Precision and inverse. Megatron 0.16.1 builds the GDN output norm from the spec's norm, so
-with ``layernorm_zero_centered_gamma`` it is zero-centred (``1 + w``), whereas
-``Qwen3_5RMSNormGated`` multiplies by ``w`` (starts at 1): the bridge stores ``w - 1`` and
-exports ``+ 1`` (Megatron-Bridge does the same). For ``w`` in [0.5, 2] both steps are exact in
-any float format (Sterbenz), so export is bit-exact. Every other tensor is moved, never
-changed.
+2. Precision and inverse. ``Qwen3_5RMSNormGated`` multiplies by ``w`` (starts at 1). The NPU
+layer's ``out_norm`` (``mcore_npu.transformer.gated_delta_net.out_norm``) does too, whatever
+``layernorm_zero_centered_gamma`` says, so the tensor is moved as it is. Megatron 0.16.1's TE
+spec builds ``out_norm`` from ``TENorm``, zero-centred (``1 + w``) under that flag, and
+Megatron-Bridge stores ``w - 1`` there; the bridge reads which kind the model's ``out_norm`` is
+(a module with ``zero_centered_gamma=True`` gets ``w - 1``, exported ``+ 1``: exact for ``w`` in
+[0.5, 2], Sterbenz). Every other tensor is moved, never changed, so export is bit-exact.
 
 3. Tensor parallelism: Megatron's ``in_proj`` holds ``[q | k | v | z | beta | alpha]`` *per
 rank* and ``conv1d`` ``[q | k | v]`` per rank (heads split over TP); the bridge splits and
@@ -79,6 +80,7 @@ from mbridge.core import LLMBridge, register_model
 from mbridge.core.safetensor_io import SafeTensorIO
 
 from mcore_npu.integrations.hf import PLUGIN_BRIDGES
+from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,16 @@ def _moe_keywords(text) -> dict:
     return keywords
 
 
+def out_norm_offset(models) -> float:
+    """1.0 when the models' GDN ``out_norm`` is zero-centred (a ``zero_centered_gamma``
+    attribute that is True), else 0.0 (the NPU layer's ``GatedRMSNorm``)."""
+    for model in models if isinstance(models, list | tuple) else [models]:
+        for name, module in model.named_modules():
+            if name.endswith("self_attention.out_norm"):
+                return 1.0 if getattr(module, "zero_centered_gamma", False) else 0.0
+    return 0.0
+
+
 class SlicingSafeTensorIO(SafeTensorIO):
     """mbridge's reader; a name ``"x[e]"`` reads row ``e`` of tensor ``x`` (fused experts)."""
 
@@ -202,12 +214,14 @@ class Qwen3_5Bridge(LLMBridge):
     """mbridge bridge for ``qwen3_5`` / ``qwen3_5_moe`` (and ``_text``) and ``qwen3_next``
     (see the module docstring for the weight map)."""
 
+    TransformerConfigClass = GDNTransformerConfig  # GDN under context parallelism too
     _CONFIG_MAPPING = {**LLMBridge._CONFIG_MAPPING, "ffn_hidden_size": ("intermediate_size", None)}
 
     def __init__(self, hf_config, *args, **kwargs):
         self.text = text_config(hf_config)
         self.prefix = HUB_PREFIX if is_hub_form(hf_config) else TEXT_PREFIX
         self.fused_experts = False  # the expert form of the checkpoint last loaded
+        self.out_norm_offset = 0.0  # 1.0 when the model's GDN out_norm is zero-centred
         self._expert_buffer: dict[str, dict[int, torch.Tensor]] = {}
         super().__init__(hf_config, *args, **kwargs)
         if is_hub_form(hf_config):
@@ -239,7 +253,15 @@ class Qwen3_5Bridge(LLMBridge):
         heads = text.linear_num_value_heads
         return (qk, qk, v, v, heads, heads)
 
-    # -- reading ----------------------------------------------------------------------------
+    # -- reading and writing ----------------------------------------------------------------
+    def load_weights(self, models, weights_path: str, memory_efficient: bool = False) -> None:
+        self.out_norm_offset = out_norm_offset(models)
+        super().load_weights(models, weights_path, memory_efficient=memory_efficient)
+
+    def export_weights(self, models):
+        self.out_norm_offset = out_norm_offset(models)
+        yield from super().export_weights(models)
+
     def _get_safetensor_io(self, weights_path: str):
         io = SlicingSafeTensorIO(self._get_actual_hf_path(weights_path))
         names = io.load_hf_weight_names()
@@ -297,11 +319,8 @@ class Qwen3_5Bridge(LLMBridge):
             if len(hf_weights) == 2:
                 return self._deinterleave_qwen3_next(*hf_weights)
             return torch.cat(hf_weights, dim=0)
-        if (
-            name.endswith("self_attention.out_norm.weight")
-            and self.config.layernorm_zero_centered_gamma
-        ):
-            return hf_weights[0] - 1
+        if name.endswith("self_attention.out_norm.weight") and self.out_norm_offset:
+            return hf_weights[0] - self.out_norm_offset
         return super()._weight_to_mcore_format(name, hf_weights)
 
     def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights: torch.Tensor):
@@ -314,11 +333,8 @@ class Qwen3_5Bridge(LLMBridge):
             if len(names) == 2:
                 return names, list(self._interleave_qwen3_next(mcore_weights))
             return names, list(torch.split(mcore_weights, self._qkv_zba_rows(), dim=0))
-        if (
-            name.endswith("self_attention.out_norm.weight")
-            and self.config.layernorm_zero_centered_gamma
-        ):
-            return names, [mcore_weights + 1]
+        if name.endswith("self_attention.out_norm.weight") and self.out_norm_offset:
+            return names, [mcore_weights + self.out_norm_offset]
         slice_match = _SLICE.match(names[0])
         if slice_match:
             return self._fused_expert(

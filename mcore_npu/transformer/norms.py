@@ -75,6 +75,8 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with zero-centred gamma: x ``[*, H]`` -> ``x_hat * (1 + weight)``,
     computed in float32 and cast back to x's dtype; ``weight`` ``[H]`` starts at 0."""
 
+    zero_centered_gamma = True
+
     def reset_parameters(self) -> None:
         if self.weight is not None:
             torch.nn.init.zeros_(self.weight)
@@ -87,6 +89,8 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with zero-centred gamma: ``x_hat * (1 + weight) + bias`` in
     float32, cast back to x's dtype; ``weight`` ``[H]`` starts at 0, ``bias`` ``[H]`` at 0."""
+
+    zero_centered_gamma = True
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

@@ -1,7 +1,7 @@
 """verl's loop with the plugin's engine on more than one rank: torchrun, one ``TrainingWorker`` per
 rank, no Ray; TP=2 with sequence parallelism, PP=2, DP=2 with the distributed optimizer, EP=2
 (Qwen3-MoE), each 5 SFT steps, compared with one process; DP=2 resuming exactly; and
-the tiny DeepSeek-V3 through mbridge at TP=2.
+the tiny DeepSeek-V3 through mbridge and a tiny Qwen3.5-MoE through the plugin's bridge at TP=2.
 
 One torchrun launch of 2 ranks runs every layout in turn, in fp32 and in bf16
 (``verl_loop_ranks.py``), and DP=2 in bf16 also saves after step 5, trains on, and resumes in
@@ -58,12 +58,22 @@ TOLERANCE = {  # fp32: the issue's 1e-5 for every layout; bf16: see the module d
 
 
 @pytest.fixture(scope="module")
-def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, tmp_path_factory):
+def qwen3_5_moe(tmp_path_factory):
+    """``(path, transformers model)``: the tiny Qwen3.5-MoE (tests/integrations/qwen3_5_models.py)."""
+    from tests.integrations.qwen3_5_models import save_tiny
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_5_moe_tp2")
+    return str(path), save_tiny(path, "moe")
+
+
+@pytest.fixture(scope="module")
+def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, tmp_path_factory):
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
-    bridge check at TP=2 (``verl_loop_ranks.deepseek_tp2``)."""
+    and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
-           qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2"]  # fmt: skip
+           qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
+           f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)
@@ -190,4 +200,24 @@ def test_deepseek_v3_through_mbridge_at_tp2(launch, tiny_deepseek_v3_model):
     got = torch.load(launch / "deepseek_tp2.logits.pt")  # [b, s, V], gathered over TP
     error = float((got - want).abs().max())
     print(f"DeepSeek-V3 at TP=2: max |logit - transformers| = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-4, error
+
+
+def test_qwen3_5_through_the_plugins_bridge_at_tp2(launch, qwen3_5_moe):
+    """The plugin's Qwen3.5 bridge at TP=2 (sequence parallel): GDN's ``in_proj`` holds this
+    rank's heads of every section (half of ``[q | k | v | z | beta | alpha]``), the logits equal
+    transformers' within 1e-4, and every rank exports the checkpoint bit for bit (the split and
+    the merge are exact inverses)."""
+    _, hf_model = qwen3_5_moe
+    for rank in range(WORLD):
+        record = json.loads((launch / f"qwen3_5_tp2.rank{rank}.json").read_text())
+        assert (record["tp"], record["sp"]) == (2, True)
+        assert record["in_proj_rows"] == (2 * 32 + 2 * 32 + 2 * 4) // 2
+        assert record["exported_names_equal"] and record["exported_not_equal"] == []
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf_model(input_ids=ids).logits
+    got = torch.load(launch / "qwen3_5_tp2.logits.pt")  # [b, s, V], gathered over TP
+    error = float((got - want).abs().max())
+    print(f"Qwen3.5-MoE at TP=2: max |logit - transformers| = {error:.1e}", file=sys.stderr)
     assert error <= 1e-4, error

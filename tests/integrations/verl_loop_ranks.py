@@ -5,7 +5,8 @@
 
 RUN is a layout of :data:`LAYOUTS`, optionally with a precision: ``tp2_sp`` (fp32, the default)
 or ``tp2_sp@bf16`` (:data:`DTYPES`), or ``deepseek_tp2`` (:func:`deepseek_tp2`: the DeepSeek-V3
-checkpoint through the plugin's bridge at TP=2, no verl worker). fp32 is a test oracle verl's config refuses
+checkpoint through the plugin's bridge at TP=2, no verl worker), or ``qwen3_5_tp2=PATH``
+(:func:`qwen3_5_tp2`: a tiny Qwen3.5 checkpoint the same way). fp32 is a test oracle verl's config refuses
 (``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
 engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
 parallel state from verl's own engine config (``MegatronEngine._init_device_mesh``), trains
@@ -195,6 +196,58 @@ def deepseek_tp2(path: str, out: Path) -> None:
     mpu.destroy_model_parallel()
 
 
+QWEN3_5_TP2 = "qwen3_5_tp2="  # the run "qwen3_5_tp2=<checkpoint path>"
+
+
+def qwen3_5_tp2(path: str, out: Path) -> None:
+    """A tiny Qwen3.5 checkpoint (tests/integrations/qwen3_5_models.py) through the plugin's
+    bridge (``mcore_npu.integrations.hf_qwen3_5``) at TP=2 with sequence parallelism, fp32:
+    every rank loads it (``in_proj`` / ``conv1d`` split section by section, the gated
+    ``linear_qkv`` by query group), rank 0 writes the full logits of 24 seeded tokens
+    (``OUT/qwen3_5_tp2.logits.pt``), and every rank records whether the exported weights equal
+    the checkpoint's bit for bit (``OUT/qwen3_5_tp2.rank<r>.json``)."""
+    import safetensors.torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from mcore_npu.integrations.hf import (
+        build_model,
+        export_hf_weights,
+        load_hf_weights,
+        npu_bridge,
+    )
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    from mcore_npu.training import cpu_support
+
+    cpu_support.seed_cpu_streams(1, tp_rank=mpu.get_tensor_model_parallel_rank())
+    bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**DEEPSEEK_CPU_ARGS)
+    model = build_model(bridge).eval()
+    load_hf_weights(model, path, bridge=bridge)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(
+            model(ids, torch.arange(24)[None], None))  # fmt: skip
+    saved = safetensors.torch.load_file(str(next(Path(path).glob("*.safetensors"))))
+    exported = dict(export_hf_weights(model, bridge))
+    gdn = model.decoder.layers[0].self_attention
+    record = {
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "sp": bool(bridge.config.sequence_parallel),
+        "in_proj_rows": int(gdn.in_proj.weight.shape[0]),
+        "exported_names_equal": exported.keys() == saved.keys(),
+        "exported_not_equal": sorted(n for n in saved if not torch.equal(exported[n], saved[n])),
+    }
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save(logits, out / "qwen3_5_tp2.logits.pt")
+    (out / f"qwen3_5_tp2.rank{rank}.json").write_text(json.dumps(record))
+    del model, bridge
+    gc.collect()
+    mpu.destroy_model_parallel()
+
+
 def main(argv: list[str]) -> int:
     out, qwen3, qwen3_moe, deepseek_v3, *runs = argv
     from mcore_npu.training import cpu_support
@@ -206,6 +259,9 @@ def main(argv: list[str]) -> int:
         for run in runs:
             if run == "deepseek_tp2":
                 deepseek_tp2(deepseek_v3, Path(out))
+                continue
+            if run.startswith(QWEN3_5_TP2):
+                qwen3_5_tp2(run[len(QWEN3_5_TP2) :], Path(out))
                 continue
             run_layout(run, {"qwen3": qwen3, "qwen3_moe": qwen3_moe}, Path(out))
     except Exception:
