@@ -5,8 +5,9 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
 - A tiny ``qwen3_5_moe_text`` checkpoint (transformers 5.10.4): 3 GDN layers (2 key heads, 4
   value heads, K = V = 128: the head size the Ascend kernels take) + 1 full-attention layer
   (partial RoPE, gated attention output, zero-centred norms), 4 experts top-2 with the shared
-  expert and its gate; weights rounded to bf16 before saving (the engine loads bf16, so
-  both sides hold the same numbers), norms, ``A_log`` and ``dt_bias`` away from their inits.
+  expert and its gate; weights drawn as ``qwen3_5_models.draw`` draws them (norms away from
+  their inits) and rounded to bf16 before saving (the engine loads bf16: both sides hold the
+  same numbers).
 - verl's ``TrainingWorker`` picks the plugin's engine (``VERL_ENGINE_DEVICE=npu``,
   ``VERL_ENGINE_VENDOR=huawei``); the recipe's ``override_transformer_config`` goes in unchanged.
   The model comes from the plugin's Hugging Face path (mbridge has no Qwen3.5 bridge; the
@@ -55,6 +56,7 @@ from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
 from tests.gated_delta_standin import install_fla_npu
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
+from tests.integrations.qwen3_5_models import draw
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
@@ -73,20 +75,21 @@ QWEN3_5_MOE = dict(
     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
     shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-    initializer_range=0.1, tie_word_embeddings=False,
+    tie_word_embeddings=False,
 )  # fmt: skip
 
 
 def save_tiny_qwen3_5_moe(path) -> str:
-    """The tiny Qwen3.5 MoE (text) checkpoint in ``path``, bf16-exact fp32 weights (seed 0)."""
+    """The tiny Qwen3.5 MoE (text) checkpoint in ``path``: weights drawn as
+    ``tests/integrations/qwen3_5_models.draw`` draws them (every norm away from its init), then
+    rounded to bf16 (stored in fp32), and the word-level tokenizer."""
     torch.manual_seed(0)
     config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
     assert config.layer_types.count("linear_attention") == 3
     model = transformers.AutoModelForCausalLM.from_config(config)
+    draw(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("A_log", "dt_bias")):
-                param.add_(torch.randn_like(param) * 0.2)  # a dropped one shows
+        for param in model.parameters():
             param.copy_(param.to(torch.bfloat16).float())
     model.save_pretrained(path, safe_serialization=True)
     _save_word_level_tokenizer(path)
