@@ -17,15 +17,12 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
   in bshd as the recipes run it, thd (``use_remove_padding=True``) and thd with
   ``use_dynamic_bsz`` (a 16-token budget: the 24 tokens run as several micro-batches);
   every parameter of every GDN layer gets a finite, non-zero gradient.
-- A stand-in ``torch_npu`` (no NPU here; it records each call and answers with the plugin's
-  reference) with op-plugin's forward-only ``npu_chunk_gated_delta_rule``: verl's forward-only
-  log-prob pass (no gradients), which the dispatch sends to that kernel on an NPU, calls it with
-  the documented TND layout and gives the reference kernel's log-probs.
-- A stand-in ``fla_npu`` (``tests/gated_delta_standin.py``: its forward blocks compute what
-  fla_npu documents, its backward blocks answer zeros) under a training step with the nightly
-  recipe's full recompute: per GDN layer the documented forward chain twice (forward, recompute)
-  and the backward chain once, in order; the forward's log-probs equal the reference kernel's
-  within the bf16 model's own round-off (its distance to the same weights computed in fp32).
+- The Ascend kernels' stand-ins (no NPU here; ``tests/gated_delta_standin.py``, in
+  ``sys.modules``): verl's forward-only log-prob pass calls torch_npu's forward-only
+  ``npu_chunk_gated_delta_rule`` once per GDN layer in the documented TND layout; a training
+  step with the nightly recipe's full recompute runs fla_npu's documented forward chain twice
+  (forward, recompute) and its backward chain once per GDN layer, in order. Both give the reference kernel's log-probs within the bf16 model's own
+  round-off (its distance to the same weights computed in fp32).
 - ``use_naive_l2norm=True`` reaches the GDN layers (``NPUGatedDeltaNet.naive_l2norm``); on a
   model without GDN layers (the tiny DeepSeek-V3, the architecture of Kimi-K2.5 whose recipe sets
   it) it is accepted with one log line and no effect.
@@ -35,10 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import logging
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -51,9 +45,8 @@ import yaml
 from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
-from mcore_npu.ops.gated_delta import chunk_gated_delta_rule
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
-from tests.gated_delta_standin import install_fla_npu
+from tests.gated_delta_standin import install_fla_npu, install_torch_npu
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 from tests.integrations.qwen3_5_models import draw
@@ -211,77 +204,12 @@ def test_use_naive_l2norm_on_a_model_without_gdn_layers_is_one_log_line(
     assert "use_naive_l2norm" not in engine.engine_config.override_transformer_config
 
 
-class ForwardOnlyTorchNpu(types.ModuleType):
-    """A stand-in ``torch_npu`` (no NPU here) holding op-plugin's forward-only
-    ``npu_chunk_gated_delta_rule(query, key, value, *, beta, initial_state, actual_seq_lengths,
-    scale, g) -> (out, final_state)`` (torch-npu 26.1.0; TND: q/k ``[T, Nk, Dk]``, v
-    ``[T, Nv, Dv]``, beta/g ``[T, Nv]``, states ``[N, Nv, Dv, Dk]``). It records every call and
-    answers with the plugin's reference kernel on fla's layout."""
-
-    def __init__(self) -> None:
-        super().__init__("torch_npu")
-        self.calls: list[dict] = []
-
-    def npu_chunk_gated_delta_rule(
-        self, query, key, value, *, beta, initial_state, actual_seq_lengths, scale, g
-    ):
-        self.calls.append(dict(query=query, key=key, value=value, beta=beta, g=g, scale=scale,
-                               initial_state=initial_state, grad=torch.is_grad_enabled(),
-                               actual_seq_lengths=actual_seq_lengths))  # fmt: skip
-        bounds = torch.tensor([0, *itertools.accumulate(actual_seq_lengths.tolist())])
-        out, final = chunk_gated_delta_rule(
-            query[None], key[None], value[None], g[None], beta[None], scale=scale,
-            initial_state=initial_state.transpose(-1, -2).float(), output_final_state=True,
-            cu_seqlens=bounds, kernel="reference",
-        )  # fmt: skip
-        return out[0], final.transpose(-1, -2).to(value.dtype)
-
-
 def _forward_only_log_probs(engine, data, lengths=LENGTHS) -> list[torch.Tensor]:
     """verl's forward-only pass (its log-prob computation: no gradients), one row per sample."""
     with torch.no_grad():
         result = engine.forward_backward_batch(data, mean_negative_log_prob, forward_only=True)
     rows = result["model_output"]["log_probs"].unbind()
     return [row[: n - 1].float() for row, n in zip(rows, lengths, strict=True)]
-
-
-def test_forward_only_log_probs_call_torch_npus_gated_delta_rule_as_documented(
-    qwen3_5_moe, monkeypatch
-):
-    """The nightly recipe's keys, bshd, the bf16 model as verl loads it. On an NPU the GDN
-    layers' dispatch (``kernel=None``: auto) sends this no-gradient call to torch_npu's
-    forward-only kernel; CPU tensors make auto pick the reference, so the layers are given
-    ``kernel="torch_npu"`` (their constructor argument) on this engine's model."""
-    engine, _ = _engine(qwen3_5_moe, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
-    engine.module = engine._build_megatron_module()
-    data, _ = packed_batch(LENGTHS)
-    reference = _forward_only_log_probs(engine, data)
-    standin = ForwardOnlyTorchNpu()
-    monkeypatch.setitem(sys.modules, "torch_npu", standin)
-    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
-    for layer in gdn:
-        layer.kernel = "torch_npu"
-    got = _forward_only_log_probs(engine, data)
-    error = max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True))
-    print(f"stand-in torch_npu vs reference kernel (bf16 model): max |diff log p| = {error:.2e}")
-    assert error <= 1e-3, error
-    assert len(standin.calls) == len(gdn) == 3  # one call per GDN layer, one micro-batch
-    rows, seq = len(LENGTHS), max(LENGTHS)  # bshd: rows right-padded to the longest
-    nk, nv, dk, dv = (QWEN3_5_MOE[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
-                                               "linear_key_head_dim", "linear_value_head_dim"))  # fmt: skip
-    for call in standin.calls:
-        assert call["grad"] is False
-        assert call["query"].shape == call["key"].shape == (rows * seq, nk, dk)
-        assert call["value"].shape == (rows * seq, nv, dv)
-        assert call["beta"].shape == call["g"].shape == (rows * seq, nv)
-        assert call["query"].dtype == call["value"].dtype == call["beta"].dtype == torch.bfloat16
-        assert call["g"].dtype == torch.float32 and bool((call["g"] <= 0).all())
-        assert call["initial_state"].shape == (rows, nv, dv, dk)
-        assert call["actual_seq_lengths"].dtype == torch.int32
-        assert call["actual_seq_lengths"].tolist() == [seq] * rows
-        assert call["scale"] == pytest.approx(dk**-0.5)
-        norms = call["query"].float().norm(dim=-1)  # use_naive_l2norm: q, k unit-norm already
-        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -314,47 +242,83 @@ BACKWARD_CHAIN = ["npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h",
 CHAIN_LENGTHS = (64, 40, 9)  # bshd rows of 64 tokens: whole chunks, as the stand-in computes
 
 
-def test_training_step_runs_the_fla_npu_chain_as_documented(qwen3_5_moe, monkeypatch):
-    """The nightly recipe's keys (full recompute), bshd, the bf16 model as verl loads it, one
-    training forward and backward. On an NPU the GDN layers' dispatch (auto) picks the trainable
-    fla_npu chain for bf16, K = V = 128; CPU tensors make auto pick the reference, so the layers
-    are given ``kernel="fla_npu"`` (their constructor argument) on this engine's model."""
+def _max_diff(rows, others) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(rows, others, strict=True))
+
+
+def test_the_ascend_kernels_stand_ins_see_the_documented_calls_through_verl(
+    qwen3_5_moe, monkeypatch
+):
+    """The nightly recipe's keys (full recompute), bshd, the bf16 model as verl loads it.
+
+    On an NPU the GDN layers' dispatch (``kernel=None``: auto) sends verl's forward-only log-prob
+    pass (no gradients) to torch_npu's forward-only ``npu_chunk_gated_delta_rule`` and a training
+    step to the trainable fla_npu chain (bf16, K = V = 128). CPU tensors make auto pick the
+    reference, so the layers are given the kernel by name (their constructor argument
+    ``kernel``) on this engine's model; the stand-ins are ``tests/gated_delta_standin.py``'s.
+    """
     engine, _ = _engine(qwen3_5_moe, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
     engine.module = engine._build_megatron_module()
+    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
     data, _ = packed_batch(CHAIN_LENGTHS)
     reference = _forward_only_log_probs(engine, data, CHAIN_LENGTHS)
-    recorder = install_fla_npu(monkeypatch)
-    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+
+    torch_npu = install_torch_npu(monkeypatch)  # 1. forward only: torch_npu's kernel
+    for layer in gdn:
+        layer.kernel = "torch_npu"
+    forward_only = _max_diff(_forward_only_log_probs(engine, data, CHAIN_LENGTHS), reference)
+    _check_torch_npu_calls(torch_npu.calls, layers=len(gdn))
+
+    fla_npu = install_fla_npu(monkeypatch)  # 2. a training step: the fla_npu chain
     for layer in gdn:
         layer.kernel = "fla_npu"
     result = engine.forward_backward_batch(data, mean_negative_log_prob)
     rows = result["model_output"]["log_probs"].unbind()
-    got = [row[: n - 1].float() for row, n in zip(rows, CHAIN_LENGTHS, strict=True)]
-    error = max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True))
-    for layer in gdn:
+    chain = _max_diff([r[: n - 1].float() for r, n in zip(rows, CHAIN_LENGTHS, strict=True)],
+                      reference)  # fmt: skip
+    _check_fla_npu_calls(fla_npu, layers=len(gdn))
+
+    for layer in gdn:  # 3. the bf16 model's own round-off: the same weights computed in fp32
         layer.kernel = None
-    _gpt(engine).float()  # the model's own bf16 round-off: the same weights computed in fp32
-    exact = _forward_only_log_probs(engine, data, CHAIN_LENGTHS)
-    round_off = max(float((e - r).abs().max()) for e, r in zip(exact, reference, strict=True))
+    _gpt(engine).float()
+    round_off = _max_diff(_forward_only_log_probs(engine, data, CHAIN_LENGTHS), reference)
     print(
-        f"stand-in fla_npu vs reference kernel (bf16 model): max |diff log p| = {error:.2e}; "
-        f"the bf16 model vs fp32: {round_off:.2e}"
+        f"bf16 model, max |diff log p| against the reference kernel: stand-in torch_npu "
+        f"{forward_only:.2e}, stand-in fla_npu {chain:.2e}; fp32 compute {round_off:.2e}"
     )
-    assert error <= round_off, (error, round_off)  # within the bf16 model's own round-off
-    names = recorder.names()
-    forward, backward = len(FORWARD_CHAIN), len(BACKWARD_CHAIN)
-    chains = []  # the recorded calls cut into the two documented chains
+    assert max(forward_only, chain) <= round_off, (forward_only, chain, round_off)
+
+
+def _check_torch_npu_calls(calls, *, layers: int) -> None:
+    """One ``npu_chunk_gated_delta_rule`` per GDN layer in torch-npu 26.1.0's TND layout."""
+    rows, seq = len(CHAIN_LENGTHS), max(CHAIN_LENGTHS)  # bshd: rows padded to the longest
+    heads = [QWEN3_5_MOE[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                      "linear_key_head_dim", "linear_value_head_dim")]  # fmt: skip
+    nk, nv, dk, dv = heads
+    assert [name for name, _, _ in calls] == ["npu_chunk_gated_delta_rule"] * layers
+    for _, shapes, kw in calls:
+        assert shapes == ((rows * seq, nk, dk), (rows * seq, nk, dk), (rows * seq, nv, dv))
+        assert kw["beta"].shape == kw["g"].shape == (rows * seq, nv)
+        assert kw["beta"].dtype == torch.bfloat16 and kw["g"].dtype == torch.float32
+        assert kw["initial_state"].shape == (rows, nv, dv, dk)
+        assert kw["actual_seq_lengths"].dtype == torch.int32
+        assert kw["actual_seq_lengths"].tolist() == [seq] * rows
+        assert kw["scale"] == pytest.approx(dk**-0.5)
+
+
+def _check_fla_npu_calls(recorder, *, layers: int) -> None:
+    """Per GDN layer, the documented chains: forward, then (backward pass, last layer first)
+    the full recompute's forward and the backward chain."""
+    names, chains = recorder.names(), []
     while names:
-        if names[:forward] == FORWARD_CHAIN:
-            chains.append("forward")
-            names = names[forward:]
-        elif names[:backward] == BACKWARD_CHAIN:
-            chains.append("backward")
-            names = names[backward:]
+        for kind, chain in (("forward", FORWARD_CHAIN), ("backward", BACKWARD_CHAIN)):
+            if names[: len(chain)] == chain:
+                chains.append(kind)
+                names = names[len(chain) :]
+                break
         else:
-            raise AssertionError(f"not a documented chain: {names[:backward]}")
-    # the forward of every layer, then per layer (last first) its recompute and its backward
-    assert chains == ["forward"] * 3 + ["forward", "backward"] * 3, chains
-    shapes = [s for name, s, _ in recorder.calls if name == "npu_chunk_fwd_o"]
-    rows, value_heads = len(CHAIN_LENGTHS), QWEN3_5_MOE["linear_num_value_heads"]
-    assert {s[0] for s in shapes} == {(rows, value_heads, max(CHAIN_LENGTHS), 128)}
+            raise AssertionError(f"not a documented chain: {names[: len(BACKWARD_CHAIN)]}")
+    assert chains == ["forward"] * layers + ["forward", "backward"] * layers, chains
+    shapes = {s[0] for name, s, _ in recorder.calls if name == "npu_chunk_fwd_o"}
+    value_heads = QWEN3_5_MOE["linear_num_value_heads"]
+    assert shapes == {(len(CHAIN_LENGTHS), value_heads, max(CHAIN_LENGTHS), 128)}
