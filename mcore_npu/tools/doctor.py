@@ -711,6 +711,29 @@ def check_mla_value(probe: _Probe) -> Check:
                  "CANN >= 8.2.RC1 for it); the results are the same either way")  # fmt: skip
 
 
+def check_gated_delta(probe: _Probe) -> Check:
+    """Which kernel ``chunk_gated_delta_rule(kernel="auto")`` runs here, for training calls and
+    for forward-only calls (bf16, K = V = 128: what every Ascend kernel takes)."""
+    if probe.torch is None:
+        return _not_checked("gated delta")
+    accelerator = probe.accelerator or accelerators.current_accelerator()
+    if accelerator != "npu":
+        return Check("gated delta", OK, f"auto -> reference on {accelerator} (the Ascend "
+                     "kernels run on NPU tensors only)")  # fmt: skip
+    kernels = importlib.import_module("mcore_npu.ops.gated_delta.kernels")
+    chain = importlib.import_module("mcore_npu.ops.gated_delta.fla_npu_chain")
+    train = "fla_npu" if chain.available() else "fla" if kernels.fla_rule() else "reference"
+    forward = "torch_npu" if kernels.torch_npu_rule() is not None else train
+    detail = (f"auto on NPU -> training {train}, forward-only {forward} (bf16, K = V = 128; "
+              "shapes a kernel does not take fall back)")  # fmt: skip
+    if train == "reference":
+        return Check("gated delta", WARN, detail, "neither fla_npu's Ascend C operators nor fla's "
+                     "triton-ascend kernel imports: GDN training runs the reference on the NPU",
+                     "install flash-linear-attention-npu (fla_npu) or flash-linear-attention "
+                     "with triton-ascend")  # fmt: skip
+    return Check("gated delta", OK, detail)
+
+
 def _rotary_detail(op) -> str:
     """Whether ``npu_rotary_mul`` takes ``rotary_mode`` (its signature, never its version)."""
     takes = importlib.import_module("mcore_npu.ops.fused_rotary").rotary_mul_takes_mode(op)
@@ -734,6 +757,7 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("fused ops", check_fused_ops),
     ("moe permute", check_moe_permute),
     ("mla value", check_mla_value),
+    ("gated delta", check_gated_delta),
 )
 """The report's lines, in order. Each takes the shared probe and returns one Check."""
 

@@ -71,6 +71,7 @@ class ModelSection:
     max_sequence_length: int = 256
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
+    rotary_percent: float = 1.0  # share of each head's dims RoPE rotates (Qwen3.5: 0.25)
     share_embeddings_and_output_weights: bool = False
     param_layout: str = "te"  # npu_fusion parameter names: te (TE spec's) | local (local spec's)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +111,7 @@ class ParallelSection:
     context: int = 1  # data parallel = world size / (tensor * pipeline * context)
     cp_comm_type: str = "p2p"  # context > 1: "p2p" (ring), "all_gather" or "a2a" (Ulysses)
     expert: int = 1  # expert parallel (MoE): experts split over this many data x context ranks
+    expert_tensor: int | None = None  # expert layers' tensor parallel; null = parallel.tensor
     # uneven pipeline stages (null: num_layers split evenly); either first/last stage counts ...
     first_stage_layers: int | None = None  # decoder layers of the first stage
     last_stage_layers: int | None = None  # decoder layers of the last stage
@@ -333,7 +335,7 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
     "context_parallel_size": "parallel.context",
     "sequence_parallel": "parallel.sequence_parallel",
     "expert_model_parallel_size": "parallel.expert",
-    "expert_tensor_parallel_size": "nothing: it follows parallel.tensor",
+    "expert_tensor_parallel_size": "parallel.expert_tensor",
     "num_layers_in_first_pipeline_stage": "parallel.first_stage_layers",
     "num_layers_in_last_pipeline_stage": "parallel.last_stage_layers",
     "pipeline_model_parallel_layout": "parallel.pipeline_num_transformer_layers",
@@ -439,6 +441,8 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_parallel(cfg, world_size)
     _validate_experts(cfg, world_size)
     _validate_mla(cfg)
+    _validate_gdn(cfg)
+    _validate_rotary_percent(cfg)
     _validate_train(cfg)
     _validate_optimizer(cfg)
 
@@ -459,6 +463,47 @@ def _validate_optimizer(cfg) -> None:
         )
     except (TypeError, ValueError) as err:
         raise ConfigError("optimizer", keys, str(err), "see docs/optimizer.md") from None
+
+
+def is_gdn(cfg) -> bool:
+    """Whether the model has Gated DeltaNet layers (``experimental_attention_variant``)."""
+    return cfg.model.extra.get("experimental_attention_variant") == "gated_delta_net"
+
+
+def _validate_rotary_percent(cfg) -> None:
+    value = cfg.model.rotary_percent
+    if not 0 < value <= 1:
+        _fail("model.rotary_percent", value, "must be in (0, 1]",
+              "use 1.0 (full RoPE) or the rotated share, e.g. 0.25")  # fmt: skip
+
+
+def _validate_gdn(cfg) -> None:
+    """A Gated DeltaNet hybrid: the npu_fusion spec builds it; its ``linear_*`` fields as
+    ``GDNTransformerConfig`` checks them (heads split over tensor x context ranks)."""
+    if not is_gdn(cfg):
+        return
+    from types import SimpleNamespace
+
+    from mcore_npu.transformer.gated_delta_net.config import check_gdn_fields
+
+    if _resolved_backend(cfg) != "npu_fusion":
+        _fail("model.experimental_attention_variant", "gated_delta_net", "is built by the "
+              f"npu_fusion spec only (attention.backend={cfg.attention.backend})",
+              "use attention.backend=npu_fusion")  # fmt: skip
+    extra, p = dict(cfg.model.extra), cfg.parallel
+    fields = SimpleNamespace(**{"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                                "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                                "linear_num_value_heads": 32, "linear_attention_freq": None,
+                                **extra, "tensor_model_parallel_size": p.tensor,
+                                "context_parallel_size": p.context})  # fmt: skip
+    if OmegaConf.is_config(fields.linear_attention_freq):
+        fields.linear_attention_freq = OmegaConf.to_container(fields.linear_attention_freq)
+    try:
+        check_gdn_fields(fields)
+    except ValueError as err:
+        key, _, problem = str(err).partition(": ")
+        _fail(f"model.{key}", getattr(fields, key, None), problem.split(";")[0],
+              problem.partition("; ")[2] or "see docs/gdn_layer.md")  # fmt: skip
 
 
 def is_mla(cfg) -> bool:
@@ -735,6 +780,9 @@ def _validate_experts(cfg, world_size: int) -> None:
     p, experts = cfg.parallel, cfg.model.extra.get("num_moe_experts")
     if p.expert < 1:
         _fail("parallel.expert", p.expert, "must be positive", "use 1 (no expert parallelism)")
+    if p.expert_tensor is not None and p.expert_tensor < 1:
+        _fail("parallel.expert_tensor", p.expert_tensor, "must be positive",
+              "use null (= parallel.tensor) or 1")  # fmt: skip
     if p.expert == 1:
         return
     if not experts:
@@ -744,10 +792,12 @@ def _validate_experts(cfg, world_size: int) -> None:
         _fail("parallel.expert", p.expert, f"does not divide model.num_moe_experts={experts}",
               "pick a divisor of the expert count")  # fmt: skip
     data_parallel = world_size // (p.tensor * p.pipeline * p.context)
-    if (data_parallel * p.context) % p.expert:  # Megatron: world % (ETP * EP * PP) == 0
-        _fail("parallel.expert", p.expert, f"does not divide the data x context parallel size "
-              f"{data_parallel * p.context} (experts are split over those ranks)",
-              "launch more processes or lower parallel.expert")  # fmt: skip
+    etp = p.expert_tensor or p.tensor
+    ranks = data_parallel * p.context * p.tensor // etp  # Megatron: world % (ETP*EP*PP) == 0
+    if (data_parallel * p.context * p.tensor) % etp or ranks % p.expert:
+        _fail("parallel.expert", p.expert, f"does not divide the data x context x tensor / "
+              f"expert-tensor parallel size {ranks} (experts are split over those ranks)",
+              "launch more processes, lower parallel.expert, or set parallel.expert_tensor=1")  # fmt: skip
 
 
 def _resolved_backend(cfg) -> str:

@@ -29,13 +29,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def transformer_config(cfg):
     """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections;
     ``MLATransformerConfig`` with ``model.multi_latent_attention: true`` (its RoPE base is
-    ``model.rotary_base``: an MLA layer builds its own RoPE from the config, not GPTModel's)."""
+    ``model.rotary_base``: an MLA layer builds its own RoPE from the config, not GPTModel's);
+    ``GDNTransformerConfig`` with ``model.experimental_attention_variant: gated_delta_net``."""
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
     )
 
-    from mcore_npu.training.config import is_mla
+    from mcore_npu.training.config import is_gdn, is_mla
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     fields = dict(
@@ -55,6 +56,7 @@ def transformer_config(cfg):
         pipeline_model_parallel_size=p.pipeline,
         context_parallel_size=p.context,
         expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor,
         cp_comm_type=p.cp_comm_type if p.context > 1 else None,
         sequence_parallel=p.sequence_parallel,
         params_dtype=_DTYPES[t.dtype],
@@ -69,7 +71,12 @@ def transformer_config(cfg):
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     if is_mla(cfg):
-        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base))
+        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base),
+                                    rotary_percent=float(m.rotary_percent))  # fmt: skip
+    if is_gdn(cfg):  # Megatron's own config asserts CP == 1 for GDN
+        from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
+
+        return GDNTransformerConfig(**fields)
     return TransformerConfig(**fields)
 
 
@@ -229,6 +236,7 @@ def build_model(cfg, config=None, *, pre_process=None, post_process=None):
         share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
+        rotary_percent=float(cfg.model.rotary_percent),
     )
     if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module

@@ -56,6 +56,7 @@ class ParallelLayout:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
+    expert_tensor: int | None = None  # expert layers' tensor parallel; None = tensor
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def _initialize_parallel_state(layout: ParallelLayout) -> None:
         pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context,
         expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
     )
 
 

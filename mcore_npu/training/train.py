@@ -103,7 +103,9 @@ class Trainer(ExpandableSegmentsMixin):
         )
         self.cfg = cfg
         par = cfg.parallel
-        layout = runtime.ParallelLayout(par.tensor, par.pipeline, par.context, par.expert)
+        layout = runtime.ParallelLayout(
+            par.tensor, par.pipeline, par.context, par.expert, par.expert_tensor
+        )
         self.runtime = runtime.initialize(
             layout, seed=cfg.train.seed, timeout_s=cfg.train.timeout_s
         )

@@ -223,3 +223,27 @@ def test_tensor_parallel_split_and_merge_are_inverse(npu_models):
         finally:
             bridge.mpu = mpu
         assert torch.equal(merged, whole)
+
+
+def test_the_config_follows_the_checkpoint_and_refuses_what_megatron_cannot_build():
+    """Qwen3-Next's dense layers (``mlp_only_layers``) become Megatron's ``moe_layer_freq``;
+    ``layer_types`` the GDN pattern; a RoPE type or attention bias Megatron's layers cannot
+    reproduce is refused naming the key."""
+    import transformers
+
+    from mcore_npu.integrations.hf_qwen3_5 import config_keywords, rope_keywords
+    from tests.integrations.qwen3_5_models import MOE, TEXT
+
+    nxt = transformers.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, mlp_only_layers=[0])
+    keywords = config_keywords(nxt)
+    assert keywords["moe_layer_freq"] == [0, 1, 1, 1]
+    assert keywords["linear_attention_freq"] == [1, 1, 1, 0]
+    assert keywords["moe_router_pre_softmax"] is False  # norm_topk_prob: renormalised top-k
+    assert rope_keywords(nxt) == {"rotary_base": 10000.0, "rotary_percent": 0.25}
+    biased = transformers.Qwen3_5TextConfig(**{**TEXT, "attention_bias": True})
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_keywords(biased)
+    rope = {**TEXT["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    scaled = transformers.Qwen3_5TextConfig(**{**TEXT, "rope_parameters": rope})
+    with pytest.raises(ValueError, match="rope_type"):
+        rope_keywords(scaled)

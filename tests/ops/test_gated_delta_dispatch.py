@@ -251,3 +251,27 @@ def test_fla_npu_refuses_what_its_kernels_cannot_do(monkeypatch):
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, kernel="fla_npu")
     with pytest.raises(ValueError, match="float16/bfloat16"):
         chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, kernel="fla_npu")
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def test_doctor_says_which_gated_delta_kernel_runs(monkeypatch):
+    from mcore_npu.tools import doctor
+
+    here = doctor.check_gated_delta(doctor._probe_torch())
+    assert here.status == doctor.OK and here.detail.startswith("auto -> reference on cpu")
+    npu = doctor._Probe(torch=torch, accelerator="npu")
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setitem(sys.modules, "fla_npu", None)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    bare = doctor.check_gated_delta(npu)
+    assert (
+        bare.status == doctor.WARN and "training reference, forward-only reference" in bare.detail
+    )
+    install_fla(monkeypatch)
+    install_torch_npu(monkeypatch)
+    assert "training fla, forward-only torch_npu" in doctor.check_gated_delta(npu).detail
+    install_fla_npu(monkeypatch)
+    check = doctor.check_gated_delta(npu)
+    assert check.status == doctor.OK and "training fla_npu, forward-only torch_npu" in check.detail

@@ -30,6 +30,7 @@ NAMES = [
     "fused ops",
     "moe permute",
     "mla value",
+    "gated delta",
 ]
 ENV_NOISE = (
     "PYTORCH_NPU_ALLOC_CONF",

@@ -74,11 +74,9 @@ def _assert_same(model, twin, ids, pos, **kwargs):
 
 NORM_CASES = {  # (param_layout, rms_norm_kernel, normalization)
     "local-npu_rms_norm": ("local", "reference", "RMSNorm"),
-    "local-torch": ("local", "off", "RMSNorm"),
     "te-npu_rms_norm": ("te", "reference", "RMSNorm"),
-    "te-torch": ("te", "off", "RMSNorm"),
+    "te-torch": ("te", "off", "RMSNorm"),  # NormColumnParallelLinear and ZeroCenteredRMSNorm
     "local-layernorm": ("local", "off", "LayerNorm"),
-    "te-layernorm": ("te", "off", "LayerNorm"),
 }
 
 

@@ -1,16 +1,16 @@
 """The chunked gated delta rule in plain PyTorch, with its own backward.
 
-Per value head and chunk (C tokens, positions r, s; S the ``[K, V]`` state entering the chunk):
-``gam = cumsum(g)``; ``Gam[r, s] = exp(gam_r - gam_s)`` for s <= r, else 0 (masked *before* the
-exp, so only non-positive differences are exponentiated: exact under any decay);
-``L = strict_lower(diag(beta) K K^T * Gam)``; ``(I + L) [U | W] = diag(beta) [V | K * e^gam]``.
-Then ``V' = U - W S``, ``O = (Q * e^gam) S + (Q K^T * Gam) V'`` and
-``S <- e^{gam_C} S + (K * e^{gam_C - gam})^T V'``.
+The maths of one chunk is in ``mcore_npu.ops.gated_delta.chunk_terms``. Chunks run one after
+the other in a Python loop (NC = T / C steps): each step computes its chunk's terms, its output
+and the state it passes on, so memory holds one chunk's intermediates at a time, never the
+whole sequence's (what keeps fwd+bwd at a fraction of an autograd-through-chunks version).
+Results are written straight into token-layout buffers.
 
-Everything intra-chunk runs batched over ``[B, HV, NC]``; only the state passes through a Python
-loop over chunks (NC = T / C steps, two matmuls each). The backward saves the inputs only,
-recomputes the intra-chunk terms and the chunk states, runs a reverse scan over chunks for
-``dS`` and ends with a reverse cumsum for ``dg``. Accumulation is fp32 (fp64 for fp64 inputs).
+The backward saves only the inputs. It recomputes the chunk states in a forward pass over the
+chunks (keeping S entering each chunk, ``[B, HV, NC, K, V]``), then runs a reverse scan over
+the chunks: each step recomputes its chunk's terms, takes dS from the chunk after it, gives the
+chunk's input gradients (a reverse cumsum for dg) and dS for the chunk before. Accumulation is
+fp32 (fp64 for fp64 inputs); packed segments restart from their own initial state.
 """
 
 from __future__ import annotations
@@ -19,125 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_npu.ops.gated_delta.chunk_terms import input_grads, intra
 from mcore_npu.ops.gated_delta.chunks import ChunkPlan, from_chunks, plan_chunks, to_chunks
 
 DEFAULT_CHUNK = 64
-
-
-@dataclass
-class _Intra:
-    """Intra-chunk terms, each ``[B, HV, NC, ...]``: C = chunk, K/V = head dims."""
-
-    gam: torch.Tensor  # [..., C] cumulative log-decay within the chunk
-    rel: torch.Tensor  # [..., C, C] Gam: exp(gam_r - gam_s) for s <= r, else 0
-    lower: torch.Tensor  # [..., C, C] L (strictly lower)
-    u: torch.Tensor  # [..., C, V]
-    w: torch.Tensor  # [..., C, K]
-    attn: torch.Tensor  # [..., C, C] P = Q K^T * Gam (lower, diagonal included)
-    q_dec: torch.Tensor  # [..., C, K] Q * e^gam
-    k_out: torch.Tensor  # [..., C, K] K * e^{gam_C - gam}
-    to_end: torch.Tensor  # [..., C] e^{gam_C - gam}
-    decay: torch.Tensor  # [..., 1, 1] e^{gam_C}
-
-
-def _intra(q, k, v, g, beta) -> _Intra:
-    """q, k ``[..., C, K]``, v ``[..., C, V]``, g, beta ``[..., C]`` (compute dtype)."""
-    size = g.shape[-1]
-    gam = g.cumsum(-1)
-    incl = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
-    rel = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-    lower = (beta[..., :, None] * (k @ k.mT) * rel).tril(-1)
-    e_gam = gam.exp()
-    rhs = torch.cat([beta[..., None] * v, (beta * e_gam)[..., None] * k], dim=-1)
-    eye = torch.eye(size, dtype=g.dtype, device=g.device)
-    solved = torch.linalg.solve_triangular(lower + eye, rhs, upper=False, unitriangular=True)
-    u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    to_end = (gam[..., -1:] - gam).exp()
-    return _Intra(
-        gam=gam, rel=rel, lower=lower, u=u, w=w, attn=(q @ k.mT) * rel,
-        q_dec=q * e_gam[..., None], k_out=k * to_end[..., None], to_end=to_end,
-        decay=gam[..., -1].exp()[..., None, None],
-    )  # fmt: skip
-
-
-def _forward_scan(t: _Intra, inits: list[torch.Tensor], plan: ChunkPlan):
-    """States entering each chunk ``[B, HV, NC, K, V]``, V' ``[B, HV, NC, C, V]``, finals."""
-    b, hv, nc, _, dk = t.w.shape
-    states = t.u.new_empty(b, hv, nc, dk, t.u.shape[-1])
-    new_values = torch.empty_like(t.u)
-    finals = list(inits)  # an empty segment ends where it starts
-    firsts, lasts = plan.first_chunks, plan.last_chunks
-    state = None
-    for j in range(nc):
-        if j in firsts:
-            state = inits[firsts[j]]
-        states[:, :, j] = state
-        new_values[:, :, j] = t.u[:, :, j] - t.w[:, :, j] @ state
-        state = t.decay[:, :, j] * state + t.k_out[:, :, j].mT @ new_values[:, :, j]
-        if j in lasts:
-            finals[lasts[j]] = state
-    return states, new_values, finals
-
-
-def _backward_scan(t: _Intra, d_out, d_finals, plan: ChunkPlan):
-    """dS after each chunk ``[B, HV, NC, K, V]``, dV' ``[B, HV, NC, C, V]``, d(initial)."""
-    b, hv, nc, _, dk = t.w.shape
-    dv_ = t.u.shape[-1]
-    via_out = t.attn.mT @ d_out  # [..., C, V]
-    state_via_out = t.q_dec.mT @ d_out  # [..., K, V]
-    d_next = t.u.new_empty(b, hv, nc, dk, dv_)
-    d_new_values = torch.empty_like(t.u)
-    d_inits = [d if d is not None else t.u.new_zeros(b, hv, dk, dv_) for d in d_finals]
-    firsts, lasts = plan.first_chunks, plan.last_chunks
-    d_state = None
-    for j in reversed(range(nc)):
-        if j in lasts:
-            d_final = d_finals[lasts[j]]
-            d_state = t.u.new_zeros(b, hv, dk, dv_) if d_final is None else d_final
-        d_next[:, :, j] = d_state
-        d_new_values[:, :, j] = via_out[:, :, j] + t.k_out[:, :, j] @ d_state
-        d_state = (state_via_out[:, :, j] + t.decay[:, :, j] * d_state
-                   - t.w[:, :, j].mT @ d_new_values[:, :, j])  # fmt: skip
-        if j in firsts:
-            d_inits[firsts[j]] = d_state
-    return d_next, d_new_values, d_inits
-
-
-def _rows_minus_cols(e: torch.Tensor) -> torch.Tensor:
-    """d gam from a term ``e[r, s]`` that multiplies ``exp(gam_r - gam_s)``."""
-    return e.sum(-1) - e.sum(-2)
-
-
-def _input_grads(t: _Intra, q, k, v, beta, states, new_values, d_out, d_next, d_new_values):
-    """Gradients of the chunked q, k, v, g, beta (compute dtype, chunk layout)."""
-    d_q_dec = d_out @ states.mT
-    d_attn_raw = d_out @ new_values.mT  # d P
-    d_attn = d_attn_raw * t.rel  # d (Q K^T), lower triangle (Gam masks it)
-    d_k_out = new_values @ d_next.mT
-    d_decay = (states * d_next).sum((-2, -1))  # [..] d/d e^{gam_C}
-    d_w = -(d_new_values @ states.mT)
-    eye = torch.eye(t.rel.shape[-1], dtype=t.rel.dtype, device=t.rel.device)
-    d_rhs = torch.linalg.solve_triangular(
-        t.lower.mT + eye, torch.cat([d_new_values, d_w], -1), upper=True, unitriangular=True
-    )
-    d_bv, d_bk = d_rhs.split([v.shape[-1], k.shape[-1]], dim=-1)
-    d_lower = -(d_bv @ t.u.mT + d_bk @ t.w.mT).tril(-1)
-    d_lower_rel = d_lower * t.rel
-    e_gam = t.gam.exp()
-    k_dec = k * e_gam[..., None]
-    beta_dl = beta[..., :, None] * d_lower_rel
-    d_q = d_q_dec * e_gam[..., None] + d_attn @ k
-    d_k = (d_attn.mT @ q + beta_dl @ k + beta_dl.mT @ k + d_k_out * t.to_end[..., None]
-           + beta[..., None] * d_bk * e_gam[..., None])  # fmt: skip
-    d_v = beta[..., None] * d_bv
-    d_beta = (d_bv * v).sum(-1) + (d_bk * k_dec).sum(-1) + (d_lower_rel * (k @ k.mT)).sum(-1)
-    d_k_out_sum = (d_k_out * t.k_out).sum(-1)  # [..., C]
-    d_gam = ((d_q_dec * t.q_dec).sum(-1) + beta * (d_bk * k_dec).sum(-1)
-             + _rows_minus_cols(d_attn_raw * t.attn) + _rows_minus_cols(d_lower * t.lower)
-             - d_k_out_sum)  # fmt: skip
-    d_gam[..., -1] += d_k_out_sum.sum(-1) + d_decay * t.decay[..., 0, 0]
-    d_g = d_gam.flip(-1).cumsum(-1).flip(-1)
-    return d_q, d_k, d_v, d_g, d_beta
 
 
 @dataclass(frozen=True)
@@ -148,16 +33,56 @@ class _Meta:
     want_final: bool
 
 
-def _prepare(q, k, v, g, beta, meta: _Meta, compute: torch.dtype):
-    """Token tensors -> chunk tensors in the compute dtype, q/k repeated to the value heads."""
-    q = q.repeat_interleave(meta.groups, dim=2) if meta.groups > 1 else q
-    k = k.repeat_interleave(meta.groups, dim=2) if meta.groups > 1 else k
-    qc = to_chunks(q.to(compute), meta.plan) * meta.scale
-    kc = to_chunks(k.to(compute), meta.plan)
-    vc = to_chunks(v.to(compute), meta.plan)
-    gc = to_chunks(g.to(compute), meta.plan)
-    bc = to_chunks(beta.to(compute), meta.plan)
-    return qc, kc, vc, gc, bc
+class _Chunks:
+    """Chunk views of the inputs (``[B, heads, NC, C, ...]``, input dtype) and chunk ``j``
+    in the compute dtype: q scaled, q and k repeated to the value heads."""
+
+    def __init__(self, q, k, v, g, beta, meta: _Meta, compute: torch.dtype):
+        self.views = [to_chunks(x, meta.plan) for x in (q, k, v, g, beta)]
+        self.meta, self.compute = meta, compute
+
+    def __getitem__(self, j: int):
+        q, k, v, g, beta = (x[:, :, j].to(self.compute) for x in self.views)
+        if self.meta.groups > 1:
+            q, k = (x.repeat_interleave(self.meta.groups, dim=1) for x in (q, k))
+        return q * self.meta.scale, k, v, g, beta
+
+
+def _buffer(like: torch.Tensor, dtype, plan: ChunkPlan, heads: int, *dims: int) -> torch.Tensor:
+    """A ``[B, heads, NC, C, *dims]`` view of a token-major buffer on ``like``'s device, B its
+    batch (``from_chunks`` of it is a reshape, no copy)."""
+    buf = like.new_empty(like.shape[0], plan.chunks, plan.size, heads, *dims, dtype=dtype)
+    return buf.movedim(3, 1)
+
+
+def _inits(initial_state, meta: _Meta, v: torch.Tensor, dk: int, compute) -> list[torch.Tensor]:
+    """The state each segment starts from, ``[B, HV, K, V]`` in the compute dtype."""
+    count = len(meta.plan.segments)
+    if initial_state is None:
+        return [v.new_zeros(v.shape[0], v.shape[2], dk, v.shape[3], dtype=compute)] * count
+    init = initial_state.to(compute)
+    return [init] if count == 1 else list(init.split(1, dim=0))
+
+
+def _scan(chunks: _Chunks, inits, plan: ChunkPlan, out=None, states=None):
+    """Forward over the chunks; writes O into ``out`` and S entering each chunk into
+    ``states`` (either may be None); returns the final state of every segment."""
+    finals = list(inits)  # an empty segment ends where it starts
+    firsts, lasts = plan.first_chunks, plan.last_chunks
+    state = None
+    for j in range(plan.chunks):
+        if j in firsts:
+            state = inits[firsts[j]]
+        if states is not None:
+            states[:, :, j] = state
+        t = intra(*chunks[j])
+        new_values = t.u - t.w @ state
+        if out is not None:
+            out[:, :, j] = t.q_dec @ state + t.attn @ new_values
+        state = t.decay * state + t.k_out.mT @ new_values
+        if j in lasts:
+            finals[lasts[j]] = state
+    return finals
 
 
 class ChunkedGatedDelta(torch.autograd.Function):
@@ -166,11 +91,9 @@ class ChunkedGatedDelta(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, meta: _Meta):
         compute = _compute_dtype(q, k, v)
-        qc, kc, vc, gc, bc = _prepare(q, k, v, g, beta, meta, compute)
-        t = _intra(qc, kc, vc, gc, bc)
-        inits = _state_inits(initial_state, meta, vc, kc.shape[-1])
-        states, new_values, finals = _forward_scan(t, inits, meta.plan)
-        out = t.q_dec @ states + t.attn @ new_values
+        out = _buffer(v, compute, meta.plan, v.shape[2], v.shape[3])
+        inits = _inits(initial_state, meta, v, q.shape[-1], compute)
+        finals = _scan(_Chunks(q, k, v, g, beta, meta, compute), inits, meta.plan, out=out)
         ctx.meta = meta
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.set_materialize_grads(False)
@@ -180,47 +103,81 @@ class ChunkedGatedDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, k, v, g, beta, initial_state = ctx.saved_tensors
-        meta = ctx.meta
+        meta, plan = ctx.meta, ctx.meta.plan
         compute = _compute_dtype(q, k, v)
-        qc, kc, vc, gc, bc = _prepare(q, k, v, g, beta, meta, compute)
-        t = _intra(qc, kc, vc, gc, bc)
-        inits = _state_inits(initial_state, meta, vc, kc.shape[-1])
-        states, new_values, _ = _forward_scan(t, inits, meta.plan)
-        d_out = torch.zeros_like(vc) if d_o is None else to_chunks(d_o.to(compute), meta.plan)
-        d_finals = [None] * len(meta.plan.segments)
+        chunks = _Chunks(q, k, v, g, beta, meta, compute)
+        b, hv, dk, dv = v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]
+        states = v.new_empty(b, hv, plan.chunks, dk, dv, dtype=compute)
+        _scan(chunks, _inits(initial_state, meta, v, dk, compute), plan, states=states)
+        d_finals = [None] * len(plan.segments)
         if d_final is not None:
-            d_finals = list(d_final.to(compute).split(d_final.shape[0] // len(d_finals), dim=0))
-        d_next, d_new_values, d_inits = _backward_scan(t, d_out, d_finals, meta.plan)
-        grads = _input_grads(t, qc, kc, vc, bc, states, new_values, d_out, d_next, d_new_values)
-        d_q, d_k, d_v, d_g, d_beta = (from_chunks(x, meta.plan) for x in grads)
-        d_q = _sum_groups(d_q * meta.scale, meta.groups).to(q.dtype)
-        d_k = _sum_groups(d_k, meta.groups).to(k.dtype)
+            d_finals = list(d_final.to(compute).split(d_final.shape[0] // len(d_finals)))
+        grads = _Grads(q, v, g, meta, compute)
+        d_inits = _reverse_scan(chunks, states, d_o, d_finals, grads, meta, compute)
         d_init = None
         if initial_state is not None and ctx.needs_input_grad[5]:
             d_init = torch.cat(d_inits, dim=0).to(initial_state.dtype)
-        return d_q, d_k, d_v.to(v.dtype), d_g.to(g.dtype), d_beta.to(beta.dtype), d_init, None
+        d_q, d_k, d_v, d_g, d_beta = grads.tokens(plan)
+        return (d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), d_g.to(g.dtype),
+                d_beta.to(beta.dtype), d_init, None)  # fmt: skip
+
+
+class _Grads:
+    """Token-major buffers for dq, dk (q/k heads), dv, dg, dbeta (value heads)."""
+
+    def __init__(self, q, v, g, meta: _Meta, compute):
+        h, hv, dk, dv = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+        shapes = ((h, dk), (h, dk), (hv, dv), (hv,), (hv,))
+        self.bufs = [_buffer(q, compute, meta.plan, *shape) for shape in shapes]
+        self.meta = meta
+
+    def write(self, j: int, d_q, d_k, d_v, d_g, d_beta) -> None:
+        d_q = _sum_groups(d_q * self.meta.scale, self.meta.groups)
+        d_k = _sum_groups(d_k, self.meta.groups)
+        for buf, x in zip(self.bufs, (d_q, d_k, d_v, d_g, d_beta)):
+            buf[:, :, j] = x
+
+    def tokens(self, plan: ChunkPlan):
+        return [from_chunks(buf, plan) for buf in self.bufs]
+
+
+def _reverse_scan(chunks: _Chunks, states, d_o, d_finals, grads: _Grads, meta: _Meta, compute):
+    """The reverse scan: writes every chunk's input gradients; returns d(initial state)."""
+    plan = meta.plan
+    d_out_view = None if d_o is None else to_chunks(d_o, plan)
+    b, hv, _, dk, dv = states.shape
+    d_inits = [d if d is not None else states.new_zeros(b, hv, dk, dv) for d in d_finals]
+    firsts, lasts = plan.first_chunks, plan.last_chunks
+    d_state = None
+    for j in reversed(range(plan.chunks)):
+        if j in lasts:
+            d_final = d_finals[lasts[j]]
+            d_state = states.new_zeros(b, hv, dk, dv) if d_final is None else d_final
+        q, k, v, g, beta = chunks[j]
+        t = intra(q, k, v, g, beta)
+        state = states[:, :, j]
+        new_values = t.u - t.w @ state
+        d_out = (torch.zeros_like(new_values) if d_out_view is None
+                 else d_out_view[:, :, j].to(compute))  # fmt: skip
+        d_new_values = t.attn.mT @ d_out + t.k_out @ d_state
+        grads.write(j, *input_grads(t, q, k, v, beta, state, new_values, d_out, d_state,
+                                    d_new_values))  # fmt: skip
+        d_state = t.q_dec.mT @ d_out + t.decay * d_state - t.w.mT @ d_new_values
+        if j in firsts:
+            d_inits[firsts[j]] = d_state
+    return d_inits
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _state_inits(initial_state, meta: _Meta, vc: torch.Tensor, dk: int) -> list[torch.Tensor]:
-    """The state each segment starts from, ``[B, HV, K, V]`` in the compute dtype."""
-    b, hv = vc.shape[:2]
-    count = len(meta.plan.segments)
-    if initial_state is None:
-        return [vc.new_zeros(b, hv, dk, vc.shape[-1])] * count
-    init = initial_state.to(vc.dtype)
-    return [init] if count == 1 else list(init.split(1, dim=0))
-
-
 def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, T, HV, D]`` -> ``[B, T, H, D]``: sum the value heads that share a q/k head."""
+    """``[B, HV, C, D]`` -> ``[B, H, C, D]``: sum the value heads that share a q/k head."""
     if groups == 1:
         return x
-    b, t, hv, d = x.shape
-    return x.view(b, t, hv // groups, groups, d).sum(3)
+    b, hv, c, d = x.shape
+    return x.view(b, hv // groups, groups, c, d).sum(2)
 
 
 def chunked_gated_delta_rule(

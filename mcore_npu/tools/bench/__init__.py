@@ -1,4 +1,4 @@
-"""``mcore-npu bench {attention,mask,step,cp}``: measurements behind the README's figures.
+"""``mcore-npu bench {attention,mask,step,cp,gdn}``: measurements behind the README's figures.
 
 Each benchmark module exposes::
 
@@ -20,7 +20,7 @@ import importlib
 import json
 from pathlib import Path
 
-BENCHMARKS = ("attention", "mask", "step", "cp")
+BENCHMARKS = ("attention", "mask", "step", "cp", "gdn")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -76,12 +76,16 @@ def local_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
 
 
 def gdn_attention_spec(provider, *, naive_l2norm: bool = False) -> ModuleSpec:
-    """``NPUGatedDeltaNet`` with the provider's layout (``provider.te_layout``)."""
+    """``NPUGatedDeltaNet`` with the provider's layout (``provider.te_layout``); its rule runs
+    the reference when the provider's kernel is ``"reference"``, else ``"auto"`` (on an NPU the
+    trainable Ascend kernels, and torch_npu's forward-only one for calls without gradients)."""
     te = provider.te_layout
     in_proj = provider.column_parallel_layer_norm_linear() if te else ColumnParallelLinear
+    # the rule's torch_npu kernel is forward-only: "auto" picks the trainable ones on an NPU
+    kernel = "reference" if provider.kernel == "reference" else "auto"
     return ModuleSpec(
         module=NPUGatedDeltaNet,
-        params={"naive_l2norm": naive_l2norm},
+        params={"naive_l2norm": naive_l2norm, "kernel": kernel},
         submodules=NPUGatedDeltaNetSubmodules(
             in_proj=in_proj,
             out_norm=TEGatedRMSNorm if te else GatedRMSNorm,
