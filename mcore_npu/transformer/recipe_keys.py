@@ -36,6 +36,10 @@ TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/recipe_keys.yaml")
 """``specs/recipe_keys.yaml`` (``mcore_npu/specs`` links to the top-level ``specs/``)."""
 
 PREFIX = "override_transformer_config"
+GDN_CP_NOTE = (
+    "the full-attention layers; the gated-delta-net layers run context parallelism by "
+    "all-to-all (sequence <-> heads) whatever the key says"
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class RecipeContext:
         virtual_pipeline_size: verl's virtual pipeline size (None = 1).
         sequence_parallel: the value verl gives Megatron.
         use_distributed_optimizer: verl's engine setting (before the recipe).
+        gated_delta_net: the model has gated-delta-net (linear-attention) layers (Qwen3.5,
+            Qwen3-Next); the table's ``gdn`` outcomes depend on it.
     """
 
     config_class: type
@@ -60,6 +66,7 @@ class RecipeContext:
     virtual_pipeline_size: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    gated_delta_net: bool = False
 
 
 @dataclass
@@ -167,9 +174,11 @@ def translate(
 def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, fields) -> None:
     """One table key's outcome into ``plan`` (see the header of ``specs/recipe_keys.yaml``)."""
     do = outcome["do"]
-    if do == "refuse":
+    if do == "gdn":
+        _gdn(plan, key, value, outcome, context, fields)
+    elif do == "refuse":
         raise _refusal(key, value, outcome["why"], outcome["instead"])
-    if do == "megatron":
+    elif do == "megatron":
         _to_megatron(plan, key, value, outcome, context, fields)
     elif do == "spec":
         _check_same_switch(plan, key, value, outcome)
@@ -178,7 +187,8 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
                         f"{outcome['set']!r}")  # fmt: skip
     elif do == "cp":
         plan.megatron["cp_comm_type"] = outcome["set"]
-        plan.log.append(f"{PREFIX}.{key}={value}: cp_comm_type={outcome['set']!r}")
+        note = f" ({GDN_CP_NOTE})" if context.gated_delta_net else ""
+        plan.log.append(f"{PREFIX}.{key}={value}: cp_comm_type={outcome['set']!r}{note}")
     elif do == "optimizer":
         plan.optimizer[outcome["field"]] = bool(_value_key(value))
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: verl's engine config "
@@ -199,6 +209,17 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
         plan.log.append(f"{PREFIX}.{key}={_spell(value)}: {outcome['why']}")
     else:  # the table's own error: say which entry
         raise ValueError(f"specs/recipe_keys.yaml: {key}: unknown outcome do={do!r}")
+
+
+def _gdn(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, fields) -> None:
+    """A key whose outcome depends on gated-delta-net layers in the model: ``then`` on such a
+    model, ``otherwise`` (or no effect and one log line, ``why``) on any other."""
+    if context.gated_delta_net:
+        _apply(plan, key, value, outcome["then"], context, fields)
+    elif "otherwise" in outcome:
+        _apply(plan, key, value, outcome["otherwise"], context, fields)
+    else:
+        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: no effect: {outcome['why']}")
 
 
 def _check_same_switch(plan: RecipePlan, key, value, outcome: dict) -> None:
@@ -305,7 +326,7 @@ def _describe(key: str, outcome: dict) -> str:
         "megatron": lambda: "Megatron's `{}`".format(outcome.get("as", key)) + (
             " (refused where the model's config class lacks it)" if "as" in outcome else ""),
         "spec": lambda: f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
-        + (" (= the spec's `kernel`)" if outcome["set"] is None else " (Megatron's own module)"),
+        + _SPEC_NOTES.get(outcome["set"], ""),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
         "offload": lambda: "the CPU optimizer offload, one log line: "
@@ -318,8 +339,19 @@ def _describe(key: str, outcome: dict) -> str:
         "honour": lambda: "honoured, one log line: " + outcome["why"],
         "ignore": lambda: "no effect, one log line: " + outcome["why"],
         "refuse": lambda: f"**refused**: {outcome['why']}; {outcome['instead']}",
+        "gdn": lambda: _describe_gdn(key, outcome),
     }[do]()  # fmt: skip
     return text.replace("|", "\\|")
+
+
+_SPEC_NOTES = {None: " (= the spec's `kernel`)", "off": " (Megatron's own module)"}
+
+
+def _describe_gdn(key: str, outcome: dict) -> str:
+    other = (_describe(key, outcome["otherwise"]) if "otherwise" in outcome
+             else f"no effect, one log line: {outcome['why']}")  # fmt: skip
+    return (f"models with gated-delta-net layers: {_describe(key, outcome['then'])}; "
+            f"other models: {other}")  # fmt: skip
 
 
 if __name__ == "__main__":

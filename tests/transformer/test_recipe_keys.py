@@ -8,9 +8,11 @@ handed to the real ``TransformerConfig`` (no TypeError may come out of it; none 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
@@ -28,6 +30,9 @@ CP2 = RecipeContext(config_class=TransformerConfig, num_layers=4, context_parall
 TP2 = RecipeContext(config_class=TransformerConfig, num_layers=4, tensor_parallel_size=2,
                     sequence_parallel=True)  # fmt: skip
 MLA = RecipeContext(config_class=MLATransformerConfig, num_layers=4)
+GDN = RecipeContext(config_class=TransformerConfig, num_layers=4, gated_delta_net=True)
+GDN_CP2 = RecipeContext(config_class=TransformerConfig, num_layers=4, context_parallel_size=2,
+                        gated_delta_net=True)  # fmt: skip
 
 # (overrides, context, megatron kwargs, spec keywords, optimizer fields, a log fragment or None)
 CASES = [
@@ -73,7 +78,15 @@ CASES = [
      {"rms_norm_kernel": None, "swiglu_kernel": None}, {}, None),
     ({"use_fused_rmsnorm": False, "use_fused_swiglu": False}, BASE, {},
      {"rms_norm_kernel": "off", "swiglu_kernel": "off"}, {}, None),
-    ({"use_naive_l2norm": False}, BASE, {}, {}, {}, "gated-delta-net"),
+    ({"use_naive_l2norm": False}, BASE, {}, {}, {}, "no effect: no gated-delta-net layers"),
+    # Kimi-K2.5's recipe sets it on an MLA model: accepted, no effect, one line
+    ({"use_naive_l2norm": True}, MLA, {}, {}, {}, "no effect: no gated-delta-net layers"),
+    ({"use_naive_l2norm": True}, GDN, {}, {"gdn_naive_l2norm": True}, {}, None),
+    ({"use_naive_l2norm": False}, GDN, {}, {"gdn_naive_l2norm": False}, {}, None),
+    ({"context_parallel_algo": "kvallgather_cp_algo"}, GDN_CP2,
+     {"cp_comm_type": "all_gather"}, {}, {}, "the full-attention layers; the gated-delta-net"),
+    ({"experimental_attention_variant": "gated_delta_net"}, GDN,
+     {"experimental_attention_variant": "gated_delta_net"}, {}, {}, None),
     ({"context_parallel_size": 2}, CP2, {}, {}, {}, "agrees with verl"),
     ({"sequence_parallel": True}, TP2, {}, {}, {}, "agrees with verl"),
     ({"sequence_parallel": True}, BASE, {}, {}, {}, "tensor-parallel size 1"),
@@ -95,6 +108,11 @@ CASES = [
     ({"multi_head_latent_attention": True}, MLA, {"multi_latent_attention": True}, {}, {},
      "multi_latent_attention"),
     ({"use_ascend_gdn": False, "use_triton_gdn": False}, BASE, {}, {}, {}, "gated-delta-net"),
+    ({"use_ascend_gdn": True, "use_triton_gdn": True}, BASE, {}, {}, {},
+     "no effect: no gated-delta-net layers"),
+    # the recipes' USE_MINDSPEED_BRIDGE=True lines, on a model with GDN layers
+    ({"use_triton_gdn": False, "use_ascend_gdn": True}, GDN, {}, {}, {}, "fla_npu"),
+    ({"use_triton_gdn": True, "use_ascend_gdn": False}, GDN, {}, {}, {}, "triton-ascend"),
     ({"use_flash_attn_npu_batch_invariant": False, "use_batch_invariant_ops": False}, BASE,
      {}, {}, {}, "batch-invariant"),
     ({"batch_invariant_mode": False}, BASE, {"batch_invariant_mode": False}, {}, {}, None),
@@ -127,7 +145,6 @@ REFUSALS = [
                                                        "pipeline parallel size is 2"]),
     ({"pipeline_num_transformer_layers": [[1], [3]], "num_layers_in_first_pipeline_stage": 2},
      PP2, ["num_layers_in_first_pipeline_stage=2", "disagrees with", "make it 1"]),
-    ({"use_naive_l2norm": True}, BASE, ["use_naive_l2norm=true", "gated delta net"]),
     ({"context_parallel_size": 8}, CP2, ["context_parallel_size=8",
                                          "megatron.context_parallel_size is 2"]),
     ({"sequence_parallel": False}, TP2, ["sequence_parallel=false",
@@ -139,8 +156,6 @@ REFUSALS = [
     ({"position_embedding_type": "learned_absolute"}, BASE, ["learned_absolute",
                                                             "Hugging Face"]),
     ({"swiglu": False}, BASE, ["swiglu=false", "Hugging Face"]),
-    ({"use_ascend_gdn": True}, BASE, ["use_ascend_gdn=true", "MindSpeed-Bridge"]),
-    ({"use_triton_gdn": True}, BASE, ["use_triton_gdn=true", "MindSpeed-Bridge"]),
     ({"use_flash_attn_npu_batch_invariant": True}, BASE, ["batch-invariant"]),
     ({"batch_invariant_mode": True}, BASE, ["batch_invariant_mode=true", "batch-invariant"]),
     ({"use_batch_invariant_ops": True}, BASE, ["use_batch_invariant_ops=true"]),
@@ -155,6 +170,9 @@ REFUSALS = [
     ({"use_mamba_mem_eff_path": True}, BASE, ["use_mamba_mem_eff_path=true", "Mamba"]),
     ({"experimental_attention_variant": "dsa"}, BASE, ["experimental_attention_variant=dsa",
                                                        "DeepSeek sparse attention"]),
+    ({"experimental_attention_variant": "dsa"}, GDN, ["DeepSeek sparse attention"]),
+    ({"experimental_attention_variant": "gated_delta_net"}, BASE,
+     ["experimental_attention_variant=gated_delta_net", "no linear-attention layers"]),
     ({"use_dsa_absorb": True}, BASE, ["use_dsa_absorb", "DeepSeek sparse attention"]),
     ({"use_fused_lightning_indexer": True}, BASE, ["lightning indexer"]),
     ({"use_fused_sparse_flash_attention": True}, BASE, ["sparse flash attention"]),
@@ -177,6 +195,9 @@ def _config(megatron: dict, context: RecipeContext):
                   context_parallel_size=context.context_parallel_size)  # fmt: skip
     if context.pipeline_parallel_size > 1:
         kwargs["pipeline_dtype"] = torch.float32
+    if megatron.get("experimental_attention_variant") == "gated_delta_net":
+        kwargs.update(linear_attention_freq=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
     if context.config_class is MLATransformerConfig:
         kwargs.update(q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
                       v_head_dim=16)  # fmt: skip
@@ -304,3 +325,55 @@ def test_the_perf_tuning_pages_keys_translate_except_mc2():
                          "moe_permute_kernel": None}  # fmt: skip
     with pytest.raises(ValueError, match=r"use_ascend_mc2=true: refused"):
         translate({**page, "use_ascend_mc2": True}, BASE)
+
+
+def test_use_naive_l2norm_is_one_log_line_on_every_model():
+    """Honoured on a model with gated-delta-net layers, no effect on any other (Kimi-K2.5's MLA
+    recipe): one line each, and never a Megatron kwarg or a spec keyword."""
+    for context, spec in ((GDN, {"gdn_naive_l2norm": True}), (MLA, {}), (BASE, {})):
+        plan = translate({"use_naive_l2norm": True}, context)
+        lines = [line for line in plan.log if "use_naive_l2norm" in line]
+        assert len(lines) == 1, plan.log
+        assert ("no effect" in lines[0]) == (not spec), lines
+        assert plan.megatron == {} and plan.spec == spec
+
+
+def test_the_gdn_outcome_is_described_for_both_kinds_of_model():
+    table = render_table()
+    row = next(
+        line for line in table.splitlines() if line.startswith("| `use_naive_l2norm` | `true`")
+    )
+    assert "models with gated-delta-net layers: NPU spec `gdn_naive_l2norm=True`;" in row
+    assert "other models: no effect" in row
+
+
+GDN_RECIPES = Path(__file__).parents[1] / "integrations" / "gdn_recipes.yaml"
+
+
+@pytest.mark.parametrize(
+    "recipe", yaml.safe_load(GDN_RECIPES.read_text())["recipes"], ids=lambda r: r["name"]
+)
+def test_the_qwen3_5_recipes_translate_at_their_own_parallel_sizes(recipe):
+    """The five Qwen3.5 recipes' key sets (three distinct ones), verbatim, on a model with
+    gated-delta-net layers at the recipe's TP / PP / CP: every key accepted, the MoE and recompute
+    keys to Megatron, the fused switches to the spec, kvallgather to the full-attention layers."""
+    sizes, keys = recipe["parallel"], recipe["keys"]
+    context = RecipeContext(
+        config_class=TransformerConfig, num_layers=48, tensor_parallel_size=sizes["tensor"],
+        pipeline_parallel_size=sizes["pipeline"], context_parallel_size=sizes["context"],
+        sequence_parallel=sizes["tensor"] > 1, gated_delta_net=True,
+    )  # fmt: skip
+    plan = translate(keys, context)
+    passed = ("recompute_method", "recompute_granularity", "recompute_num_layers",
+              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm",
+              "moe_token_dispatcher_type", "moe_router_dtype")  # fmt: skip
+    want = {key: keys[key] for key in passed if key in keys}
+    if "context_parallel_algo" in keys:
+        want["cp_comm_type"] = "all_gather"
+        cp_line = next(line for line in plan.log if "context_parallel_algo" in line)
+        assert "the full-attention layers" in cp_line, cp_line
+    assert plan.megatron == want
+    fused = {"use_fused_rmsnorm": "rms_norm_kernel", "use_fused_swiglu": "swiglu_kernel",
+             "moe_permute_fusion": "moe_permute_kernel"}  # fmt: skip
+    assert plan.spec == {**{fused[key]: None for key in keys if key in fused},
+                         "gdn_naive_l2norm": True}  # fmt: skip

@@ -23,8 +23,10 @@ change six things, nothing else:
    router's softmax form of the Hugging Face model: ``match_hf_routing``) to the bridge and to
    ``self.tf_config``; an explicit ``override_transformer_config`` value wins. A model whose
    mbridge bridge cannot build its config on this stack (DeepSeek-V3, see
-   :mod:`mcore_npu.integrations.mbridge_fixes`) gets the plugin's bridge, built before any
-   config, in verl's steps (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
+   :mod:`mcore_npu.integrations.mbridge_fixes`), or that mbridge has no bridge for (the Gated
+   DeltaNet hybrids Qwen3.5 / Qwen3-Next, ``mcore_npu.integrations.hf_qwen3_5``), gets the
+   plugin's bridge, built before any config, in verl's steps
+   (:mod:`mcore_npu.integrations.verl.tf_config`). Multi-token
    prediction (verl's ``model.mtp.*``): for mbridge's MiMo bridge the MTP layers come from the
    NPU spec too (``hf.install_npu_mtp_block``, on this engine's bridge); with any other bridge
    it is refused before any model exists (mbridge builds it from TE's spec).
@@ -84,6 +86,7 @@ from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngin
 from verl.workers.engine.megatron.transformer_impl import register_megatron_training_hooks
 
 from mcore_npu.integrations.hf import (
+    PLUGIN_BRIDGES,
     bridge_from_config,
     builds_npu_mtp,
     expose_hf_config_fields,
@@ -192,9 +195,10 @@ class _NPUEngineMixin:
         self.mbridge_fallback = weight_path.mbridge_fallback(self.engine_config, hf_config)
         self._apply_recipe()
         self._check_optimizer_config()
-        if self.engine_config.vanilla_mbridge and needs_fixed_bridge(self.model_config.hf_config):
-            # mbridge's own bridge cannot build this config (DeepSeek-V3): the plugin builds
-            # the bridge, in verl's steps (tf_config.py); mbridge and verl stay unpatched
+        if self.engine_config.vanilla_mbridge and _plugin_builds_bridge(hf_config):
+            # mbridge's own bridge cannot build this config (DeepSeek-V3), or mbridge has none
+            # (Qwen3.5, Qwen3-Next): the plugin builds the bridge, in verl's steps
+            # (tf_config.py); mbridge and verl stay unpatched
             build_mbridge_tf_config(self, bridge_from_config)
         else:
             super()._build_tf_config()
@@ -372,6 +376,12 @@ class _NPUEngineMixin:
         if hasattr(self.model_config.hf_config, "vision_config") or self.model_config.mtp.enable:
             return False
         return not tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False)
+
+
+def _plugin_builds_bridge(hf_config) -> bool:
+    """Whether the plugin builds this model's bridge (``hf.bridge_from_config``) rather than
+    ``mbridge.AutoBridge``: the fixed DeepSeek-V3 bridge and the plugin's own GDN-hybrid bridges."""
+    return needs_fixed_bridge(hf_config) or getattr(hf_config, "model_type", None) in PLUGIN_BRIDGES
 
 
 class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):

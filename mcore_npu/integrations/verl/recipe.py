@@ -26,7 +26,18 @@ from mcore_npu.transformer.recipe_keys import RecipeContext, RecipePlan, transla
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_recipe", "recipe_context"]
+__all__ = ["apply_recipe", "has_gated_delta_net", "recipe_context"]
+
+LINEAR_ATTENTION = "linear_attention"
+"""transformers' ``layer_types`` entry of a gated-delta-net layer (Qwen3.5, Qwen3-Next)."""
+
+
+def has_gated_delta_net(hf_config) -> bool:
+    """Whether the Hugging Face model has gated-delta-net layers: its (text) config's
+    ``layer_types`` names a ``linear_attention`` layer, as transformers' Qwen3.5 / Qwen3-Next
+    configs do (the hub form keeps them in ``text_config``)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ())
 
 
 def _config_class(hf_config) -> type:
@@ -63,6 +74,7 @@ def recipe_context(
         virtual_pipeline_size=engine_config.virtual_pipeline_model_parallel_size,
         sequence_parallel=tp > 1 if vanilla else bool(engine_config.sequence_parallel),
         use_distributed_optimizer=engine_config.use_distributed_optimizer,
+        gated_delta_net=has_gated_delta_net(hf_config),
     )
 
 

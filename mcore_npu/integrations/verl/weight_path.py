@@ -64,11 +64,17 @@ def uncovered_reason(hf_config) -> str | None:
 
     Covered: a language model (no ``vision_config``) whose ``model_type`` has a bridge in
     mbridge's registry (``AutoBridge.list_supported_models()``) or in the plugin's
-    (``mbridge_fixes.FIXED_BRIDGES``). These are the models ``vanilla_mbridge=True`` builds.
+    (``mbridge_fixes.FIXED_BRIDGES``), and the Gated DeltaNet hybrids the plugin bridges itself
+    (``hf.PLUGIN_BRIDGES``: Qwen3.5 dense and MoE, Qwen3-Next), the hub form of Qwen3.5 included
+    (its bridge builds and trains the language model and logs that the vision tower is not
+    trained). These are the models ``vanilla_mbridge=True`` builds.
     """
+    from mcore_npu.integrations.hf import PLUGIN_BRIDGES
     from mcore_npu.integrations.mbridge_fixes import FIXED_BRIDGES
 
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in PLUGIN_BRIDGES:
+        return None
     if getattr(hf_config, "vision_config", None) is not None:
         return (
             f"model_type {model_type!r} has a vision tower, and the plugin's Hugging Face path "
@@ -82,7 +88,7 @@ def uncovered_reason(hf_config) -> str | None:
         return f"mbridge is not importable either ({error})"
     supported = AutoBridge.list_supported_models()
     if model_type not in supported:
-        known = ", ".join(sorted({*supported, *FIXED_BRIDGES}))
+        known = ", ".join(sorted({*supported, *FIXED_BRIDGES, *PLUGIN_BRIDGES}))
         return f"model_type {model_type!r} has no mbridge or plugin bridge (those: {known})"
     return None
 
