@@ -242,10 +242,15 @@ def main_ppo(overrides: list[str], out: Path, env: dict | None = None,
     return Result(done.returncode, done.stdout + done.stderr, seconds, rows, leftovers, out)
 
 
-def kill_leftovers(marker: str) -> list[str]:
-    """Kill every process whose environment has ``MARKER=marker``; return their command lines."""
+def kill_leftovers(marker: str, grace: float = 30.0) -> list[str]:
+    """Kill every process whose environment has ``MARKER=marker`` and that is still alive
+    ``grace`` seconds after the run exited (Ray stops its actors asynchronously after the
+    driver's exit); return their command lines."""
     import psutil
 
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _marked(marker):
+        time.sleep(1.0)
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
         try:
@@ -256,6 +261,19 @@ def kill_leftovers(marker: str) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def _marked(marker: str) -> bool:
+    """Whether a process with ``MARKER=marker`` in its environment is alive."""
+    import psutil
+
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker and process.status() != "zombie":
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return False
 
 
 if (

@@ -31,9 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STEPS = 3
 # training/rollout_probs_diff_max (verl: max |p_rollout - p_actor| over the response tokens)
 # when the sync works: the rollout samples in fp32 from the bf16 weights the actor exports, the
-# actor recomputes in bf16 Megatron. Measured on this tiny model: <= 0.004 at every step of
-# every run (see docs/verl_main_ppo.md); the tolerance leaves 2.5x room.
-SYNC_TOLERANCE = 0.01
+# actor recomputes in bf16 Megatron. Measured on this tiny model (init std 0.25): 0.0091, 0.0185,
+# 0.0185 at steps 1-3 (docs/verl_main_ppo.md); the tolerance leaves 2.7x room.
+SYNC_TOLERANCE = 0.05
 ENGINE_LINE = re.compile(r"mcore_npu engine (NPUMegatronEngineWith\w+) on rank (\d) \(([\w ]+)\)")
 
 
@@ -124,3 +124,114 @@ def test_rollout_weights_after_step_2_equal_the_actor_export(grpo):
         assert torch.equal(rollout[name], tensor.float()), name
     first = load_file(dumps / "replica0_step1.safetensors")  # the weights did move
     assert any(not torch.equal(first[name], rollout[name]) for name in rollout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The further runs: each is one more main_ppo launch (minutes on 2 cores). They run with
+# MCORE_NPU_MAIN_PPO=all (`make test-main-ppo`); `make test-verl` runs the two above.
+# ---------------------------------------------------------------------------------------------
+
+FURTHER = pytest.mark.skipif(
+    __import__("os").environ.get("MCORE_NPU_MAIN_PPO") != "all",
+    reason="one more main_ppo launch each: MCORE_NPU_MAIN_PPO=all (make test-main-ppo)",
+)
+
+
+@pytest.fixture(scope="module")
+def resumed(grpo, assets, tmp_path_factory) -> main_ppo_run.Result:
+    """A second run of the same command line with ``trainer.resume_mode=auto`` whose checkpoint
+    folder holds the first run's step-2 checkpoint (and verl's tracker file saying 2): it
+    resumes at step 2 and runs step 3."""
+    import shutil
+
+    _succeeded(grpo)
+    out = tmp_path_factory.mktemp("resumed")
+    source = grpo.out.parent / "checkpoints"
+    target = out / "checkpoints"
+    shutil.copytree(source / "global_step_2", target / "global_step_2")
+    (target / "latest_checkpointed_iteration.txt").write_text("2")
+    overrides = [*main_ppo_run.recipe(assets, steps=STEPS, out=out), "trainer.resume_mode=auto"]
+    return main_ppo_run.main_ppo(overrides, out / "run")
+
+
+@FURTHER
+def test_resume_at_step_2_gives_the_same_step_3(grpo, resumed):
+    """bf16 as the recipe runs (verl refuses an fp32 actor); every source of randomness is
+    seeded (the rollout's per-request streams, verl's data order): step 3 of the resumed run
+    equals the uninterrupted run's within 1e-6."""
+    _succeeded(resumed)
+    assert sorted({m["step"] for m in resumed.metrics}) == [3]
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean"):
+        (again,) = resumed.series(key)
+        assert again == pytest.approx(grpo.series(key)[2], abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def default_bridge(assets, tmp_path_factory) -> main_ppo_run.Result:
+    """The quick start with its ``vanilla_mbridge=True`` line removed (verl's default bridge,
+    Megatron-Bridge, which the plugin's weight path falls back from to mbridge), 2 steps."""
+    out = tmp_path_factory.mktemp("default_bridge")
+    overrides = [
+        o for o in main_ppo_run.recipe(assets, steps=2, out=out) if "vanilla_mbridge" not in o
+    ]
+    return main_ppo_run.main_ppo(overrides, out / "run")
+
+
+@FURTHER
+def test_without_the_vanilla_mbridge_line(default_bridge):
+    _succeeded(default_bridge)
+    built = {(engine, role) for engine, _, role in ENGINE_LINE.findall(default_bridge.output)}
+    assert built == {("NPUMegatronEngineWithLMHead", "training"),
+                     ("NPUMegatronEngineWithLMHead", "forward only")}  # fmt: skip
+    assert max(default_bridge.series("training/rollout_probs_diff_max")) < SYNC_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def refused(assets, tmp_path_factory) -> main_ppo_run.Result:
+    """The quick start with ``use_flash_attn=False``, a value the plugin refuses."""
+    out = tmp_path_factory.mktemp("refused")
+    flag = "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn="
+    overrides = [o.replace(f"{flag}True", f"{flag}False")
+                 for o in main_ppo_run.recipe(assets, steps=1, out=out)]  # fmt: skip
+    return main_ppo_run.main_ppo(overrides, out / "run")
+
+
+@FURTHER
+def test_a_refused_key_ends_the_run_with_the_plugins_message(refused):
+    assert refused.returncode != 0
+    assert "use_flash_attn" in refused.output and "npu_fusion_attention" in refused.output
+    lines = [line for line in refused.output.splitlines() if "ValueError" in line]
+    assert any("use_flash_attn" in line for line in lines), lines[-5:]
+    assert refused.leftovers == [], refused.leftovers
+
+
+@pytest.fixture(scope="module")
+def with_critic(assets, tmp_path_factory) -> main_ppo_run.Result:
+    """The same command line with ``algorithm.adv_estimator=gae`` and a Megatron critic (TP=2,
+    the plugin's value-head engine), 2 steps."""
+    out = tmp_path_factory.mktemp("critic")
+    overrides = [
+        *(o for o in main_ppo_run.recipe(assets, steps=2, out=out) if "adv_estimator" not in o),
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={assets.model}",
+        "critic.strategy=megatron",
+        "critic.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.vanilla_mbridge=True",
+        "critic.ppo_micro_batch_size_per_gpu=1",
+        "+critic.megatron.override_transformer_config.use_flash_attn=True",
+    ]
+    return main_ppo_run.main_ppo(overrides, out / "run")
+
+
+@FURTHER
+def test_a_critic_with_gae_runs_on_the_value_head_engine(with_critic):
+    _succeeded(with_critic)
+    built = {(engine, rank) for engine, rank, _ in ENGINE_LINE.findall(with_critic.output)}
+    assert {
+        ("NPUMegatronEngineWithValueHead", "0"),
+        ("NPUMegatronEngineWithValueHead", "1"),
+    } <= built
+    (vf_loss,) = {k for m in with_critic.metrics for k in m["data"] if k.endswith("vf_loss")}
+    for key in (vf_loss, "actor/pg_loss"):
+        values = with_critic.series(key)
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)
