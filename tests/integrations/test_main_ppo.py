@@ -100,7 +100,7 @@ def test_rollout_probs_match_the_actor_after_each_sync(grpo):
 
 def test_a_run_without_sync_exceeds_the_tolerance_tenfold(no_sync):
     _succeeded(no_sync)
-    (diff,) = no_sync.series("training/rollout_probs_diff_max")
+    (diff,) = no_sync.series("training/rollout_probs_diff_max")  # measured: 0.598
     assert diff >= 10 * SYNC_TOLERANCE, diff
 
 
