@@ -105,14 +105,15 @@ def test_a_run_without_sync_exceeds_the_tolerance_tenfold(no_sync):
 
 
 def test_rollout_weights_after_step_2_equal_the_actor_export(grpo):
-    """The server's weights after the sync that follows step 2 (``step3``) equal, tensor for
-    tensor, the actor's Hugging Face export in the step-2 checkpoint (bf16, read as fp32)."""
+    """The server's weights after the sync that follows step 2's update (dumped with verl's
+    step counter then, 2) equal, tensor for tensor, the actor's Hugging Face export in the
+    step-2 checkpoint (bf16, read as fp32)."""
     import torch
     from safetensors.torch import load_file
 
     _succeeded(grpo)
     dumps = grpo.out.parent / "rollout_weights"
-    rollout = load_file(dumps / "replica0_step3.safetensors")
+    rollout = load_file(dumps / "replica0_step2.safetensors")
     export_dir = grpo.out.parent / "checkpoints" / "global_step_2" / "actor"
     files = sorted(export_dir.rglob("*.safetensors"))
     assert files, f"no HF export under {export_dir}"
@@ -122,7 +123,7 @@ def test_rollout_weights_after_step_2_equal_the_actor_export(grpo):
     assert set(exported) == set(rollout)
     for name, tensor in exported.items():
         assert torch.equal(rollout[name], tensor.float()), name
-    first = load_file(dumps / "replica0_step1.safetensors")  # the weights did move
+    first = load_file(dumps / "replica0_step0.safetensors")  # the first sync: weights moved
     assert any(not torch.equal(first[name], rollout[name]) for name in rollout)
 
 
