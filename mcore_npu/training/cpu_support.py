@@ -42,6 +42,11 @@ performance.py:54``)
 ``verl/utils/flops_counter.py:80``,
 whenever ``global_token_num`` is
 given, as verl's SFT trainer does)
+``torch.cuda.set_device(i)``          does nothing (torch's ``init_device_mesh("cuda", ...)``
+(``DeviceMesh`` for a ``cuda`` mesh,  and verl's rollout mesh in its Ray workers)
+verl's Ray workers)
+``torch.cuda.ipc_collect()``          does nothing (there is no IPC to collect; on a CPU torch
+(verl's ``aggressive_empty_cache``)   it would try to initialise CUDA)
 ====================================  ==================================================
 
 Only ``mcore_npu.training.runtime`` imports this module, and only on a machine without an accelerator:
@@ -53,6 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +135,17 @@ def _no_device_memory(device=None) -> tuple[int, int]:
 def _cpu_device_name(device=None) -> str:
     """``torch.cuda.get_device_name`` on a CPU."""
     return "CPU"
+
+
+def _select_no_device(device) -> None:
+    """``torch.cuda.set_device`` on a CPU: there is no device to select.
+
+    One function per replaced entry point: torch's dynamo keeps a rule per ``torch.cuda``
+    function object and asserts when two names share one object."""
+
+
+def _collect_nothing() -> None:
+    """``torch.cuda.ipc_collect`` on a CPU: no IPC memory to collect."""
 
 
 def _is_cuda(device) -> bool:
@@ -241,6 +259,7 @@ class _Shims:
 
     originals: dict[str, object] = field(default_factory=dict)
     mode: CudaFactoriesOnCpu | None = None
+    threads: bool = False  # apply_in_new_threads() is on
 
     @property
     def applied(self) -> bool:
@@ -290,10 +309,12 @@ def apply() -> None:
     ):
         originals[f"{cls.__name__}.__init__"] = cls.__dict__["__init__"]
         cls.__init__ = _with_cuda_type_names(cls.__dict__["__init__"])
-    for name in ("mem_get_info", "get_device_name"):
+    for name in ("mem_get_info", "get_device_name", "set_device", "ipc_collect"):
         originals[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
     torch.cuda.mem_get_info = _no_device_memory
     torch.cuda.get_device_name = _cpu_device_name
+    torch.cuda.set_device = _select_no_device
+    torch.cuda.ipc_collect = _collect_nothing
 
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM
@@ -309,10 +330,35 @@ def apply() -> None:
     _SHIMS.mode.__enter__()
 
 
+def apply_in_new_threads() -> None:
+    """Make :class:`CudaFactoriesOnCpu` active in every thread started from now on.
+
+    A torch function mode is thread-local: ``apply()`` enters it in the calling thread only.
+    Processes whose work runs in threads they start later (a Ray actor runs its tasks in an
+    executor's threads, not in the thread that imported the shims) call this once after
+    ``apply()``: each new ``threading`` thread enters its own mode on its first Python call
+    (``threading.setprofile``, a hook that removes itself at once). ``revert()`` turns it off.
+    """
+    if not _SHIMS.applied:
+        raise RuntimeError("cpu_support.apply_in_new_threads(): call apply() first")
+    threading.setprofile(_enter_mode_in_thread)
+    _SHIMS.threads = True
+
+
+def _enter_mode_in_thread(frame, event, arg) -> None:
+    """The one-shot profile hook of a new thread: enter the CPU factories mode, unhook."""
+    sys.setprofile(None)
+    if _SHIMS.applied:
+        CudaFactoriesOnCpu().__enter__()
+
+
 def revert() -> None:
     """Undo ``apply()`` (tests use it to leave the process as they found it)."""
     if not _SHIMS.applied:
         return
+    if _SHIMS.threads:
+        threading.setprofile(None)
+        _SHIMS.threads = False
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -325,7 +371,8 @@ def revert() -> None:
     mp_random._get_cuda_rng_state = originals["_get_cuda_rng_state"]
     mp_random._set_cuda_rng_state = originals["_set_cuda_rng_state"]
     megatron_optimizer.clip_grad_by_total_norm_fp32 = originals["clip_grad_by_total_norm_fp32"]
-    for name in ("Stream", "current_stream", "stream", "mem_get_info", "get_device_name"):
+    for name in ("Stream", "current_stream", "stream", "mem_get_info", "get_device_name",
+                 "set_device", "ipc_collect"):  # fmt: skip
         setattr(torch.cuda, name, originals[f"torch.cuda.{name}"])
     from megatron.core.optimizer import distrib_optimizer
 
@@ -353,6 +400,23 @@ def clip_grads_on_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False
         grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
         if grad is not None:
             grad.detach().mul_(coeff)
+
+
+def seed_if_applied(seed: int) -> bool:
+    """Where the shims are applied, :func:`seed_cpu_streams` with this process's Megatron ranks
+    (parallel state must be initialised); returns whether it seeded. Megatron seeds its tracker
+    only on a device (``model_parallel_cuda_manual_seed``), so engines built on a CPU call this."""
+    if not _SHIMS.applied:
+        return False
+    from megatron.core import parallel_state as mpu
+
+    seed_cpu_streams(
+        seed,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+    )
+    return True
 
 
 def seed_cpu_streams(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:

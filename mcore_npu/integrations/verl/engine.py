@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from functools import partial
 
@@ -106,6 +107,8 @@ from mcore_npu.integrations.verl.tf_config import build_mbridge_tf_config
 from mcore_npu.integrations.verl.weight_path import megatron_bridge_unavailable
 from mcore_npu.optimizer import AdamSettings
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "NPUMegatronEngineWithLMHead",
@@ -189,6 +192,21 @@ class _NPUEngineMixin:
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         weight_path.refuse_without_bridge(engine_config)  # before verl's raw assert on it
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        logger.info(
+            "mcore_npu engine %s on rank %d (%s)",
+            type(self).__name__,
+            torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            "forward only" if engine_config.forward_only else "training",
+        )
+
+    def _init_device_mesh(self):
+        """verl's parallel state, then, where the project's CPU shims are applied (a CPU run),
+        Megatron's RNG tracker seeded with ``engine_config.seed`` (verl seeds it only on a
+        device; without it the embedding's ``fork()`` fails in a fresh Ray worker)."""
+        super()._init_device_mesh()
+        from mcore_npu.training import cpu_support
+
+        cpu_support.seed_if_applied(self.engine_config.seed)
 
     def _build_tf_config(self):
         hf_config = self.model_config.hf_config

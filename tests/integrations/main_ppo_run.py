@@ -1,0 +1,287 @@
+"""verl's own trainer (``python -m verl.trainer.main_ppo``) on the CPU, as a user runs it: the
+assets (a tiny Qwen3 with a ChatML tokenizer, parquet data in verl's format, a rule reward file),
+the command line of verl's Qwen3-0.6B Ascend quick start, and the run's JSONL metrics.
+
+The command line is verl's ``tests/special_npu/quick_start/run_qwen3_0_6b_megatron_vllm_ascend.sh``
+(verl-project/verl @ 1dda039b9c63) with ``model_engine=megatron``, ``trainer.device=npu`` and the
+``use_flash_attn`` override of ``run_qwen3_06b_grpo_mindspeed.sh``. Only these are changed:
+the rollout name (``hf_cpu``), rollout / actor pipeline sizes that fit 2 ranks, batch sizes and
+lengths, step counts, and the Ray sizes (NPU resources, CPUs, no dashboard, one agent-loop
+worker, one reward worker, one TransferQueue storage unit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.launch import run_command
+
+VOCAB = 128
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "\n", "system", "user", "assistant"]
+WORDS = [f"w{i}" for i in range(len(SPECIAL), VOCAB)]
+EVEN = [w for w in WORDS if int(w[1:]) % 2 == 0]  # the reward: the share of these words
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SWITCH = {"VERL_USE_EXTERNAL_MODULES": "mcore_npu.integrations.verl.cpu_runtime"}
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of the response's words that are among the ground truth's words."""
+    words, wanted = solution_str.split(), set(ground_truth.split())
+    return sum(word in wanted for word in words) / max(len(words), 1)
+'''
+
+
+def save_chatml_tokenizer(path) -> None:
+    """A word-level ChatML tokenizer: the specials of :data:`SPECIAL` (``"\\n"`` one token,
+    ``<|im_end|>`` the end of a turn and of the sequence), then the words ``w7 .. w127``."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL, *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL[:3]])
+    tokenizer.add_tokens([AddedToken("\n", normalized=False)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )  # fmt: skip
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+
+
+def save_model(path) -> str:
+    """The tiny Qwen3 (hidden 64, 2 layers, vocab 128; random fp32 weights, seed 0) and the
+    ChatML tokenizer in ``path``."""
+    import torch
+    import transformers
+
+    from tests.integrations import verl_loop
+
+    config = verl_loop.hf_config("qwen3")
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = 2, 0, None
+    # std 0.25 instead of 0.02: peaked next-token distributions (not near-uniform), so that
+    # weights that differ show in the probabilities the sync check compares
+    config.initializer_range = 0.25
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config = transformers.GenerationConfig(eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+    save_chatml_tokenizer(path)
+    return str(path)
+
+
+def save_data(path, rows: int = 16, seed: int = 0) -> tuple[str, str]:
+    """``(train.parquet, test.parquet)`` in verl's format: 3-word user prompts, a rule reward
+    whose ground truth is the words of :data:`EVEN`."""
+    import random
+
+    import pandas as pd
+
+    rng = random.Random(seed)
+    records = []
+    for index in range(rows):
+        words = " ".join(rng.choice(WORDS) for _ in range(3))
+        records.append({
+            "data_source": "tiny_first_word",
+            "prompt": [{"role": "user", "content": words}],
+            "ability": "toy",
+            "reward_model": {"style": "rule", "ground_truth": " ".join(EVEN)},
+            "extra_info": {"index": index, "split": "train"},
+        })  # fmt: skip
+    train, test = Path(path) / "train.parquet", Path(path) / "test.parquet"
+    pd.DataFrame(records).to_parquet(train)
+    pd.DataFrame(records[:4]).to_parquet(test)
+    return str(train), str(test)
+
+
+@dataclass
+class Assets:
+    model: str
+    train: str
+    test: str
+    reward: str
+
+
+def save_assets(path) -> Assets:
+    path = Path(path)
+    (path / "model").mkdir(parents=True, exist_ok=True)
+    train, test = save_data(path)
+    reward = path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    return Assets(save_model(path / "model"), train, test, str(reward))
+
+
+def recipe(assets: Assets, *, steps: int, out: Path) -> list[str]:
+    """The quick start's overrides for ``assets``; ``out``: checkpoints and logs."""
+    return [
+        "model_engine=megatron",
+        # DATA
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={assets.train}",
+        f"data.val_files={assets.test}",
+        "data.train_batch_size=2",  # batch size
+        "data.max_prompt_length=16",  # lengths
+        "data.max_response_length=8",
+        "data.filter_overlong_prompts=True",
+        "data.truncation=error",
+        "data.dataloader_num_workers=0",
+        # MODEL
+        f"actor_rollout_ref.model.path={assets.model}",
+        # ACTOR
+        "actor_rollout_ref.actor.optim.lr=5e-7",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # batch size
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.actor.strategy=megatron",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",  # 2 ranks in all
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.use_mbridge=True",
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=True",
+        # ROLLOUT
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.name=hf_cpu",  # the CPU rollout
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_AND_PIECEWISE",
+        "actor_rollout_ref.rollout.n=2",
+        # REF
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.strategy=megatron",
+        "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.ref.megatron.expert_model_parallel_size=1",
+        "actor_rollout_ref.ref.use_torch_compile=False",
+        # TRAINER
+        "trainer.balance_batch=True",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=verl_grpo_tiny",
+        "trainer.experiment_name=qwen3_tiny_grpo_megatron_hf_cpu",
+        "trainer.n_gpus_per_node=2",
+        "trainer.nnodes=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=False",
+        "trainer.total_epochs=100",
+        f"trainer.total_training_steps={steps}",
+        "trainer.device=npu",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        # reward
+        f"reward.custom_reward_function.path={assets.reward}",
+        "reward.custom_reward_function.name=compute_score",
+        # Ray sizes
+        "ray_kwargs.ray_init.num_cpus=8",
+        "+ray_kwargs.ray_init.resources={NPU:2}",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    seconds: float
+    metrics: list[dict]
+    leftovers: list[str]  # processes of this run still alive after it exited (then killed)
+    out: Path  # the run's folder (main_ppo's working and Hydra dir)
+
+    def series(self, key: str) -> list[float]:
+        """The value of ``key`` at each logged step, in step order."""
+        rows = sorted((m for m in self.metrics if key in m["data"]), key=lambda m: m["step"])
+        return [m["data"][key] for m in rows]
+
+
+MARKER = "MCORE_NPU_MAIN_PPO_RUN"
+
+
+def main_ppo(overrides: list[str], out: Path, env: dict | None = None,
+             timeout: float | None = None) -> Result:  # fmt: skip
+    """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` in its own process session
+    (the group is killed on a hang); metrics to ``out/metrics.jsonl``; Ray's files under a
+    fresh short temp dir. Every process the run starts inherits ``MCORE_NPU_MAIN_PPO_RUN=<out>``:
+    after the exit, any process still carrying it is listed in ``leftovers`` and killed."""
+    import tempfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    ray_dir = tempfile.mkdtemp(prefix="mppo", dir="/tmp")  # Ray's socket paths must be short
+    environment = {**os.environ, **SWITCH, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                   "RAY_USAGE_STATS_ENABLED": "0", "VERL_FILE_LOGGER_PATH": str(metrics),
+                   "HYDRA_FULL_ERROR": "1", "RAY_DEDUP_LOGS": "0", MARKER: str(out),
+                   **(env or {})}  # fmt: skip
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, f"hydra.run.dir={out}",
+           f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]  # fmt: skip
+    started = time.perf_counter()
+    try:
+        done = run_command(cmd, cwd=out, env=environment, timeout=timeout)
+    finally:
+        leftovers = kill_leftovers(str(out))
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    rows = [json.loads(line) for line in lines]
+    return Result(done.returncode, done.stdout + done.stderr, seconds, rows, leftovers, out)
+
+
+def kill_leftovers(marker: str, grace: float = 30.0) -> list[str]:
+    """Kill every process whose environment has ``MARKER=marker`` and that is still alive
+    ``grace`` seconds after the run exited (Ray stops its actors asynchronously after the
+    driver's exit); return their command lines."""
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _marked(marker):
+        time.sleep(1.0)
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.environ().get(MARKER) != marker:
+                continue
+            found.append(" ".join(process.info["cmdline"] or [])[:200])
+            process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _marked(marker: str) -> bool:
+    """Whether a process with ``MARKER=marker`` in its environment is alive."""
+    import psutil
+
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker and process.status() != "zombie":
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return False
+
+
+if (
+    __name__ == "__main__"
+):  # a manual run: python -m tests.integrations.main_ppo_run DIR [overrides]
+    where = Path(sys.argv[1]).resolve()
+    assets = save_assets(where / "assets")
+    result = main_ppo([*recipe(assets, steps=3, out=where), *sys.argv[2:]], where / "run")
+    print(result.output[-20000:])
+    print("exit", result.returncode, f"{result.seconds:.0f}s", len(result.metrics), "metric rows")
+    print("leftovers", result.leftovers)
