@@ -86,6 +86,13 @@ class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
     step of the overlapped path is :meth:`linear_fc1_forward_and_act`."""
 
     def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+        config = kwargs.get("config", args[0] if args else None)
+        if getattr(config, "use_grouped_gemm_for_shared_expert", False):
+            raise ValueError(
+                "use_grouped_gemm_for_shared_expert=True: megatron-core's FusedSharedExpertMLP "
+                "needs Transformer Engine's grouped linears, which NPUSharedExpertMLP does not "
+                "have; set it False, or pass swiglu_kernel='off' to keep Megatron's shared experts"
+            )
         super().__init__(*args, **kwargs)
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
