@@ -351,31 +351,22 @@ def sync_save_strategy():
     return _strategy_class()()
 
 
-def _save_strategy_base() -> type:
-    """The class a save strategy derives from: the abstract ``SaveShardedStrategy`` where the
-    installed megatron-core has ``strategies.base`` (<= 0.18); else ``TorchDistSaveShardedStrategy``
-    (0.19+: ``dist_checkpointing.save`` replaces any strategy that is not one by its default,
-    the asynchronous writer). Read from what imports, not from the version."""
-    try:
-        from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-    except ImportError:
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            TorchDistSaveShardedStrategy as SaveShardedStrategy,
-        )
-    return SaveShardedStrategy
-
-
 @functools.cache
 def _strategy_class():
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
     from torch.distributed import checkpoint as dcp
 
-    class _SyncTorchDistSave(_save_strategy_base()):
-        """Same keys, planner and files as Megatron's ``torch_dist`` v1; no helper process."""
+    class _SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        """Same keys, planner and files as Megatron's ``torch_dist`` v1; no helper process.
+
+        A ``TorchDistSaveShardedStrategy`` (only its ``save`` is replaced): megatron-core
+        0.18+'s ``dist_checkpointing.save`` swaps any other strategy for its default one, whose
+        writer runs in a spawned helper process (0.15-0.17 take any ``SaveShardedStrategy``)."""
 
         def __init__(self) -> None:
             super().__init__("torch_dist", 1)
