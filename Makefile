@@ -13,7 +13,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-verl test-main-ppo test-megatron-bridge test-compat verl-env docs lint format bench clean-venv
+.PHONY: demo test test-verl test-main-ppo test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -70,6 +70,14 @@ test-megatron-bridge: $(VERL_STAMP)
 # pyproject admits, one venv each under .compat/<version> (docs/compat.md); COMPAT_VERSIONS picks
 test-compat:
 	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --workers $(TEST_WORKERS) $(COMPAT_VERSIONS)
+
+# the CI smoke (.ci/run): dense, MoE and MLA from the NPU spec on megatron-core 0.15.3 and 0.19.2
+# (tests/transformer/test_compat_smoke.py); compat-smoke-envs only builds their environments
+compat-smoke-envs:
+	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --smoke --build-only
+
+compat-smoke:
+	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --smoke --workers 0
 
 # the verl environment alone (CI builds it while `make test` runs)
 verl-env: $(VERL_STAMP)

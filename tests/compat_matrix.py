@@ -4,12 +4,14 @@ version ``pyproject.toml`` admits, one virtual environment per version under ``.
 Each environment installs ``requirements.lock`` (torch 2.13.0 CPU, the locked megatron-core), then
 replaces megatron-core by the version under test with ``--no-deps --ignore-requires-python`` (the
 0.17+ wheels declare Python >= 3.12; they install and run on 3.11), then this package with
-``--no-deps`` (plus triton where megatron-core needs it to import). A finished environment is stamped and reused. The script prints a table
-version -> passed / failed / skipped / errors / seconds, and exits non-zero if any version failed.
+``--no-deps`` (plus triton where megatron-core needs it to import). A finished environment is
+stamped and reused. The script prints a table version -> passed / failed / skipped / errors /
+seconds, and exits non-zero if any version failed.
 
     python3.11 -m tests.compat_matrix                      # every version
     python3.11 -m tests.compat_matrix 0.15.3 0.19.2        # only these
     python3.11 -m tests.compat_matrix --build-only         # the environments, no tests
+    python3.11 -m tests.compat_matrix --smoke              # the CI smoke: 0.15.3 and 0.19.2
 
 Standard library only: it runs with the interpreter that builds the environments.
 """
@@ -30,6 +32,10 @@ COMPAT = ROOT / ".compat"
 # tests/test_compat.py keeps the range, the table and this list in step).
 VERSIONS = ("0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
 TEST_PATHS = ("tests/ops", "tests/masks", "tests/transformer", "tests/training")
+# `--smoke` (`make compat-smoke`, run by .ci/run): the dense, MoE and MLA models from the NPU spec,
+# one forward and backward each, a checkpoint save and load, on the oldest and newest version
+SMOKE_PATHS = ("tests/transformer/test_compat_smoke.py",)
+SMOKE_VERSIONS = ("0.15.3", "0.19.2")
 # megatron-core 0.18+ imports triton unconditionally without declaring it (on Ascend,
 # triton-ascend provides the module); on a CPU host the plain wheel imports.
 TRITON = "triton==3.9.0"
@@ -81,16 +87,17 @@ def parse_summary(text: str) -> dict[str, int] | None:
     return counts
 
 
-def run_tests(env: Path, workers: int, extra: list[str]) -> tuple[dict | None, float, int]:
-    """Run TEST_PATHS in ``env``; the full log goes to ``env/pytest.log``."""
+def run_tests(env: Path, workers: int, extra: list[str], paths=TEST_PATHS,
+              log_name: str = "pytest.log") -> tuple[dict | None, float, int]:  # fmt: skip
+    """Run ``paths`` in ``env``; the full log goes to ``env/<log_name>``."""
     xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 0 else []
     cmd = [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *xdist, *TEST_PATHS, *extra]  # fmt: skip
+           *xdist, *paths, *extra]  # fmt: skip
     start = time.monotonic()
-    with open(env / "pytest.log", "w") as log:
+    with open(env / log_name, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     seconds = time.monotonic() - start
-    return parse_summary((env / "pytest.log").read_text()), seconds, proc.returncode
+    return parse_summary((env / log_name).read_text()), seconds, proc.returncode
 
 
 def table(rows: list[tuple[str, dict | None, float]]) -> str:
@@ -108,24 +115,30 @@ def table(rows: list[tuple[str, dict | None, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("versions", nargs="*", default=list(VERSIONS))
+    ap.add_argument("versions", nargs="*")
     ap.add_argument("--python", default=os.environ.get("PYTHON", "python3.11"))
     ap.add_argument("--workers", type=int, default=int(os.environ.get("TEST_WORKERS", "2")))
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"only {' '.join(SMOKE_PATHS)} (default versions: "
+                         f"{' '.join(SMOKE_VERSIONS)}), log smoke.log")  # fmt: skip
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     args = ap.parse_args(argv)
-    envs = [build(v, args.python) for v in args.versions]
+    versions = args.versions or list(SMOKE_VERSIONS if args.smoke else VERSIONS)
+    envs = [build(v, args.python) for v in versions]
     if args.build_only:
         return 0
+    paths, log_name = (SMOKE_PATHS, "smoke.log") if args.smoke else (TEST_PATHS, "pytest.log")
     rows, bad = [], []
-    for version, env in zip(args.versions, envs):
-        counts, secs, rc = run_tests(env, args.workers, args.pytest_args.split())
+    for version, env in zip(versions, envs):
+        counts, secs, rc = run_tests(env, args.workers, args.pytest_args.split(), paths, log_name)
         rows.append((version, counts, secs))
-        print(
-            f"megatron-core {version}: {counts} in {secs:.0f}s (log {env}/pytest.log)", flush=True
-        )
+        print(f"megatron-core {version}: {counts} in {secs:.0f}s (log {env}/{log_name})",
+              flush=True)  # fmt: skip
         if rc:
             bad.append(version)
+            if args.smoke:  # CI shows why
+                print((env / log_name).read_text()[-6000:], file=sys.stderr)
     print(table(rows))
     if bad:
         print(f"test-compat: failures on megatron-core {', '.join(bad)}", file=sys.stderr)

@@ -39,7 +39,7 @@ RANKS = {
     "training": 4,
     "tools": 5,
     "integrations": 5,
-    "entry": 6,  # cli, __main__, the train launcher, the package facade, moved-path aliases
+    "entry": 6,  # cli, __main__, the train launcher, the package facade
 }
 BASE_MODULES = {"_warnings"}
 

@@ -1,16 +1,14 @@
-"""The package's public shape: a light import, the console script, lazy exports, moved paths."""
+"""The package's public shape: a light import, the console script, lazy exports, no old paths."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import sys
-import warnings
 
 import pytest
 
 import mcore_npu
-from mcore_npu._moved import MOVED
 from mcore_npu.cli import _SUBCOMMANDS
 from tests.launch import run_command
 
@@ -74,12 +72,11 @@ def test_unknown_attribute_is_an_attribute_error():
         mcore_npu.no_such_thing  # noqa: B018
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_moved_module_paths_import_with_a_deprecation_warning(old, monkeypatch):
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
-    assert any(MOVED[old] in m and old in m for m in messages), messages
+# removed after 0.1.0 (CHANGELOG.md): the four deprecated root aliases and the table behind them
+OLD_PATHS = ("attention", "device", "layer_specs", "workers", "_moved")
+
+
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_the_removed_root_paths_do_not_import(old):
+    with pytest.raises(ModuleNotFoundError, match=f"mcore_npu.{old}"):
+        importlib.import_module(f"mcore_npu.{old}")

@@ -5,7 +5,8 @@ sharded tensors (so a checkpoint saved at one tensor/pipeline-parallel size load
 plus common state (step, scheduler, config)::
 
     step_0000005/
-      common.pt        step, scheduler, config (rank 0, torch.save)
+      common.pt        step, scheduler, config (rank 0, torch.save; megatron-core 0.19+
+                       keeps them in the .distcp files instead)
       __0_0.distcp     the tensors written by rank 0 (one file per rank)
       .metadata        where each tensor lies in the .distcp files
       metadata.json    written last, after every rank finished: the folder is complete
@@ -118,7 +119,7 @@ def diagnose(path: str | Path) -> str | None:
         json.loads(mark.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         return f"{COMPLETE_MARK} is unreadable ({type(err).__name__})"
-    if not (path / "common.pt").is_file():
+    if _writes_common_file() and not (path / "common.pt").is_file():
         return "common.pt is missing"
     try:
         with open(path / ".metadata", "rb") as f:
@@ -129,6 +130,19 @@ def diagnose(path: str | Path) -> str | None:
     except Exception as err:  # any unpickling failure means the index is damaged
         return f".metadata is unreadable ({type(err).__name__})"
     return _check_data_files(path, storage)
+
+
+@functools.cache
+def _writes_common_file() -> bool:
+    """Whether the installed megatron-core saves the common state as ``common.pt`` (its
+    ``dist_checkpointing.save`` takes a ``common_strategy``: <= 0.18); 0.19+ writes it into the
+    ``.distcp`` files (the sharded object ``common_state``) and reads a ``common.pt`` only from
+    older checkpoints. Read from the signature, not the version."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return "common_strategy" in inspect.signature(dist_checkpointing.save).parameters
 
 
 def _check_data_files(path: Path, storage) -> str | None:
@@ -189,6 +203,9 @@ OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 """Keys of the optimizer's sharded state on disk: ``optimizer.`` for one optimizer,
 ``chained_{i}.optimizer.`` for Megatron's ``ChainedOptimizer`` (an MoE model's dense and expert
 parameters, each its own optimizer)."""
+COMMON_STATE_KEY = "common_state"
+"""The sharded object megatron-core 0.19+ saves the common state as (``serialization.save``);
+not a model tensor. Earlier releases write ``common.pt`` instead and have no such key."""
 
 
 def match_layout(model_state: dict, path: str | Path) -> dict:
@@ -212,7 +229,8 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: {problem}")
     on_disk = load_sharded_metadata(str(path))
     names = {value.key for value in on_disk.values()}  # objects are listed once per shard
-    source = [name for name in names if not OPTIMIZER_KEY.match(name)]
+    source = [name for name in names
+              if not OPTIMIZER_KEY.match(name) and name != COMMON_STATE_KEY]  # fmt: skip
     written = {id(value): _written_keys(value) for value in nested_values(model_state)}
     target = {key for keys in written.values() for key in keys}
     try:
@@ -350,16 +368,20 @@ def sync_save_strategy():
 
 @functools.cache
 def _strategy_class():
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
     from torch.distributed import checkpoint as dcp
 
-    class _SyncTorchDistSave(SaveShardedStrategy):
-        """Same keys, planner and files as Megatron's ``torch_dist`` v1; no helper process."""
+    class _SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        """Same keys, planner and files as Megatron's ``torch_dist`` v1; no helper process.
+
+        A ``TorchDistSaveShardedStrategy`` (only its ``save`` is replaced): megatron-core
+        0.18+'s ``dist_checkpointing.save`` swaps any other strategy for its default one, whose
+        writer runs in a spawned helper process (0.15-0.17 take any ``SaveShardedStrategy``)."""
 
         def __init__(self) -> None:
             super().__init__("torch_dist", 1)

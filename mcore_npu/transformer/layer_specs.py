@@ -338,16 +338,37 @@ def _as_spec(slot):
     """``slot`` as a ``ModuleSpec``: megatron-core 0.18+ builds its MLP / MoE / expert specs as
     ``functools.partial(cls, submodules=..., **params)`` (a dense MLP as
     ``partial(MLP.as_mlp_submodule, ...)``); those become ``ModuleSpec(cls, params,
-    submodules)``. Anything else is returned as it is."""
+    submodules)``. 0.19+ builds the shared experts through a function,
+    ``partial(_build_shared_experts, submodules=...)`` (see :func:`_shared_experts_builder`):
+    that becomes ``ModuleSpec(SharedExpertMLP, ...)``. Anything else is returned as it is."""
     if not isinstance(slot, functools.partial) or slot.args:
         return slot
     func = slot.func
     owner = getattr(func, "__self__", None)
     module = owner if getattr(func, "__name__", "") == "as_mlp_submodule" else func
+    if _shared_experts_builder(slot):
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+        module = SharedExpertMLP
     if not isinstance(module, type):
         return slot
     params = dict(slot.keywords)
     return ModuleSpec(module=module, params=params, submodules=params.pop("submodules", None))
+
+
+def _shared_experts_builder(slot: functools.partial) -> bool:
+    """Whether ``slot`` is megatron-core 0.19+'s shared-experts builder: a function (not a
+    class) taking exactly ``SharedExpertMLP``'s keywords (``config``, ``pg_collection``,
+    ``gate``, ``submodules``), given its ``submodules``. It builds a ``SharedExpertMLP`` (or,
+    with ``config.use_grouped_gemm_for_shared_expert``, TE's ``FusedSharedExpertMLP``, which
+    ``NPUSharedExpertMLP`` refuses in one line). Read from the signature, not the version."""
+    if isinstance(slot.func, type) or "submodules" not in slot.keywords:
+        return False
+    try:
+        parameters = inspect.signature(slot.func).parameters
+    except (TypeError, ValueError):
+        return False
+    return {"config", "pg_collection", "gate", "submodules"} <= set(parameters)
 
 
 def _swapped(original, spec: ModuleSpec, new):

@@ -58,6 +58,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer import multi_latent_attention as megatron_mla
 from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
     MultiLatentAttention,
@@ -195,6 +196,27 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
         self.seq_lengths_memo = seq_lengths_memo if seq_lengths_memo is not None else (
             SeqLengthsMemo())  # fmt: skip
         self.rope_cache = RopeCosSinCache(capacity=4)  # this layer's RoPE module: its angles
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        """The latent norms and up projections to build, as the spec gives them (megatron-core
+        0.19+ asks this method; earlier releases read the slots directly, the same rule).
+
+        Megatron's own resolver (``mla_qk_norm_config.QKNormConfigResolver``) reads its
+        default backend (TE's, from ``config.transformer_impl``): it takes only TE's fused
+        norm-linear as one (the te layout's ``NormColumnParallelLinear`` is refused) and
+        refuses a q norm without ``q_lora_rank``, which 0.15-0.18 build as unused (the local
+        spec's ``qk_layernorm=True``). Here, as in 0.16.1: a norm slot is used as it is
+        (``IdentityOp`` where the spec has none), the q norm only with ``q_lora_rank``.
+        """
+        if self.config.qk_l2_norm:
+            raise ValueError("qk_l2_norm: not supported with MLA; set qk_l2_norm=False")
+        norm = {name: getattr(submodules, name, None) or IdentityOp
+                for name in ("q_layernorm", "kv_layernorm")}  # fmt: skip
+        if self.config.q_lora_rank is None:
+            norm["q_layernorm"] = IdentityOp
+        return dict(linear_q_proj=submodules.linear_q_proj,
+                    linear_q_up_proj=submodules.linear_q_up_proj,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj, **norm)  # fmt: skip
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,

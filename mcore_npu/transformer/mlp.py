@@ -18,6 +18,8 @@ instead of their forward, so that step is the one swapped.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
@@ -40,9 +42,19 @@ def is_plain_swiglu(config) -> bool:
 class NPUMLP(MLP):
     """``MLP`` whose SwiGLU runs through ``mcore_npu.ops.swiglu`` (see the module docstring)."""
 
-    def __init__(self, config, submodules, *args, kernel: str = "auto", **kwargs) -> None:
+    def __init__(self, config, submodules, *args, kernel: str = "auto", pg_collection=None,
+                 is_mtp_layer: bool = False, **kwargs) -> None:  # fmt: skip
+        """``pg_collection`` / ``is_mtp_layer`` / ``name``: what megatron-core 0.18+'s
+        ``TransformerLayer`` passes when it calls an ``mlp`` slot holding a plain ``ModuleSpec``
+        (as its ``MLP.as_mlp_submodule`` takes them): the MLP runs on ``pg_collection.tp``
+        unless ``tp_group`` is given; ``name`` reaches ``MLP`` where it takes one (0.18+)."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        del is_mtp_layer  # as Megatron's as_mlp_submodule: no difference for a dense MLP
+        if pg_collection is not None:
+            kwargs.setdefault("tp_group", pg_collection.tp)
+        if "name" in kwargs and "name" not in inspect.signature(MLP.__init__).parameters:
+            kwargs.pop("name")  # megatron-core <= 0.17
         if not args and not kwargs.get("is_expert", False):
             kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)  # the dense MLP's width
         super().__init__(config, submodules, *args, **kwargs)
@@ -86,6 +98,13 @@ class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
     step of the overlapped path is :meth:`linear_fc1_forward_and_act`."""
 
     def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+        config = kwargs.get("config", args[0] if args else None)
+        if getattr(config, "use_grouped_gemm_for_shared_expert", False):
+            raise ValueError(
+                "use_grouped_gemm_for_shared_expert=True: megatron-core's FusedSharedExpertMLP "
+                "needs Transformer Engine's grouped linears, which NPUSharedExpertMLP does not "
+                "have; set it False, or pass swiglu_kernel='off' to keep Megatron's shared experts"
+            )
         super().__init__(*args, **kwargs)
         if kernel not in KERNELS:
             raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")

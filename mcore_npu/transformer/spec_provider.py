@@ -13,7 +13,7 @@ with the NPU spec's modules in either parameter layout:
 | ``column_parallel_layer_norm_linear()`` | ``NormColumnParallelLinear`` | None |
 | ``dense_mlp(mlp)`` / ``experts(...)`` / ``shared_experts(...)`` | ``NPUMLP`` / ``NPUGroupedMLP`` / ``NPUSharedExpertMLP`` | the same |
 | linears | Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` | the same |
-| ``grouped_mlp_modules(False, _)`` | ``SequentialMLP`` of those linears | the same |
+| ``grouped_mlp_modules(False)`` | ``SequentialMLP`` of those linears | the same |
 | ``activation_func()`` | None (the MLP applies ``config.activation_func``) | the same |
 
 Core attention, norms and the fused norm-linear are returned as ``ModuleSpec`` s (they carry
@@ -32,6 +32,9 @@ Whether the installed megatron-core has the protocol and the builders is probed
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -60,6 +63,12 @@ try:  # megatron-core >= 0.13 has the protocol; before, the provider is a plain 
 except ImportError:  # pragma: no cover - older megatron-core
     BackendSpecProvider = object
     HAVE_BACKEND_PROVIDER = False
+
+EXPERTS_AS_BUILDER = HAVE_BACKEND_PROVIDER and "moe_use_legacy_grouped_gemm" not in (
+    inspect.signature(BackendSpecProvider.grouped_mlp_modules).parameters
+)
+"""Whether the installed protocol's ``grouped_mlp_modules`` takes one argument and answers with
+an experts builder (megatron-core 0.18+), not ``(class, submodules)``: read from its signature."""
 
 
 class NPUSpecProvider(BackendSpecProvider):
@@ -220,8 +229,13 @@ class NPUSpecProvider(BackendSpecProvider):
                   "value_padding": self.mla_value_padding}  # fmt: skip
         return ModuleSpec(module=module, params=params)
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        """``SequentialMLP`` of the column/row-parallel linears (the same names in both layouts).
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool,
+                            moe_use_legacy_grouped_gemm: bool = False):  # fmt: skip
+        """``SequentialMLP`` of the column/row-parallel linears (the same names in both layouts),
+        in the form the installed Megatron's builders take: ``(SequentialMLP, MLPSubmodules)``
+        where its protocol has ``moe_use_legacy_grouped_gemm`` (<= 0.17), else the
+        ``functools.partial(SequentialMLP, submodules=...)`` it builds experts from (0.18+,
+        one argument).
 
         Raises:
             ValueError: ``moe_use_grouped_gemm=True`` (no torch twin of TE's grouped linears).
@@ -233,9 +247,10 @@ class NPUSpecProvider(BackendSpecProvider):
                 "moe_grouped_gemm: NPUSpecProvider has no grouped experts; pass "
                 "moe_grouped_gemm=False (SequentialMLP)"
             )
-        return SequentialMLP, MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
-        )
+        submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        if EXPERTS_AS_BUILDER:
+            return functools.partial(SequentialMLP, submodules=submodules)
+        return SequentialMLP, submodules
 
     def activation_func(self) -> None:
         return None

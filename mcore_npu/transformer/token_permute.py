@@ -55,9 +55,10 @@ class _FusedPermute:
                  drop_and_pad=False):  # fmt: skip
         """tokens [T, H], routing_map [T, E] (True = routed) -> (permuted, probs, indices)."""
         kernel = resolve_permute_kernel(self.permute_kernel, tokens.device)
-        if kernel == UNFUSED:
+        if kernel == UNFUSED:  # 0.19+ returns two more values (fused padding's), None here
             return moe_utils.permute(tokens, routing_map, probs=probs,
-                                     num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)  # fmt: skip
+                                     num_out_tokens=num_out_tokens,
+                                     drop_and_pad=drop_and_pad)[:3]  # fmt: skip
         return moe_token_permute_with_routing_map(
             tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
             drop_and_pad=drop_and_pad, kernel=kernel,

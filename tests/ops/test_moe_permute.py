@@ -46,9 +46,11 @@ def _leaves(*tensors, dtype=torch.float32):
 def _round_trip(permute_fn, unpermute_fn, tokens, routing_map, probs, drop_and_pad, probs_back):
     """Permute with probs, scale the rows, unpermute (optionally weighted): outputs and grads."""
     x, p = _leaves(tokens, probs, dtype=tokens.dtype)
-    count = 3 * E if drop_and_pad else None
+    # the routed pairs (megatron-core 0.18+'s argsort permute requires the count; 0.16 ignores
+    # it without drop_and_pad); 0.19+ returns two more values (fused padding's), None here
+    count = 3 * E if drop_and_pad else int(routing_map.sum())
     rows, row_probs, indices = permute_fn(x, routing_map, probs=p, num_out_tokens=count,
-                                          drop_and_pad=drop_and_pad)  # fmt: skip
+                                          drop_and_pad=drop_and_pad)[:3]  # fmt: skip
     scaled = rows * row_probs.unsqueeze(-1).to(rows.dtype)
     out = unpermute_fn(scaled, indices, x.shape, probs=p if probs_back else None,
                        routing_map=routing_map, drop_and_pad=drop_and_pad)  # fmt: skip

@@ -107,10 +107,38 @@ def megatron_oracle(config, seed=0):
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization)  # fmt: skip
+    from megatron.core.transformer.identity_op import IdentityOp
+
     for layer in block.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = DefinitionAttention
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = DefinitionAttention
+        if config.q_lora_rank is None:  # no q norm is built without q LoRA; 0.19+ refuses one
+            attention.q_layernorm = IdentityOp
+            layer.submodules.self_attention.module = _attention_without_q_lora()
     with megatron_mla_without_te():
         return gpt(config, block, seed)
+
+
+def _attention_without_q_lora():
+    """Megatron's ``MLASelfAttention``; where it resolves the latent norms itself (0.19+,
+    ``_resolve_qk_norm_config``), a subclass whose resolver returns the spec's slots. Megatron's
+    own resolver demands TE's fused norm-linear for ``linear_q_proj`` when ``qk_layernorm`` is
+    set without ``q_lora_rank``, which no TE here cannot give; the slots returned are the modules
+    0.15-0.18 build for the same spec (no q norm, the kv norm). The forward stays Megatron's."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not hasattr(MLASelfAttention, "_resolve_qk_norm_config"):
+        return MLASelfAttention
+
+    class SpecSlotsMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            return dict(linear_q_proj=submodules.linear_q_proj,
+                        linear_q_up_proj=submodules.linear_q_up_proj,
+                        linear_kv_up_proj=submodules.linear_kv_up_proj,
+                        q_layernorm=IdentityOp, kv_layernorm=submodules.kv_layernorm)  # fmt: skip
+
+    return SpecSlotsMLASelfAttention
 
 
 def packed_params(lengths=PACKED):

@@ -58,6 +58,16 @@ def submodules_of(slot):
     return slot.submodules
 
 
+def module_of(slot):
+    """The class a spec slot builds: a ``ModuleSpec``'s ``module``, or the class of the
+    ``functools.partial`` megatron-core 0.18+ builds MLP / MoE / expert specs as (a dense MLP:
+    ``partial(MLP.as_mlp_submodule, ...)``, whose class is the method's owner)."""
+    if isinstance(slot, functools.partial):
+        func = slot.func
+        return getattr(func, "__self__", func)
+    return slot.module
+
+
 def _row_parallel_linear():
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 

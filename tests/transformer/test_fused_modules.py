@@ -42,7 +42,9 @@ def _mlps(**overrides):
     from mcore_npu.transformer.mlp import NPUMLP
 
     config = tiny_config(**overrides)
-    submodules = get_gpt_layer_local_spec().submodules.mlp.submodules
+    from tests.transformer.moe_models import submodules_of
+
+    submodules = submodules_of(get_gpt_layer_local_spec().submodules.mlp)
     torch.manual_seed(0)
     theirs = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
     ours = NPUMLP(config, submodules, kernel="reference")

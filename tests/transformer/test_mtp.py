@@ -69,7 +69,11 @@ def test_npu_mtp_block_has_te_names_in_the_te_layout():
     names = {n for n in _npu(config, "te").state_dict() if n.startswith("mtp.layers.0.")}
     for part in ("enorm", "hnorm", "final_layernorm", "eh_proj"):
         assert {f"mtp.layers.0.{part}.weight", f"mtp.layers.0.{part}._extra_state"} <= names
-    assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in names
+    # the MTP layer's own layer: transformer_layer (megatron-core <= 0.18), mtp_model_layer (0.19+)
+    inner = {name.split(".")[3] for name in names} - {"enorm", "hnorm", "final_layernorm",
+                                                       "eh_proj"}  # fmt: skip
+    assert inner in ({"transformer_layer"}, {"mtp_model_layer"}), inner
+    assert f"mtp.layers.0.{inner.pop()}.self_attention.linear_qkv.layer_norm_weight" in names
     assert get_gpt_mtp_block_npu_spec(tiny_config(), None) is None  # no mtp_num_layers: no MTP
 
 
@@ -120,7 +124,8 @@ def test_megatrons_mtp_builder_takes_the_npu_layer_spec_and_scales_its_loss(fact
     plain.load_state_dict(scaled.state_dict(), strict=True)
     MTPLossLoggingHelper.tracker = {}
     main, grads = _loss_and_grads(scaled, ids, pos)
-    reported = MTPLossLoggingHelper.tracker["values"].clone()  # [mtp_num_layers]
+    tracker = MTPLossLoggingHelper.tracker  # the key: "values" (<= 0.18), "loss_values" (0.19+)
+    reported = tracker.get("values", tracker.get("loss_values")).clone()  # [mtp_num_layers]
     MTPLossLoggingHelper.tracker = {}
 
     calls, handle = _mtp_logits_hook(plain)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.transformer.megatron_models import batch, gpt, tiny_config
+from tests.transformer.moe_models import submodules_of
 from tests.transformer.te_names import disk_key, expected_names
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
@@ -121,7 +122,7 @@ def test_layouts_are_refused_when_unknown_or_not_mapped():
     with pytest.raises(ValueError, match="grouped_matmul_kernel: 'off' with moe_grouped_gemm"):
         get_gpt_decoder_block_npu_spec(config, param_layout="te", grouped_matmul_kernel="off")
     spec = get_gpt_decoder_block_npu_spec(config, param_layout="te")
-    experts = spec.layer_specs[1].submodules.mlp.submodules.experts
+    experts = submodules_of(spec.layer_specs[1].submodules.mlp).experts
     assert experts.module.__name__ == "NPUGroupedMLP" and experts.params["param_layout"] == "te"
 
 

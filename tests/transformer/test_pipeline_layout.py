@@ -18,6 +18,7 @@ from mcore_npu.transformer.pipeline_layout import (
     megatron_stage_layout,
     stages_from_first_last,
 )
+from tests.transformer.moe_models import module_of
 
 pytestmark = pytest.mark.cpu_only
 
@@ -73,7 +74,7 @@ def test_the_npu_block_spec_slices_uneven_stages_with_the_layer_pattern(per_stag
         with _pipeline_rank(rank, vpp):
             block = get_gpt_decoder_block_npu_spec(config, kernel="reference", pp_rank=rank,
                                                    vp_stage=vp_stage)  # fmt: skip
-        moe = [spec.submodules.mlp.module is MoELayer for spec in block.layer_specs]
+        moe = [module_of(spec.submodules.mlp) is MoELayer for spec in block.layer_specs]
         assert moe == [bool(pattern[i]) for i in layer_ids], (rank, stage)
 
 

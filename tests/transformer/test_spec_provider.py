@@ -11,6 +11,7 @@ from mcore_npu.transformer.spec_provider import (
     NPUSpecProvider,
     backend_builders,
 )
+from tests.transformer.moe_models import module_of, submodules_of
 
 
 def test_provider_is_a_megatron_backend_spec_provider_where_megatron_has_one():
@@ -27,7 +28,7 @@ def test_mlp_builder_takes_the_fused_linear_in_te_layout(layout, fc1):
 
     build = backend_builders()["get_mlp_module_spec_for_backend"]
     spec = build(backend=NPUSpecProvider(param_layout=layout, kernel="reference"), num_experts=None)
-    linear_fc1 = spec.submodules.linear_fc1
+    linear_fc1 = submodules_of(spec).linear_fc1
     if fc1 is None:
         assert linear_fc1 is ColumnParallelLinear
     else:  # a spec: the fused norm carries the rms_norm kernel
@@ -38,7 +39,7 @@ def test_moe_builder_gets_sequential_experts_and_refuses_grouped_ones():
     build = backend_builders()["get_moe_module_spec_for_backend"]
     provider = NPUSpecProvider(param_layout="te")
     spec = build(backend=provider, num_experts=2, moe_grouped_gemm=False)
-    assert spec.submodules.experts.module.__name__ == "SequentialMLP"
+    assert module_of(submodules_of(spec).experts).__name__ == "SequentialMLP"
     with pytest.raises(ValueError, match="moe_grouped_gemm"):
         build(backend=provider, num_experts=2, moe_grouped_gemm=True)
 
