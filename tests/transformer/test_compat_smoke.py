@@ -68,13 +68,20 @@ def mla(seed: int):
     return mla_models.gpt(config, _block(config), seed=seed)
 
 
+def gdn(seed: int):
+    """Qwen3.5's hybrid, tiny: Gated DeltaNet layers and one full-attention layer."""
+    from tests.transformer.gdn_models import gdn_config, gdn_gpt
+
+    return gdn_gpt(gdn_config(), seed=seed)
+
+
 MODELS = {
     "dense": Entry(dense, ("NPUFusionAttention", "NPUMLP", "NPURMSNorm")),
     "moe": Entry(
         moe, ("NPUFusionAttention", "NPUTopKRouter", "NPUGroupedMLP", "NPUSharedExpertMLP")
     ),
     "mla": Entry(mla, ("NPUMLASelfAttention", "NPUFusionAttention", "NPUMLP")),
-    # "gdn": Entry(gdn, ("NPUGatedDeltaNet", ...)),  once NPUGatedDeltaNet is in main
+    "gdn": Entry(gdn, ("NPUGatedDeltaNet", "NPUFusionAttention")),
 }
 
 
@@ -82,13 +89,14 @@ def _npu_classes() -> dict[str, type]:
     """The NPU classes an entry may name, by name."""
     from mcore_npu.transformer.attention import NPUFusionAttention
     from mcore_npu.transformer.experts import NPUGroupedMLP
+    from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
     from mcore_npu.transformer.mla import NPUMLASelfAttention
     from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
     from mcore_npu.transformer.norms import NPURMSNorm
     from mcore_npu.transformer.router import NPUTopKRouter
 
-    found = (NPUFusionAttention, NPUGroupedMLP, NPUMLASelfAttention, NPUMLP, NPUSharedExpertMLP,
-             NPURMSNorm, NPUTopKRouter)  # fmt: skip
+    found = (NPUFusionAttention, NPUGatedDeltaNet, NPUGroupedMLP, NPUMLASelfAttention, NPUMLP,
+             NPUSharedExpertMLP, NPURMSNorm, NPUTopKRouter)  # fmt: skip
     return {cls.__name__: cls for cls in found}
 
 
