@@ -91,6 +91,17 @@ def fake_torch_npu(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_moe_loss_tracker():
+    """Megatron keeps the MoE auxiliary losses in a module-global tracker whose per-layer buffer
+    is sized by the first model that logs one: a later model with more layers in the same worker
+    process would index past it. Empty it after every test (only if Megatron is loaded)."""
+    yield
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_warn_once():
     from mcore_npu._warnings import WARNED
 

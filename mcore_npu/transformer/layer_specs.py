@@ -65,7 +65,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.ops import KERNELS
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
-from mcore_npu.transformer.gated_delta_net.spec import hybrid_layer_specs, is_gdn
+from mcore_npu.transformer.gated_delta_net.spec import (
+    dense_block_config,
+    hybrid_layer_specs,
+    is_gdn,
+)
 from mcore_npu.transformer.layer import bind_mlp_process_groups
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
@@ -178,7 +182,9 @@ def get_gpt_decoder_block_npu_spec(
     _check_layout(param_layout)
     build = megatron_specs.get_gpt_decoder_block_spec
     _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
-    block = copy.deepcopy(build(config, use_transformer_engine=False, **block_spec_kwargs))
+    block = copy.deepcopy(
+        build(dense_block_config(config), use_transformer_engine=False, **block_spec_kwargs)
+    )
     # one provider per model: every layer shares its cu_seqlens memo
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,

@@ -39,10 +39,12 @@ KERNELS = dict(kernel="reference", rms_norm_kernel="reference", swiglu_kernel="r
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A model kind: ``build(seed)`` -> GPTModel from the NPU spec; ``parts``: the names (in
-    ``mcore_npu.transformer``) of the NPU classes that model must contain."""
+    ``mcore_npu.transformer``) of the NPU classes that model must contain; ``refusal()``: on a
+    megatron-core that cannot have the model, the pattern its one-line ValueError must match."""
 
     build: Callable
     parts: tuple[str, ...]
+    refusal: Callable[[], str | None] = lambda: None  # the expected one-line refusal, if any
 
 
 def _block(config):
@@ -75,13 +77,21 @@ def gdn(seed: int):
     return gdn_gpt(gdn_config(), seed=seed)
 
 
+def _gdn_refusal() -> str | None:
+    """megatron-core 0.15 has no Gated DeltaNet config fields: GDNTransformerConfig refuses."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {field.name for field in dataclasses.fields(TransformerConfig)}
+    return None if "experimental_attention_variant" in names else "came with megatron-core 0.16"
+
+
 MODELS = {
     "dense": Entry(dense, ("NPUFusionAttention", "NPUMLP", "NPURMSNorm")),
     "moe": Entry(
         moe, ("NPUFusionAttention", "NPUTopKRouter", "NPUGroupedMLP", "NPUSharedExpertMLP")
     ),
     "mla": Entry(mla, ("NPUMLASelfAttention", "NPUFusionAttention", "NPUMLP")),
-    "gdn": Entry(gdn, ("NPUGatedDeltaNet", "NPUFusionAttention")),
+    "gdn": Entry(gdn, ("NPUGatedDeltaNet", "NPUFusionAttention"), _gdn_refusal),
 }
 
 
@@ -112,6 +122,12 @@ def test_builds_runs_and_round_trips_a_checkpoint(name, tmp_path):
     from mcore_npu.training import checkpointing
 
     entry = MODELS[name]
+    refusal = entry.refusal()
+    if refusal is not None:  # a model this megatron-core cannot have: refused in one line
+        with pytest.raises(ValueError, match=refusal) as caught:
+            entry.build(seed=1)
+        assert "\n" not in str(caught.value)
+        return
     model = entry.build(seed=1)
     classes = _npu_classes()
     for part in entry.parts:

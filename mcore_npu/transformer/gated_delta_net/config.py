@@ -15,9 +15,12 @@ context_parallel_size``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 GDN = "gated_delta_net"
+_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(TransformerConfig))
 
 _HEAD_FIELDS = (
     "linear_conv_kernel_dim",
@@ -32,7 +35,21 @@ class GDNTransformerConfig(TransformerConfig):
     """``TransformerConfig`` whose Gated DeltaNet checks allow ``context_parallel_size > 1``.
 
     Same fields as ``TransformerConfig`` (no new ones); build it with the same keywords.
+
+    Raises:
+        ValueError: the installed megatron-core has no Gated DeltaNet fields (before 0.16).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        missing = [name for name in ("experimental_attention_variant", *_HEAD_FIELDS)
+                   if name not in _CONFIG_FIELDS]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"GDNTransformerConfig: the installed megatron-core's TransformerConfig has no "
+                f"{', '.join(missing)}: Gated DeltaNet config fields came with megatron-core 0.16; "
+                "install megatron-core>=0.16 to build Gated DeltaNet hybrids"
+            )
+        super().__init__(*args, **kwargs)
 
     def __post_init__(self) -> None:
         variant = self.experimental_attention_variant

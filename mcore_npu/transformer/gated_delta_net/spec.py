@@ -95,6 +95,18 @@ def gdn_attention_spec(provider, *, naive_l2norm: bool = False) -> ModuleSpec:
     )
 
 
+def dense_block_config(config):
+    """The config Megatron's dense block builder is given: ``config`` itself, or for a GDN hybrid a
+    shallow copy with ``experimental_attention_variant=None`` (megatron-core 0.19's
+    ``get_gpt_decoder_layer_specs`` asserts it is None; the GDN positions are swapped in
+    afterwards by :func:`hybrid_layer_specs`). The user's config is not written to."""
+    if not is_gdn(config):
+        return config
+    view = copy.copy(config)
+    view.experimental_attention_variant = None
+    return view
+
+
 def hybrid_layer_specs(layer_specs, config, provider, *, vp_stage=None, pp_rank=None,
                        naive_l2norm: bool = False) -> list:  # fmt: skip
     """This stage's layer specs with the GDN positions' attention swapped for GDN.
