@@ -223,6 +223,11 @@ def qwen3_5_tp2(path: str, out: Path) -> None:
     cpu_support.seed_cpu_streams(1, tp_rank=mpu.get_tensor_model_parallel_rank())
     bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
     bridge.set_extra_args(**DEEPSEEK_CPU_ARGS)
+    # Megatron's LanguageModule writes NVTE_*_ATTN for its config's attention backend into the
+    # process environment and asserts that a later model agrees; the earlier runs of this shared
+    # launch built models with another backend, so this (separate) model starts from none
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
     model = build_model(bridge).eval()
     load_hf_weights(model, path, bridge=bridge)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
