@@ -13,7 +13,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-verl test-main-ppo test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
+.PHONY: demo test test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -50,12 +50,6 @@ test: $(STAMP)
 
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
-
-# opt-in, not CI: every run of tests/integrations/test_main_ppo.py (verl's main_ppo on the CPU,
-# docs/verl_main_ppo.md): `make test-verl` runs its main run and the no-sync control; this adds
-# the resume, the default-bridge, the refusal and the critic runs (one main_ppo launch each)
-test-main-ppo: $(VERL_STAMP)
-	MCORE_NPU_MAIN_PPO=all $(VERL_BIN)/python -m pytest -q tests/integrations/test_main_ppo.py
 
 # opt-in, not CI: verl's Megatron-Bridge path (vanilla_mbridge=False) against a scratch
 # megatron-bridge 0.3.1 (--no-deps, its TE/Triton-only modules replaced by stand-ins) in

@@ -12,7 +12,6 @@ worker, one reward worker, one TransferQueue storage unit).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -219,6 +218,7 @@ class Result:
 
 
 MARKER = "MCORE_NPU_MAIN_PPO_RUN"
+RAY_STARTED = "Started a local Ray instance"
 
 
 class Launch:
@@ -228,10 +228,7 @@ class Launch:
     fresh short temp dir. Every process of the run inherits ``MCORE_NPU_MAIN_PPO_RUN=<out>``:
     :meth:`result` lists (and kills) any still alive after the exit."""
 
-    def __init__(self, overrides: list[str], out: Path, env: dict | None = None,
-                 nice: int = 0) -> None:  # fmt: skip
-        """``nice``: the run's niceness (its Ray processes inherit it), so that launches on the
-        critical path of a test module get the CPU first."""
+    def __init__(self, overrides: list[str], out: Path, env: dict | None = None) -> None:
         import tempfile
 
         out.mkdir(parents=True, exist_ok=True)
@@ -240,14 +237,15 @@ class Launch:
         environment = {**os.environ, **SWITCH, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                        "RAY_USAGE_STATS_ENABLED": "0", "VERL_FILE_LOGGER_PATH": str(self.metrics),
                        "HYDRA_FULL_ERROR": "1", "RAY_DEDUP_LOGS": "0", MARKER: str(out),
-                       **(env or {})}  # fmt: skip
+                       # on a busy machine a Ray worker may take minutes to start: a hang
+                       # guard, not Ray's 60 s
+                       "RAY_worker_register_timeout_seconds": "600", **(env or {})}  # fmt: skip
         self.cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides,
                     f"hydra.run.dir={out}", f"+ray_kwargs.ray_init._temp_dir={self.ray_dir}"]  # fmt: skip
         self.started = time.perf_counter()
         with self.log.open("w") as sink:
             self.proc = subprocess.Popen(self.cmd, cwd=out, env=environment, stdout=sink,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=(lambda: _lower_priority(nice)) if nice else None)  # fmt: skip
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self._result: Result | None = None
 
     def result(self, timeout: float | None = None) -> Result:
@@ -278,22 +276,22 @@ class Launch:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def tail(self, chars: int = 6000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+    def tail(self, chars: int | None = 6000) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text if chars is None else text[-chars:]
+
+    def wait_for_ray(self, poll: float = 0.5) -> None:
+        """Return once this run's Ray instance is up (Ray's line "Started a local Ray instance"
+        in the output) or the run has ended; fail on a hang."""
+        deadline = time.monotonic() + HANG_TIMEOUT_S
+        while self.running() and RAY_STARTED not in self.tail(None):
+            assert time.monotonic() < deadline, f"hung: no Ray instance in {self.out}"
+            time.sleep(poll)
 
 
 def main_ppo(overrides: list[str], out: Path, env: dict | None = None) -> Result:
     """One :class:`Launch`, waited for."""
     return Launch(overrides, out, env).result()
-
-
-def _lower_priority(nice: int) -> None:
-    """In the child, after ``setsid``: raise its niceness by ``nice``, and that of its session's
-    scheduling group (Linux autogroups: with them, niceness only ranks processes within one
-    session, and each session gets an equal share of the CPU)."""
-    os.nice(nice)
-    with contextlib.suppress(OSError):  # no autogroups: the niceness alone ranks the processes
-        Path("/proc/self/autogroup").write_text(str(nice))
 
 
 def kill_leftovers(marker: str, grace: float = 30.0) -> list[str]:
@@ -319,15 +317,21 @@ def kill_leftovers(marker: str, grace: float = 30.0) -> list[str]:
 
 def _marked(marker: str) -> bool:
     """Whether a process with ``MARKER=marker`` in its environment is alive."""
+    return bool(_marked_pids(marker))
+
+
+def _marked_pids(marker: str) -> list[int]:
+    """The live processes with ``MARKER=marker`` in their environment."""
     import psutil
 
+    found = []
     for process in psutil.process_iter():
         try:
             if process.environ().get(MARKER) == marker and process.status() != "zombie":
-                return True
+                found.append(process.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return False
+    return found
 
 
 if (

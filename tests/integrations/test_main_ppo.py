@@ -51,6 +51,8 @@ LEARNING_STEPS = 20
 # tolerance leaves room above the largest value measured.
 SYNC_TOLERANCE = 0.05
 ENGINE_LINE = re.compile(r"mcore_npu engine (NPUMegatronEngineWith\w+) on rank (\d) \(([\w ]+)\)")
+# the runs that check no checkpoint skip the quick start's save at the last step
+NO_SAVE = "trainer.save_freq=-1"
 REFUSED_FLAG = "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn="
 
 
@@ -72,7 +74,8 @@ def learning_run(assets, out):
     in 20 steps). The reward (the share of even-numbered words) is one it can learn."""
     keep = [o for o in main_ppo_run.recipe(assets, steps=LEARNING_STEPS, out=out)
             if "vanilla_mbridge" not in o]  # fmt: skip
-    return [*keep, "actor_rollout_ref.actor.optim.lr=2e-3", "actor_rollout_ref.rollout.n=4"], {}
+    more = ["actor_rollout_ref.actor.optim.lr=2e-3", "actor_rollout_ref.rollout.n=4", NO_SAVE]
+    return [*keep, *more], {}
 
 
 def critic_run(assets, out):
@@ -89,6 +92,7 @@ def critic_run(assets, out):
         "critic.megatron.vanilla_mbridge=True",
         "critic.ppo_micro_batch_size_per_gpu=1",
         "+critic.megatron.override_transformer_config.use_flash_attn=True",
+        NO_SAVE,
     ]
     return overrides, {"MCORE_NPU_HF_CPU_SKIP_SYNC": "1"}
 
@@ -101,9 +105,7 @@ def refused_run(assets, out):
 
 
 RUNS = {"grpo": grpo_run, "learning": learning_run, "critic": critic_run, "refused": refused_run}
-# the critical path is grpo, then the run resuming from its checkpoint: the others yield the CPU
-NICE = {"grpo": 0, "learning": 10, "critic": 10, "refused": 10}
-CHECKPOINT_POLL_S = 1.0
+POLL_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -113,54 +115,69 @@ def assets(tmp_path_factory) -> main_ppo_run.Assets:
 
 @pytest.fixture(scope="module")
 def launches(assets, tmp_path_factory):
-    """The four runs of :data:`RUNS` started at once, and ``resumed`` started as soon as the
-    ``grpo`` run has saved its step-2 checkpoint (a thread watches for it). Whatever is still
-    running at the end (a test failed before waiting for it) is killed."""
-    started, watcher = {}, None
+    """Every run of the module, started by a conductor thread (:func:`_conduct`) while the tests
+    wait for the ones they read; at the end, whatever still runs (a test failed before waiting
+    for it) is killed and its Ray processes reaped."""
+    started: dict[str, main_ppo_run.Launch] = {}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in [*RUNS, "resumed"]}
+    stop = threading.Event()
+    conductor = threading.Thread(target=_conduct, args=(started, assets, dirs, stop), daemon=True)
+    conductor.start()
     try:
-        for name, make in RUNS.items():
-            out = tmp_path_factory.mktemp(name)
-            overrides, env = make(assets, out)
-            started[name] = main_ppo_run.Launch(overrides, out / "run", env, nice=NICE[name])
-        resume_dir = tmp_path_factory.mktemp("resumed")
-        watcher = threading.Thread(target=_resume_when_saved, daemon=True,
-                                   args=(started, assets, resume_dir))  # fmt: skip
-        watcher.start()
-        yield started, watcher
+        yield started, conductor
     finally:
-        if "grpo" in started:
-            started["grpo"].kill()  # ends the watcher's wait
-        if watcher is not None:
-            watcher.join(timeout=main_ppo_run.HANG_TIMEOUT_S)
+        stop.set()
+        for launch in list(started.values()):
+            launch.kill()  # a killed grpo run also ends the wait for its checkpoint
+        conductor.join(timeout=main_ppo_run.HANG_TIMEOUT_S)
         for launch in list(started.values()):
             launch.kill()
-            launch.result()  # reaps Ray processes left behind and the temp dir
+            launch.result()
 
 
-def _resume_when_saved(started: dict, assets, out) -> None:
-    """Once the ``grpo`` run's tracker file says 2 (verl writes it after the step-2 checkpoint
-    is complete), copy that checkpoint into a fresh checkpoint folder and start the same
-    command line there with ``trainer.resume_mode=auto``: it resumes at step 2 and runs 3."""
-    grpo = started["grpo"]
-    source = grpo.out.parent / "checkpoints"
-    tracker = source / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + main_ppo_run.HANG_TIMEOUT_S
+def _conduct(started: dict, assets, dirs: dict, stop: threading.Event) -> None:
+    """Start the runs of :data:`RUNS` one after another, each once the one before has its Ray
+    instance (no two Ray start-ups compete: Ray gives a raylet 30 s to register, and grpo, the
+    first half of the module's longest chain, gets a head start); then ``resumed`` once grpo has
+    saved its step-2 checkpoint."""
+    for name, make in RUNS.items():
+        if stop.is_set():
+            return
+        overrides, env = make(assets, dirs[name])
+        launch = started[name] = main_ppo_run.Launch(overrides, dirs[name] / "run", env)
+        launch.wait_for_ray()
+    if _saved_step_2(started["grpo"], stop):
+        started["resumed"] = _resume(started["grpo"], assets, dirs["resumed"])
+
+
+def _saved_step_2(grpo: main_ppo_run.Launch, stop: threading.Event) -> bool:
+    """Wait until the tracker file of grpo's checkpoints says 2 or 3 (verl writes it once a
+    checkpoint is complete); False if grpo ended or the module stopped first."""
+    tracker = grpo.out.parent / "checkpoints" / "latest_checkpointed_iteration.txt"
     while not (tracker.is_file() and tracker.read_text().strip() in ("2", "3")):
-        if not grpo.running() or time.monotonic() > deadline:
-            return  # no step-2 checkpoint: the resume test fails on its absence
-        time.sleep(CHECKPOINT_POLL_S)
-    target = out / "checkpoints"
+        if stop.is_set() or not grpo.running():
+            return tracker.is_file() and tracker.read_text().strip() in ("2", "3")
+        time.sleep(POLL_S)
+    return True
+
+
+def _resume(grpo: main_ppo_run.Launch, assets, out) -> main_ppo_run.Launch:
+    """The quick start again with ``trainer.resume_mode=auto``, in a fresh checkpoint folder
+    holding a copy of grpo's step-2 checkpoint and a tracker file saying 2: it resumes at step 2
+    and runs step 3."""
+    source, target = grpo.out.parent / "checkpoints", out / "checkpoints"
     shutil.copytree(source / "global_step_2", target / "global_step_2")
     (target / "latest_checkpointed_iteration.txt").write_text("2")
     overrides = [*main_ppo_run.recipe(assets, steps=STEPS, out=out), "trainer.resume_mode=auto"]
-    started["resumed"] = main_ppo_run.Launch(overrides, out / "run")
+    return main_ppo_run.Launch(overrides, out / "run")
 
 
 def _result(launches, name: str) -> main_ppo_run.Result:
-    started, watcher = launches
-    if name == "resumed":
-        watcher.join(timeout=main_ppo_run.HANG_TIMEOUT_S)
-        assert name in started, "the grpo run saved no step-2 checkpoint to resume from"
+    """Run ``name``'s result, once the conductor has started it and it has ended."""
+    started, conductor = launches
+    while name not in started and conductor.is_alive():
+        time.sleep(POLL_S)
+    assert name in started, f"the {name} run was never started (see the conductor's error)"
     return started[name].result()
 
 
