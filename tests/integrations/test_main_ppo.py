@@ -312,11 +312,15 @@ def test_without_the_vanilla_mbridge_line(learning):
 
 
 def test_it_learns(learning):
-    """Seed fixed: the mean reward of the last 5 of 20 steps is higher than at step 1."""
+    """Seed fixed: the mean reward of the last 5 of 20 steps is higher than at step 1, and the
+    greedy validation's after step 20 higher than before step 1."""
     _succeeded(learning)
     scores = learning.series("critic/score/mean")
     assert len(scores) == LEARNING_STEPS, scores
     assert sum(scores[-5:]) / 5 > scores[0], scores
+    validation = {m["step"]: v for m in learning.metrics for k, v in m["data"].items()
+                  if k.startswith("val-core/") and k.endswith("/mean@1")}  # fmt: skip
+    assert validation[LEARNING_STEPS] > validation[0], validation
 
 
 def test_a_refused_key_ends_the_run_with_the_plugins_message(refused):
