@@ -46,8 +46,33 @@ LENGTHS = (9, 6, 4)  # right-padded to S = 9: a [B, 1, S, S] bool mask would be 
 def test_entry_point_is_installed_and_registered():
     (point,) = [ep for ep in entry_points(group="verl.plugins") if ep.name == "mcore_npu"]
     assert point.value == "mcore_npu.integrations.verl.plugin:registered"
-    assert point.load() == (NPUMegatronEngineWithLMHead, NPUMegatronEngineWithValueHead)
+    point.load()
+    megatron = {model_type: EngineRegistry._engines[model_type]["megatron"][("npu", "huawei")]
+                for model_type in ("language_model", "value_model")}  # fmt: skip
+    assert megatron == {"language_model": NPUMegatronEngineWithLMHead,
+                        "value_model": NPUMegatronEngineWithValueHead}  # fmt: skip
     assert "torch_npu" not in sys.modules  # loading it imported no torch_npu
+
+
+_LAZY_PROBE = (
+    "import sys, verl\n"
+    "print('mcore_npu.integrations.verl.plugin' in sys.modules, 'megatron.core' in sys.modules)\n"
+    "from verl.workers.engine import EngineRegistry\n"
+    "print(('npu', 'huawei') in EngineRegistry._engines['language_model']['megatron'],"
+    " sys.meta_path[0].__class__.__name__)\n"
+)
+
+
+def test_the_plugin_costs_a_process_nothing_until_verl_imports_its_engine_registry():
+    """verl loads the plugin in every process that imports it (Ray's agent-loop, reward and
+    rollout actors too); Megatron is imported only with verl's engine registry, which then holds
+    the engines at once, and the one-shot import hook is gone."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    result = run_command([sys.executable, "-c", _LAZY_PROBE], env=env, check=True, timeout=300)
+    loaded, registered = result.stdout.strip().splitlines()[-2:]
+    assert loaded == "True False"
+    assert registered.split()[0] == "True" and registered.split()[1] != "_AfterImport"
 
 
 def test_registry_returns_the_npu_engine_for_npu_huawei(npu_engine_env):

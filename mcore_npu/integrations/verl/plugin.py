@@ -23,11 +23,18 @@ Harmless where it does not apply:
   level) and leaves verl's registry as it was;
 - imported before verl, ``mcore_npu.integrations.verl.engine`` imports verl, which loads this
   plugin while the engine module is half built: the plugin then leaves the registration to the
-  engine module's last line (``registered`` stays empty, the engines are registered all the same).
+  engine module's last line (``registered`` stays empty, the engines are registered all the same);
+- cheap where no engine is built: verl loads plugins in every process that imports it (Ray's
+  agent-loop, reward and rollout actors too), and the engines import Megatron (about 3 s of CPU).
+  So the plugin registers them when verl's engine registry, ``verl.workers.engine``, is imported
+  (at once if it already is): a one-shot import hook (:class:`_AfterImport`) runs
+  :func:`register` right after that package's body, before anyone can look an engine up, then
+  removes itself. ``registered`` is then empty; ``EngineRegistry`` holds the engines all the same.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import logging
 import sys
@@ -64,4 +71,49 @@ def register() -> tuple[type, ...]:
     return engine.register()
 
 
-registered: tuple[type, ...] = register()
+_REGISTRY = "verl.workers.engine"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` right after the module ``name`` has been executed, once; nothing else is
+    changed: the module is found and loaded by the finders after this one."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """``loader`` with ``then()`` after ``exec_module``."""
+
+    def __init__(self, loader, then) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.then()
+
+    def __getattr__(self, name):  # is_package, get_code, get_resource_reader, ...
+        return getattr(self.loader, name)
+
+
+def _register_with_the_registry() -> tuple[type, ...]:
+    """:func:`register` now if verl's engine registry is imported, else right after it is."""
+    if _REGISTRY in sys.modules:
+        return register()
+    sys.meta_path.insert(0, _AfterImport(_REGISTRY, register))
+    return ()
+
+
+registered: tuple[type, ...] = _register_with_the_registry()
