@@ -172,3 +172,16 @@ def _slug(heading: str) -> str:
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
     text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
     return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_main_ppo_page_states_the_tests_own_tolerance_and_step_counts():
+    """docs/verl_main_ppo.md quotes the sync tolerance and the step counts of
+    tests/integrations/test_main_ppo.py (read from its source: this environment has no verl)."""
+    source = (ROOT / "tests" / "integrations" / "test_main_ppo.py").read_text()
+    constants = dict(
+        re.findall(r"^(SYNC_TOLERANCE|LEARNING_STEPS|STEPS) = ([\d.]+)$", source, re.M)
+    )
+    page = (DOCS / "verl_main_ppo.md").read_text()
+    assert f"the tolerance is {constants['SYNC_TOLERANCE']}" in page
+    assert f"{constants['STEPS']} steps, a checkpoint at step 2" in page
+    assert f"{constants['LEARNING_STEPS']} steps, `rollout.n=4`" in page
