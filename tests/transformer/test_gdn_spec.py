@@ -174,10 +174,17 @@ def test_checkpoint_keys_are_the_split_names(tmp_path):
 
 
 def test_config_subclass_admits_context_parallel():
-    """Megatron's own config refuses GDN under CP; the subclass checks and admits it."""
+    """Megatron's own config refuses GDN under CP where its GDN has no context parallelism
+    (megatron-core 0.16 / 0.17); 0.18+'s GDN splits heads over CP ranks itself (its
+    ``tensor_a2a_cp2hp``) and its config admits it. The subclass checks and admits it on all."""
+    from megatron.core.ssm import gated_delta_net
+
     fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, context_parallel_size=2)
-    with pytest.raises(AssertionError, match="context parallel"):
-        TransformerConfig(**fields, **GDN_FIELDS)
+    if hasattr(gated_delta_net, "tensor_a2a_cp2hp"):
+        assert TransformerConfig(**fields, **GDN_FIELDS).context_parallel_size == 2
+    else:
+        with pytest.raises(AssertionError, match="context parallel"):
+            TransformerConfig(**fields, **GDN_FIELDS)
     config = gdn_config(context_parallel_size=2)
     assert config.experimental_attention_variant == "gated_delta_net"
     assert isinstance(config, TransformerConfig)
