@@ -20,9 +20,11 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
 from tests.transformer.gdn_models import gdn_config, gdn_layer
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime"),
+              needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")]  # fmt: skip
 
 
 def _defining_modules(package):

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet, linear_attention_pattern
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
 from tests.transformer.gdn_models import (
     GDN_FIELDS,
     gdn_block,
@@ -20,7 +21,8 @@ from tests.transformer.gdn_models import (
     tokens,
 )
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime"),
+              needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")]  # fmt: skip
 
 
 def _kinds(block) -> list[str]:
