@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from tests.launch import assert_ok, train
+from tests.megatron_features import needs_fields
 
-pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only,
+              needs_fields("moe_shared_expert_gate", feature="DeepSeek-V3's gated shared experts")]  # fmt: skip
 
 RATE = 0.01
 DEEPSEEK = [
