@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mcore_npu.transformer.backends import BACKENDS, PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.megatron_fields import install_hint
 
 KERNELS = ("auto", "torch_npu", "reference")  # = mcore_npu.ops.KERNELS (a test keeps them equal)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -316,7 +317,7 @@ def _route_model_keys(model: dict) -> dict:
                 f"model.{key}",
                 value,
                 "not a model key nor a field of the installed megatron-core TransformerConfig",
-                _suggest(key, sorted(own | set(hints))),
+                install_hint(key) or _suggest(key, sorted(own | set(hints))),
             )
         if not (value is None and key in _NULL_MEANS_SOMETHING):
             _check_annotation(f"model.{key}", value, hints[key])

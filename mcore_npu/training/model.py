@@ -192,6 +192,12 @@ def mtp_spec(cfg, config, block):
     """
     if not config.mtp_num_layers:
         return None
+    if config.mtp_loss_scaling_factor is None:  # megatron-core 0.15's default; 0.16+: 0.1
+        raise ValueError(
+            f"model.mtp_num_layers={config.mtp_num_layers}: the installed megatron-core's "
+            "TransformerConfig leaves mtp_loss_scaling_factor None, which its MTP loss divides "
+            "(megatron-core 0.16+ defaults it to 0.1); set model.mtp_loss_scaling_factor"
+        )
     backend = resolve_backend(cfg.attention.backend)
     if backend == "npu_fusion":
         return get_gpt_mtp_block_npu_spec(

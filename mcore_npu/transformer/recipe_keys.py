@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from mcore_npu.transformer.megatron_fields import install_hint
+
 __all__ = [
     "RecipeContext",
     "RecipePlan",
@@ -140,6 +142,7 @@ def _unknown(key: str, value, context: RecipeContext, table: dict) -> ValueError
     known = sorted(_fields(context.config_class) | set(table))
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else "remove the key"
+    hint = install_hint(key) or hint  # a field of another megatron-core: name that version
     return _refusal(
         key, value, f"not a field of Megatron's {context.config_class.__name__} and not in the "
         "plugin's recipe vocabulary (specs/recipe_keys.yaml)", hint
@@ -236,7 +239,7 @@ def _check_same_switch(plan: RecipePlan, key, value, outcome: dict) -> None:
 def _to_megatron(plan, key, value, outcome, context, fields) -> None:
     name = outcome.get("as", key)
     if name not in fields:
-        instead = outcome.get("instead", "remove the key")
+        instead = install_hint(name) or outcome.get("instead", "remove the key")
         why = (f"it maps to Megatron's {name}, which this model's config class "
                f"{context.config_class.__name__} does not have")  # fmt: skip
         raise _refusal(key, value, why, instead)

@@ -46,12 +46,15 @@ class RouterTrainer(train.Trainer):
         print(f"router step {result.step}: {json.dumps(line)}", flush=True)
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-        values = MTPLossLoggingHelper.tracker.get("values")
+        tracker = MTPLossLoggingHelper.tracker  # key "values" (<= 0.18), "loss_values" (0.19+)
+        values = tracker.get("values", tracker.get("loss_values"))
         if values is not None:
             t = self.cfg.train
             micro_batches = t.global_batch_size // t.micro_batch_size
             print(f"mtp step {result.step}: {(values / micro_batches).tolist()}", flush=True)
-            MTPLossLoggingHelper.clean_loss_in_tracker()
+            # clean_loss_in_tracker (<= 0.18) / clean_metrics_in_tracker (0.19+)
+            clean = getattr(MTPLossLoggingHelper, "clean_loss_in_tracker", None)
+            (clean or MTPLossLoggingHelper.clean_metrics_in_tracker)()
         return result
 
 

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from tests.launch import assert_ok, train
+from tests.megatron_features import needs_fields
 
-pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only,
+              needs_fields("moe_shared_expert_gate", feature="DeepSeek-V3's gated shared experts")]  # fmt: skip
 
 RATE = 0.01
 DEEPSEEK = [
@@ -44,11 +46,23 @@ def deepseek_run(tmp_path_factory):
     return run, steps
 
 
+def _mtp_inner_layer() -> str:
+    """The attribute Megatron's ``MultiTokenPredictionLayer`` keeps its layer in, read from what
+    its ``__init__`` assigns: ``transformer_layer`` (megatron-core <= 0.16) or
+    ``mtp_model_layer`` (0.17+)."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    names = MultiTokenPredictionLayer.__init__.__code__.co_names
+    (inner,) = {"transformer_layer", "mtp_model_layer"} & set(names)
+    return inner
+
+
 def test_expert_bias_moves_as_megatrons_update_moves_it(deepseek_run):
     _, steps = deepseek_run
     assert len(steps) == 3
     routers = set(steps[0])
-    assert routers == {"decoder.layers.1.mlp.router", "mtp.layers.0.transformer_layer.mlp.router"}
+    mtp_router = f"mtp.layers.0.{_mtp_inner_layer()}.mlp.router"
+    assert routers == {"decoder.layers.1.mlp.router", mtp_router}
     for step, seen in enumerate(steps, start=1):
         for name, record in seen.items():
             counts = torch.tensor(record["counts"])

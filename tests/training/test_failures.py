@@ -154,15 +154,28 @@ def _copy_reference(reference, tmp_path):
     return tmp_path / "ckpt"
 
 
+def _megatron_writes_common_pt() -> bool:
+    """Whether the installed ``dist_checkpointing.save`` takes a ``common_strategy`` (it writes
+    ``common.pt``: megatron-core <= 0.18; 0.19 keeps the common state in the ``.distcp`` files)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return "common_strategy" in inspect.signature(dist_checkpointing.save).parameters
+
+
 def test_resume_without_latest_falls_back_past_damaged_checkpoints(reference, tmp_path):
     ckpt = _copy_reference(reference, tmp_path)
     (ckpt / "latest").unlink()
     data = ckpt / "step_0000006" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated tensor file
-    (ckpt / "step_0000004" / "common.pt").unlink()
+    # the common state: common.pt where Megatron writes one (<= 0.18), else the .distcp index
+    removed = "common.pt" if _megatron_writes_common_pt() else ".metadata"
+    assert (ckpt / "step_0000004" / removed).is_file(), sorted(os.listdir(ckpt / "step_0000004"))
+    (ckpt / "step_0000004" / removed).unlink()
     run = assert_ok(_run(tmp_path, "train.resume=true"))
     assert "step_0000006: __0_0.distcp is truncated" in run.stderr
-    assert "step_0000004: common.pt is missing" in run.stderr
+    assert f"step_0000004: {removed} is missing" in run.stderr
     assert run.stderr.count("WARNING: skipping an unreadable checkpoint") == 2
     assert (
         f"resuming from {ckpt / 'step_0000002'}" in run.stderr and "latest is missing" in run.stderr

@@ -10,6 +10,9 @@ import pytest
 
 from mcore_npu.training.config import ConfigError, load_config
 from tests.launch import CONFIGS, assert_ok, train
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
+
+pytestmark = needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")
 
 TINY = CONFIGS / "gpt_tiny_gdn.yaml"
 QWEN = CONFIGS / "ascend_qwen3_5_35b_a3b.yaml"

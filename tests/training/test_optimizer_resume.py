@@ -123,8 +123,15 @@ def uninterrupted(request, tmp_path_factory):
     assert torch_adam_distributed_optimizers(optimizer)  # no Apex / TE: torch's Adam underneath
     _train(model, optimizer, range(SAVE_AT))
     path = tmp_path_factory.mktemp(f"{dtype}-{fmt}")
-    dist_checkpointing.save(_sharded(model, optimizer, fmt, is_loading=False), str(path),
-                            sharded_strategy=sync_save_strategy())  # fmt: skip
+    try:
+        state = _sharded(model, optimizer, fmt, is_loading=False)
+    except AssertionError as err:  # Megatron's own save, read by what it does (no version)
+        if fmt == "dp_reshardable" and err.args and err.args[0][0] == torch.Size([]):
+            pytest.skip("megatron-core 0.15's dp_reshardable save asserts on torch Adam's 0-dim "
+                        f"'step' state ({err}); 0.16+ saves 'step' apart: no such checkpoint "
+                        "exists on this version, so there is nothing to resume")  # fmt: skip
+        raise
+    dist_checkpointing.save(state, str(path), sharded_strategy=sync_save_strategy())
     return dtype, fmt, path, _train(model, optimizer, range(SAVE_AT, STEPS))
 
 

@@ -2,25 +2,44 @@
 splits, numbers), and the layer's packed (thd) path against each sequence alone.
 
 Megatron's class cannot be built here as shipped: its constructor raises ImportError without
-``fla`` (Triton, CUDA-only). The twin tests build it anyway with two stand-ins for fla, set with
-pytest's ``monkeypatch`` on Megatron's module for the test only: ``HAVE_FLA = True`` and fla's
-``l2norm`` (``x * rsqrt(sum(x^2) + 1e-6)``, ``mcore_npu.ops.gated_delta.l2norm``). With
-``deterministic_mode=True`` Megatron's forward then runs its own pure-torch
-``torch_chunk_gated_delta_rule`` and ``nn.Conv1d`` (no fla kernel is ever called). Its
-submodules get the NPU spec's ``NormColumnParallelLinear`` (the TE name layout), a torch RMSNorm
+``fla`` (Triton, CUDA-only). The twin tests build it anyway with stand-ins for fla, set with
+pytest's ``monkeypatch`` on Megatron's module(s) for the test only: ``HAVE_FLA = True``, fla's
+``l2norm`` (``x * rsqrt(sum(x^2) + 1e-6)``, ``mcore_npu.ops.gated_delta.l2norm``) and, where
+megatron-core 0.19 picks the kernel at build time, a ``chunk_gated_delta_rule`` that fails if
+called. With ``deterministic_mode=True`` Megatron's forward then runs its own pure-torch
+``torch_chunk_gated_delta_rule`` and ``nn.Conv1d`` (no fla kernel is ever called). Its submodules get the NPU spec's ``NormColumnParallelLinear`` (the TE name layout), a torch RMSNorm
 with TE's ``_extra_state`` entry (what ``TENorm`` saves) and ``RowParallelLinear``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
 from tests.transformer.gdn_models import gdn_config, gdn_layer
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime"),
+              needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")]  # fmt: skip
+
+
+def _defining_modules(package):
+    """``package`` and the Megatron modules that define ``GatedDeltaNet`` and its bases."""
+    modules = {package.__name__: package}
+    for cls in package.GatedDeltaNet.__mro__:
+        if cls.__module__.startswith("megatron.core.ssm"):
+            modules[cls.__module__] = sys.modules[cls.__module__]
+    return list(modules.values())
+
+
+def _no_fla_kernel(*args, **kwargs):
+    """fla's ``chunk_gated_delta_rule`` stand-in: the tests never call it (they run Megatron's
+    forward with ``deterministic_mode=True``, its torch path)."""
+    raise AssertionError("fla's chunk_gated_delta_rule was called; the test wants the torch path")
 
 
 @pytest.fixture
@@ -35,8 +54,14 @@ def megatron_gdn(monkeypatch):
     from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
     from mcore_npu.transformer.norms import SequenceParallelNorm
 
-    monkeypatch.setattr(megatron_gdn_module, "HAVE_FLA", True)
-    monkeypatch.setattr(megatron_gdn_module, "l2norm", l2norm, raising=False)
+    # on the module(s) that read them: the package itself (<= 0.18) or, where it became a
+    # package of modules (0.19), those defining GatedDeltaNet and its base (``gdn``, ``common``)
+    for module in _defining_modules(megatron_gdn_module):
+        if hasattr(module, "HAVE_FLA"):
+            monkeypatch.setattr(module, "HAVE_FLA", True)
+            monkeypatch.setattr(module, "l2norm", l2norm, raising=False)
+        if getattr(module, "chunk_gated_delta_rule", 0) is None:  # 0.19 picks it at build
+            monkeypatch.setattr(module, "chunk_gated_delta_rule", _no_fla_kernel)
 
     def build(config, seed=0):
         submodules = megatron_gdn_module.GatedDeltaNetSubmodules(

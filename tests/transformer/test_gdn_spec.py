@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet, linear_attention_pattern
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
 from tests.transformer.gdn_models import (
     GDN_FIELDS,
     gdn_block,
@@ -20,7 +21,8 @@ from tests.transformer.gdn_models import (
     tokens,
 )
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime"),
+              needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")]  # fmt: skip
 
 
 def _kinds(block) -> list[str]:
@@ -174,10 +176,17 @@ def test_checkpoint_keys_are_the_split_names(tmp_path):
 
 
 def test_config_subclass_admits_context_parallel():
-    """Megatron's own config refuses GDN under CP; the subclass checks and admits it."""
+    """Megatron's own config refuses GDN under CP where its GDN has no context parallelism
+    (megatron-core 0.16 / 0.17); 0.18+'s GDN splits heads over CP ranks itself (its
+    ``tensor_a2a_cp2hp``) and its config admits it. The subclass checks and admits it on all."""
+    from megatron.core.ssm import gated_delta_net
+
     fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, context_parallel_size=2)
-    with pytest.raises(AssertionError, match="context parallel"):
-        TransformerConfig(**fields, **GDN_FIELDS)
+    if hasattr(gated_delta_net, "tensor_a2a_cp2hp"):
+        assert TransformerConfig(**fields, **GDN_FIELDS).context_parallel_size == 2
+    else:
+        with pytest.raises(AssertionError, match="context parallel"):
+            TransformerConfig(**fields, **GDN_FIELDS)
     config = gdn_config(context_parallel_size=2)
     assert config.experimental_attention_variant == "gated_delta_net"
     assert isinstance(config, TransformerConfig)

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
+
 TOLERANCE = 2e-5
 CASES = [
     {"sequence_parallel": False, "format": "sbhd"},
@@ -29,6 +31,7 @@ LENGTHS = (6, 10, 8)  # thd: three packed sequences (24 tokens, even per SP rank
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")
 def test_tp2_with_and_without_sp_equals_one_process():
     from tests.launch import ROOT, TORCHRUN, run_command
 

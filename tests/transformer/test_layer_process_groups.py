@@ -96,6 +96,15 @@ def test_megatron_logs_it_for_the_same_module_in_a_plain_module_spec(megatron_lo
     assert all(type(layer.mlp).__name__ == "NPUMLP" for layer in model.decoder.layers)
 
 
+def _tp_group_of(mlp):
+    """The tensor-parallel group an MLP / MoE layer runs on: its ``tp_group`` where Megatron's
+    class keeps one (megatron-core 0.16+); on 0.15, which keeps none, the group of its first
+    linear (``MLP``) or its ``attn_tp_group`` (``MoELayer``)."""
+    if hasattr(mlp, "tp_group"):
+        return mlp.tp_group
+    return mlp.linear_fc1.tp_group if hasattr(mlp, "linear_fc1") else mlp.attn_tp_group
+
+
 def _own_process_groups():
     """The model's process groups: parallel_state's, with a tensor-parallel group of its own."""
     import torch.distributed as dist
@@ -125,7 +134,7 @@ def test_dense_mlp_runs_on_the_spec_builders_tensor_parallel_group(layout):
     model = _model_on(groups, get_gpt_layer_npu_spec(**spec, pg_collection=groups), config)
     for layer in model.decoder.layers:
         assert type(layer.mlp).__name__ == "NPUMLP"
-        assert layer.mlp.tp_group is groups.tp
+        assert _tp_group_of(layer.mlp) is groups.tp
         assert layer.mlp.linear_fc1.tp_group is groups.tp
         assert layer.mlp.linear_fc2.tp_group is groups.tp
     # without pg_collection the spec's NPUMLP takes parallel_state's group; megatron-core
@@ -134,7 +143,7 @@ def test_dense_mlp_runs_on_the_spec_builders_tensor_parallel_group(layout):
 
     lost = _model_on(groups, get_gpt_layer_npu_spec(**spec), config)
     layer_calls_the_slot = hasattr(MLP, "as_mlp_submodule")
-    assert all((layer.mlp.tp_group is groups.tp) == layer_calls_the_slot
+    assert all((_tp_group_of(layer.mlp) is groups.tp) == layer_calls_the_slot
                for layer in lost.decoder.layers)  # fmt: skip
     # same numbers either way (one process: both groups have size 1)
     ids, pos = batch(b=2, s=8)
@@ -150,7 +159,7 @@ def test_moe_layer_subclass_gets_the_process_group_collection(megatron_log):
                          pg_collection=groups)  # fmt: skip
     model = _model_on(groups, block, config)
     for layer in model.decoder.layers:
-        assert type(layer.mlp).__name__ == "NPUMoELayer" and layer.mlp.tp_group is groups.tp
+        assert type(layer.mlp).__name__ == "NPUMoELayer" and _tp_group_of(layer.mlp) is groups.tp
         assert layer.mlp.experts.ep_group is groups.ep
     assert [line for line in megatron_log if LINE in line] == []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.megatron_features import needs_fields
 from tests.transformer.megatron_models import batch
 from tests.transformer.moe_models import moe_config, twin_moe_models
 
@@ -95,6 +96,7 @@ EXPERT_BIAS = torch.tensor([0.2, -0.3, 0.0, 0.1, -0.1, 0.3, 0.05, -0.2])
     "param_layout,grouped_gemm,dispatcher",
     [("local", False, "allgather"), ("te", True, "alltoall")],
 )
+@needs_fields("moe_shared_expert_gate", feature="the MoE shared-expert gate")
 def test_deepseek_moe_layers_match_megatrons(param_layout, grouped_gemm, dispatcher):
     """A dense first layer (``moe_layer_freq=[0, 1]``), then the DeepSeek-V3 MoE layer: sigmoid
     router with a (non-zero) expert bias, group-limited top-k, top-k scaling, gated shared

@@ -45,7 +45,8 @@ def test_npu_mtp_block_matches_megatrons():
         get_gpt_mtp_block_spec,
     )
 
-    config = tiny_config(mtp_num_layers=1)
+    # the scale given: megatron-core 0.15 defaults it to None (0.16+: 0.1), which its loss divides
+    config = tiny_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization)  # fmt: skip
     megatron = _mtp_gpt(config, block, get_gpt_mtp_block_spec(config, block, False))

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from tests.megatron_features import needs_fields
 from tests.transformer.megatron_models import batch, gpt, tiny_config
 from tests.transformer.moe_models import submodules_of
 from tests.transformer.te_names import disk_key, expected_names
@@ -55,6 +56,7 @@ DEEPSEEK_MOE = dict(moe_router_score_function="sigmoid", moe_router_enable_exper
                     moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)  # fmt: skip
 
 
+@needs_fields("moe_shared_expert_gate", feature="the MoE shared-expert gate")
 @pytest.mark.parametrize("grouped", [False, True])
 def test_deepseek_moe_layer_names_are_the_te_specs(grouped):
     """A dense first layer, then an MoE layer with the router's expert bias and gated shared

@@ -74,7 +74,8 @@ def test_the_npu_block_spec_slices_uneven_stages_with_the_layer_pattern(per_stag
         with _pipeline_rank(rank, vpp):
             block = get_gpt_decoder_block_npu_spec(config, kernel="reference", pp_rank=rank,
                                                    vp_stage=vp_stage)  # fmt: skip
-        moe = [module_of(spec.submodules.mlp) is MoELayer for spec in block.layer_specs]
+        # MoELayer, or on 0.15 (no router slot) its subclass with the NPU router
+        moe = [issubclass(module_of(spec.submodules.mlp), MoELayer) for spec in block.layer_specs]
         assert moe == [bool(pattern[i]) for i in layer_ids], (rank, stage)
 
 

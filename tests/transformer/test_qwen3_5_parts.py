@@ -23,6 +23,7 @@ import re
 import pytest
 import torch
 
+from tests.megatron_features import needs_fields
 from tests.transformer.megatron_models import VOCAB, batch, gpt, tiny_config
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
@@ -144,6 +145,7 @@ QWEN3_5_ATTENTION = dict(attention_output_gate=True, num_attention_heads=4, num_
                          kv_channels=32)  # fmt: skip
 
 
+@needs_fields("attention_output_gate", feature="the gated attention output")
 @pytest.mark.parametrize("rope_kernel", ["off", "reference"])
 def test_gated_attention_with_partial_rope_matches_megatrons(rope_kernel):
     from mcore_npu.transformer.self_attention import NPUSelfAttention
@@ -164,6 +166,7 @@ def test_gated_attention_with_partial_rope_matches_megatrons(rope_kernel):
     assert (npu(ids, pos, None) - got).abs().max() > 1e-3  # the gate is read
 
 
+@needs_fields("attention_output_gate", feature="the gated attention output")
 def test_gated_attention_packed_thd_equals_each_sequence_alone():
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -184,6 +187,7 @@ def test_gated_attention_packed_thd_equals_each_sequence_alone():
             assert (packed[start:end] - alone).abs().max() <= TOLERANCE
 
 
+@needs_fields("moe_shared_expert_gate", feature="the MoE shared-expert gate")
 def test_qwen3_5_moe_layer_with_the_shared_expert_gate_matches_megatrons():
     """Qwen3.5's MoE: softmax router, top-2 renormalised (``moe_router_pre_softmax=False``),
     a shared expert scaled by ``sigmoid(gate_weight @ x)``; logits and every gradient equal

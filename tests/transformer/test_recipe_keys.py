@@ -7,6 +7,7 @@ handed to the real ``TransformerConfig`` (no TypeError may come out of it; none 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import yaml
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from mcore_npu.transformer.megatron_fields import version_with
 from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
 from mcore_npu.transformer.recipe_keys import (
     RecipeContext,
@@ -207,6 +209,15 @@ def _config(megatron: dict, context: RecipeContext):
 @pytest.mark.parametrize(("overrides", "context", "megatron", "spec", "optimizer", "log"), CASES)
 def test_translation(overrides, context, megatron, spec, optimizer, log):
     before = dict(overrides)
+    fields = {f.name for f in dataclasses.fields(context.config_class)}
+    missing = sorted(set(megatron) - fields)
+    if missing:  # a field the installed Megatron lacks (0.15: batch_invariant_mode)
+        with pytest.raises(ValueError) as info:
+            translate(overrides, context)
+        message = str(info.value)  # one line naming the version that has the field
+        assert "\n" not in message and f"{version_with(missing[0])} has {missing[0]}" in message
+        assert overrides == before
+        return
     plan = translate(overrides, context)
     assert plan.megatron == megatron
     assert plan.spec == spec
