@@ -184,4 +184,4 @@ def test_main_ppo_page_states_the_tests_own_tolerance_and_step_counts():
     page = (DOCS / "verl_main_ppo.md").read_text()
     assert f"the tolerance is {constants['SYNC_TOLERANCE']}" in page
     assert f"{constants['STEPS']} steps, a checkpoint at step 2" in page
-    assert f"{constants['LEARNING_STEPS']} steps, `rollout.n=4`" in page
+    assert f"{constants['LEARNING_STEPS']} steps, `lr=2e-3`" in page

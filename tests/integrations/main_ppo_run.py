@@ -12,6 +12,7 @@ worker, one reward worker, one TransferQueue storage unit).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -287,6 +288,19 @@ class Launch:
         while self.running() and RAY_STARTED not in self.tail(None):
             assert time.monotonic() < deadline, f"hung: no Ray instance in {self.out}"
             time.sleep(poll)
+
+    def yield_cpu(self, nice: int) -> None:
+        """Lower this run's CPU priority by ``nice``: its session's scheduling group (Linux
+        autogroups, where each session gets an equal share whatever its processes' niceness)
+        and each of its processes alive now (the ones Ray starts later inherit it from the
+        raylet). Call it once the run's Ray instance is up: Ray gives its raylet 30 s to register,
+        which a starved start-up can miss."""
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
+        for pid in _marked_pids(str(self.out)):
+            with contextlib.suppress(OSError):
+                now = os.getpriority(os.PRIO_PROCESS, pid)
+                os.setpriority(os.PRIO_PROCESS, pid, min(19, now + nice))
 
 
 def main_ppo(overrides: list[str], out: Path, env: dict | None = None) -> Result:

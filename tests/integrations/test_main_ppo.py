@@ -21,9 +21,10 @@ files in a fresh temp dir; after each, no process of the run may be left:
   the no-sync control);
 - ``refused``: a recipe value the plugin refuses.
 
-Four start together (``launches``): each launch spends most of its time starting Ray actors that
-import torch, Megatron and verl, so on 2 cores they overlap well; the module's wall time is in
-docs/verl_main_ppo.md.
+They run side by side (``launches``, :func:`_conduct`): each launch spends most of its time
+starting Ray actors that import torch, Megatron and verl and leaves the 2 cores half idle alone;
+``critic`` and ``refused`` yield the CPU to the longest chain, grpo then resumed. The module's
+wall time is in docs/verl_main_ppo.md.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ SYNC_TOLERANCE = 0.05
 ENGINE_LINE = re.compile(r"mcore_npu engine (NPUMegatronEngineWith\w+) on rank (\d) \(([\w ]+)\)")
 # the runs that check no checkpoint skip the quick start's save at the last step
 NO_SAVE = "trainer.save_freq=-1"
+# and the one that checks no validation skips the quick start's before the first and after the
+# last step
+NO_VALIDATION = ("trainer.test_freq=-1", "trainer.val_before_train=False")
 REFUSED_FLAG = "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn="
 
 
@@ -69,18 +73,18 @@ def grpo_run(assets, out):
 
 def learning_run(assets, out):
     """The quick start without its ``vanilla_mbridge=True`` line (verl's default bridge,
-    Megatron-Bridge, from which the plugin's weight path falls back to mbridge), 20 steps of 2
-    prompts x 4 samples, learning rate 2e-3 (the quick start's 5e-7 moves the tiny model nowhere
+    Megatron-Bridge, from which the plugin's weight path falls back to mbridge), 20 steps,
+    learning rate 2e-3 (the quick start's 5e-7 moves the tiny model nowhere
     in 20 steps). The reward (the share of even-numbered words) is one it can learn."""
     keep = [o for o in main_ppo_run.recipe(assets, steps=LEARNING_STEPS, out=out)
             if "vanilla_mbridge" not in o]  # fmt: skip
-    more = ["actor_rollout_ref.actor.optim.lr=2e-3", "actor_rollout_ref.rollout.n=4", NO_SAVE]
+    more = ["actor_rollout_ref.actor.optim.lr=2e-3", NO_SAVE]
     return [*keep, *more], {}
 
 
 def critic_run(assets, out):
     """The same command line with ``algorithm.adv_estimator=gae`` and a Megatron critic (TP=2,
-    the plugin's value-head engine), 2 steps. Its rollout server ignores every sync
+    the plugin's value-head engine), 2 steps, no validation. Its rollout server ignores every sync
     (``MCORE_NPU_HF_CPU_SKIP_SYNC=1``: it samples from its random initial weights), which makes
     it the control of the sync check too."""
     overrides = [
@@ -93,6 +97,7 @@ def critic_run(assets, out):
         "critic.ppo_micro_batch_size_per_gpu=1",
         "+critic.megatron.override_transformer_config.use_flash_attn=True",
         NO_SAVE,
+        *NO_VALIDATION,
     ]
     return overrides, {"MCORE_NPU_HF_CPU_SKIP_SYNC": "1"}
 
@@ -105,6 +110,9 @@ def refused_run(assets, out):
 
 
 RUNS = {"grpo": grpo_run, "learning": learning_run, "critic": critic_run, "refused": refused_run}
+# the two longest chains (grpo then the run resuming from its checkpoint; the 20 learning steps)
+# run at full priority, the short runs yield the CPU to them once their Ray instance is up
+YIELDING = {"critic": 10, "refused": 10}
 POLL_S = 0.5
 
 
@@ -138,14 +146,16 @@ def launches(assets, tmp_path_factory):
 def _conduct(started: dict, assets, dirs: dict, stop: threading.Event) -> None:
     """Start the runs of :data:`RUNS` one after another, each once the one before has its Ray
     instance (no two Ray start-ups compete: Ray gives a raylet 30 s to register, and grpo, the
-    first half of the module's longest chain, gets a head start); then ``resumed`` once grpo has
-    saved its step-2 checkpoint."""
+    first half of the module's longest chain, gets a head start), the runs of :data:`YIELDING`
+    then yielding the CPU; then ``resumed`` once grpo has saved its step-2 checkpoint."""
     for name, make in RUNS.items():
         if stop.is_set():
             return
         overrides, env = make(assets, dirs[name])
         launch = started[name] = main_ppo_run.Launch(overrides, dirs[name] / "run", env)
         launch.wait_for_ray()
+        if name in YIELDING:
+            launch.yield_cpu(YIELDING[name])
     if _saved_step_2(started["grpo"], stop):
         started["resumed"] = _resume(started["grpo"], assets, dirs["resumed"])
 
