@@ -191,29 +191,19 @@ def _result(launches, name: str) -> main_ppo_run.Result:
     return started[name].result()
 
 
-@pytest.fixture(scope="module")
-def grpo(launches) -> main_ppo_run.Result:
-    return _result(launches, "grpo")
+def _run_fixture(name: str):
+    """The module fixture ``name``: that run's :class:`main_ppo_run.Result`."""
+
+    @pytest.fixture(scope="module", name=name)
+    def run(launches) -> main_ppo_run.Result:
+        return _result(launches, name)
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def learning(launches) -> main_ppo_run.Result:
-    return _result(launches, "learning")
-
-
-@pytest.fixture(scope="module")
-def critic(launches) -> main_ppo_run.Result:
-    return _result(launches, "critic")
-
-
-@pytest.fixture(scope="module")
-def refused(launches) -> main_ppo_run.Result:
-    return _result(launches, "refused")
-
-
-@pytest.fixture(scope="module")
-def resumed(launches) -> main_ppo_run.Result:
-    return _result(launches, "resumed")
+grpo, learning, critic, refused, resumed = map(
+    _run_fixture, ("grpo", "learning", "critic", "refused", "resumed")
+)
 
 
 def _succeeded(run: main_ppo_run.Result) -> None:
