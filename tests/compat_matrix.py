@@ -5,8 +5,9 @@ Each environment installs ``requirements.lock`` (torch 2.13.0 CPU, the locked me
 replaces megatron-core by the version under test with ``--no-deps --ignore-requires-python`` (the
 0.17+ wheels declare Python >= 3.12; they install and run on 3.11), then this package with
 ``--no-deps`` (plus triton where megatron-core needs it to import). A finished environment is
-stamped and reused. The script prints a table version -> passed / failed / skipped / errors /
-seconds, and exits non-zero if any version failed.
+stamped and reused. The script prints the table docs/compat.md shows: version -> passed / failed /
+skipped / errors / seconds / when it ran (UTC) / the commit it ran on, and exits non-zero if any
+version failed.
 
     python3.11 -m tests.compat_matrix                      # every version
     python3.11 -m tests.compat_matrix 0.15.3 0.19.2        # only these
@@ -24,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,29 +89,44 @@ def parse_summary(text: str) -> dict[str, int] | None:
     return counts
 
 
+def commit() -> str:
+    """The short hash of the checked-out commit, ``-dirty`` when tracked files differ from it."""
+    proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def _utc_now() -> str:
+    """The wall clock, ``HH:MM`` UTC."""
+    return datetime.now(timezone.utc).strftime("%H:%M")
+
+
 def run_tests(env: Path, workers: int, extra: list[str], paths=TEST_PATHS,
-              log_name: str = "pytest.log") -> tuple[dict | None, float, int]:  # fmt: skip
-    """Run ``paths`` in ``env``; the full log goes to ``env/<log_name>``."""
+              log_name: str = "pytest.log") -> tuple[dict | None, float, int, str]:  # fmt: skip
+    """Run ``paths`` in ``env``; the full log goes to ``env/<log_name>``. Returns the counts, the
+    wall seconds, pytest's exit status and when it ran (``HH:MM-HH:MM`` UTC)."""
     xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 0 else []
     cmd = [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *xdist, *paths, *extra]  # fmt: skip
-    start = time.monotonic()
+    start, began = time.monotonic(), _utc_now()
     with open(env / log_name, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.monotonic() - start
-    return parse_summary((env / log_name).read_text()), seconds, proc.returncode
+    seconds, ran = time.monotonic() - start, f"{began}-{_utc_now()}"
+    return parse_summary((env / log_name).read_text()), seconds, proc.returncode, ran
 
 
-def table(rows: list[tuple[str, dict | None, float]]) -> str:
-    """The markdown table docs/compat.md shows."""
-    out = ["| megatron-core | passed | failed | skipped | errors | seconds |",
-           "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for version, c, secs in rows:
+def table(rows: list[tuple[str, dict | None, float, str]], at: str) -> str:
+    """The markdown table docs/compat.md shows: one row per ``(version, counts, seconds, ran)``,
+    all run on commit ``at``."""
+    out = ["| megatron-core | passed | failed | skipped | errors | seconds | ran (UTC) | commit |",
+           "|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+    for version, c, secs, ran in rows:
         if c is None:
-            out.append(f"| {version} | no pytest summary (killed or crashed) | | | | {secs:.0f} |")
+            out.append(f"| {version} | no pytest summary (killed or crashed) | | | "
+                       f"| {secs:.0f} | {ran} | {at} |")  # fmt: skip
             continue
         out.append(f"| {version} | {c['passed']} | {c['failed']} | {c['skipped']} "
-                   f"| {c['errors']} | {secs:.0f} |")  # fmt: skip
+                   f"| {c['errors']} | {secs:.0f} | {ran} | {at} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -129,17 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         return 0
     paths, log_name = (SMOKE_PATHS, "smoke.log") if args.smoke else (TEST_PATHS, "pytest.log")
-    rows, bad = [], []
+    rows, bad, at = [], [], commit()
     for version, env in zip(versions, envs):
-        counts, secs, rc = run_tests(env, args.workers, args.pytest_args.split(), paths, log_name)
-        rows.append((version, counts, secs))
+        counts, secs, rc, ran = run_tests(env, args.workers, args.pytest_args.split(), paths,
+                                          log_name)  # fmt: skip
+        rows.append((version, counts, secs, ran))
         print(f"megatron-core {version}: {counts} in {secs:.0f}s (log {env}/{log_name})",
               flush=True)  # fmt: skip
         if rc:
             bad.append(version)
             if args.smoke:  # CI shows why
                 print((env / log_name).read_text()[-6000:], file=sys.stderr)
-    print(table(rows))
+    print(table(rows, at))
     if bad:
         print(f"test-compat: failures on megatron-core {', '.join(bad)}", file=sys.stderr)
     return 1 if bad else 0

@@ -92,3 +92,23 @@ def test_the_readme_states_the_table_as_measured():
     clean = all(c[1] == "0" and c[3] == "0" for c in rows.values())
     assert ("measured 0 failed and 0 errors on all five" in readme) == clean
     assert f"0.15.3 skips {rows['0.15.3'][2]} of them" in readme
+
+
+def test_the_printed_table_has_the_columns_of_the_docs_table():
+    """``make test-compat`` prints rows docs/compat.md can take as they are: the same header, and a
+    row per version with its counts, seconds, when it ran and the commit."""
+    from tests.compat_matrix import parse_summary, table
+
+    counts = parse_summary("....\n3 failed, 120 passed, 2 skipped, 1 error in 9.1s\n")
+    assert counts == {"passed": 120, "failed": 3, "skipped": 2, "errors": 1}
+    assert parse_summary("Killed\n") is None
+    printed = table([("0.15.3", counts, 441.4, "08:30-08:38"), ("0.19.2", None, 12.0, "08:38-08:39")],
+                    "6e15b1b").splitlines()  # fmt: skip
+    docs = (ROOT / "docs" / "compat.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(docs) if line.startswith("| megatron-core |"))
+    assert printed[:2] == docs[header : header + 2]
+    assert printed[2] == "| 0.15.3 | 120 | 3 | 2 | 1 | 441 | 08:30-08:38 | 6e15b1b |"
+    assert printed[3].startswith("| 0.19.2 | no pytest summary") and printed[3].endswith(
+        "| 12 | 08:38-08:39 | 6e15b1b |"
+    )
+    assert all(line.count("|") == printed[0].count("|") for line in printed)
