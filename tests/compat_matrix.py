@@ -121,12 +121,9 @@ def table(rows: list[tuple[str, dict | None, float, str]], at: str) -> str:
     out = ["| megatron-core | passed | failed | skipped | errors | seconds | ran (UTC) | commit |",
            "|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
     for version, c, secs, ran in rows:
-        if c is None:
-            out.append(f"| {version} | no pytest summary (killed or crashed) | | | "
-                       f"| {secs:.0f} | {ran} | {at} |")  # fmt: skip
-            continue
-        out.append(f"| {version} | {c['passed']} | {c['failed']} | {c['skipped']} "
-                   f"| {c['errors']} | {secs:.0f} | {ran} | {at} |")  # fmt: skip
+        counts = ("no pytest summary (killed or crashed) | | |" if c is None else
+                  f"{c['passed']} | {c['failed']} | {c['skipped']} | {c['errors']}")  # fmt: skip
+        out.append(f"| {version} | {counts} | {secs:.0f} | {ran} | {at} |")
     return "\n".join(out)
 
 
