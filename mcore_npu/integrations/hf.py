@@ -35,6 +35,7 @@ safetensors); importing ``mcore_npu`` never imports this module.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -43,6 +44,8 @@ from mcore_npu.transformer.layer_specs import (
     get_gpt_decoder_block_npu_spec,
     get_gpt_mtp_block_npu_spec,
 )
+
+logger = logging.getLogger(__name__)
 
 # model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
 NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
@@ -86,6 +89,7 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
             param_layout="te",
             normalization=bridge.config.normalization,
             vp_stage=vp_stage,
+            **mbridge_expert_form(bridge.config),
         )
 
     bridge._get_transformer_layer_spec = layer_spec
@@ -94,6 +98,28 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
     expose_hf_config_fields(bridge.hf_config)
     match_hf_routing(bridge)
     return bridge
+
+
+def mbridge_expert_form(config) -> dict:
+    """The spec keyword that gives an mbridge bridge experts it can map: ``{"moe_grouped_gemm":
+    True}`` for an MoE config that asks for sequential experts (``moe_grouped_gemm=False``, one
+    log line), else ``{}``.
+
+    mbridge 0.15.1 maps only the grouped experts' names (``mlp.experts.linear_fc1.weight{e}``):
+    its loader, its expert-parallel gather and its exporter all key on that name, and
+    ``local_experts.{e}.linear_fc1.weight`` raises ``NotImplementedError: Unsupported parameter
+    name``. The grouped experts compute the same function of the same weights
+    (``NPUGroupedMLP``; sequential experts are the same module under ``SequentialMLP``'s names).
+    """
+    if not getattr(config, "num_moe_experts", None) or getattr(config, "moe_grouped_gemm", True):
+        return {}
+    logger.info(
+        "moe_grouped_gemm=False: mbridge maps only grouped expert names "
+        "(mlp.experts.linear_fc1.weight{e}), so the grouped experts are built instead "
+        "(NPUGroupedMLP: the same computation of the same weights); Megatron-Bridge "
+        "(vanilla_mbridge=False) and the plugin's own trainer build sequential experts"
+    )
+    return {"moe_grouped_gemm": True}
 
 
 def bridge_from_config(hf_config, **bridge_kwargs):

@@ -7,7 +7,8 @@ tensors involved are the cached compressed mask and, for ``ExplicitMask``, the c
 passed through without a copy. ``to_dense`` materialises the mask for tests and debugging only.
 
 Polarity everywhere in this module: a *mask* is True where the score is **masked out** (the
-operator's and Megatron's convention); ``draw`` prints kept positions as 1.
+operator's and Megatron's convention); ``draw`` prints kept positions as 1. The one exception
+enters ``describe_mask`` from verl: a ``[B, Skv]`` key-padding mask, True = real token.
 
 Which description Megatron's arguments become (``describe_mask``)::
 
@@ -19,6 +20,9 @@ Which description Megatron's arguments become (``describe_mask``)::
                                    (a [B,1,1,Skv] padding mask with Sq > 1: its rows expanded to
                                    [B,1,Sq,Skv] once per mask tensor through the memo, as Megatron's
                                    local attention broadcasts it; it replaces causal there too)
+    sbhd / None                    causal types                   [B, Skv] keep   any      as with None (below)
+                                   (verl's key-padding mask, True = real token, right-padded:
+                                   mcore_npu.masks.key_padding; refused on other layers)
     sbhd / None                    causal, padding_causal         None            None     TopLeftCausalMask (Sq == Skv)
                                                                                             BottomRightCausalMask (Sq != Skv)
     sbhd / None                    causal_bottom_right            None            None     BottomRightCausalMask
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 
 from mcore_npu.masks.compressed import compressed_causal_mask
+from mcore_npu.masks.key_padding import check_key_padding, is_key_padding
 from mcore_npu.masks.seqlens import SeqLengths, SeqLengthsMemo, actual_seq_lengths
 from mcore_npu.ops.contract import INT32_MAX
 from mcore_npu.ops.sparse_modes import band_keep, causal_keep
@@ -311,6 +316,7 @@ def describe_mask(
     *,
     seq_q: int,
     seq_kv: int,
+    batch: int | None = None,
     packed_seq_params=None,
     window_size: tuple[int, int] | None = None,
     memo: SeqLengthsMemo | None = None,
@@ -319,14 +325,23 @@ def describe_mask(
 
     Args:
         attn_mask_type: Megatron's ``AttnMaskType`` (or its name).
-        attention_mask: bool, True = masked out, or None.
+        attention_mask: bool, True = masked out, or None; or verl's ``[B, Skv]`` key-padding
+            mask, **True = real token** (``mcore_npu.masks.key_padding``).
         seq_q, seq_kv: Sq and Skv of this call (dense layouts).
+        batch: B of this call (dense layouts; None for packed ones): tells a ``[B, Skv]``
+            key-padding mask from a ``[Sq, Skv]`` dense one.
         packed_seq_params: Megatron's ``PackedSeqParams``; ``qkv_format == "thd"`` -> ``Packed``.
         window_size: this layer's ``(left, right)`` window, or None.
-        memo: converts cu_seqlens to host offsets and expands ``[B, 1, 1, Skv]`` masks once per
-            tensor; a throw-away one if None.
+        memo: converts cu_seqlens to host offsets, expands ``[B, 1, 1, Skv]`` masks and reads
+            a key-padding mask's rows once per tensor; a throw-away one if None.
     """
     kind = getattr(attn_mask_type, "name", attn_mask_type)
+    memo = memo if memo is not None else SeqLengthsMemo()
+    if kind != "no_mask" and is_key_padding(
+        attention_mask, batch=batch, seq_q=seq_q, seq_kv=seq_kv, memo=memo
+    ):  # verl's [B, S] mask, True = real token: right padding under causal attention
+        check_key_padding(attention_mask, kind, seq_q=seq_q, seq_kv=seq_kv, memo=memo)
+        attention_mask = None
     window = layer_window(kind, window_size)
     if window is not None and attention_mask is not None:
         raise ValueError(
@@ -347,17 +362,13 @@ def describe_mask(
                 "batches cannot take; use a causal or padding mask type with packed sequences"
             )
         within = window or (FullAttention() if kind in _FULL_TYPES else BottomRightCausalMask())
-        return Packed(
-            _packed_lengths(packed_seq_params, memo if memo is not None else SeqLengthsMemo()),
-            within,
-        )
+        return Packed(_packed_lengths(packed_seq_params, memo), within)
     if window is not None:
         return window
     if attention_mask is not None and kind != "no_mask":
-        if _is_key_padding_mask(attention_mask) and seq_q > 1:
+        if _is_padding_rows_mask(attention_mask) and seq_q > 1:
             # Megatron's [B, 1, 1, Skv] padding mask broadcasts over the query rows (and, as in
             # the local spec, replaces the causal mask); the operator wants the rows spelt out
-            memo = memo if memo is not None else SeqLengthsMemo()
             attention_mask = memo.rows_expanded(attention_mask, seq_q)
         return ExplicitMask(attention_mask, seq_q)
     if kind in _CAUSAL_TYPES:
@@ -372,7 +383,7 @@ def describe_mask(
     )
 
 
-def _is_key_padding_mask(mask) -> bool:
+def _is_padding_rows_mask(mask) -> bool:
     """A bool ``[B|1, 1, 1, Skv]`` (True = masked out): one key mask per batch entry. Other
     dtypes are left to ``ExplicitMask``, which refuses them with the fix."""
     return (

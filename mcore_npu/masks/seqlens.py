@@ -140,7 +140,9 @@ class SeqLengthsMemo:
 
     - :meth:`actual_seq_lengths`: ``cu_seqlens`` -> host end offsets (one device-to-host sync);
     - :meth:`rows_expanded`: a ``[B, 1, 1, Skv]`` padding mask (True = masked out) -> the
-      ``[B, 1, Sq, Skv]`` bool mask the operator accepts (one allocation of B·Sq·Skv bytes).
+      ``[B, 1, Sq, Skv]`` bool mask the operator accepts (one allocation of B·Sq·Skv bytes);
+    - :meth:`keep_prefix_form`: a ``[B, S]`` keep mask (True = real token) -> whether each row's
+      real tokens form a prefix, and a non-empty one (one device-to-host sync).
 
     Entries are keyed by ``(id(), what)`` and checked through a weak reference, so a new tensor
     that reuses a freed one's id is derived afresh; a tensor refilled in place (a static buffer,
@@ -152,6 +154,7 @@ class SeqLengthsMemo:
         self.capacity = capacity
         self.conversions = 0  # how many cu_seqlens device-to-host syncs this memo has made
         self.expansions = 0  # how many [B,1,1,S] masks it has expanded
+        self.keep_reads = 0  # how many [B, S] keep masks it has read (one sync each)
         # (id, what) -> (weak reference, (version, data pointer) when derived, value)
         self._entries: OrderedDict[tuple[int, object], tuple[weakref.ref, tuple, object]] = (
             OrderedDict()
@@ -199,6 +202,18 @@ class SeqLengthsMemo:
             self.expansions += 1
             self._store(mask, ("rows", seq_q), expanded)
         return expanded
+
+    def keep_prefix_form(self, keep: torch.Tensor) -> tuple[bool, bool]:
+        """``(right_padded, no_empty_row)`` of a ``[B, S]`` keep mask (**True = real token**):
+        every row is ``1 .. 1 0 .. 0``, and every row starts with a real token. Once per tensor."""
+        form = self._lookup(keep, "keep_prefix")
+        if form is None:
+            real = keep.bool()
+            checks = torch.stack([(real[:, 1:] <= real[:, :-1]).all(), real[:, :1].all()])
+            form = tuple(bool(x) for x in checks.tolist())  # the one device-to-host sync
+            self.keep_reads += 1
+            self._store(keep, "keep_prefix", form)
+        return form
 
     def remember(self, cu_seqlens: torch.Tensor, ends: tuple[int, ...]) -> None:
         """Record host offsets already known (e.g. from ``padding_to_packed``): no sync later."""

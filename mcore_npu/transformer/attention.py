@@ -19,7 +19,9 @@ decides whether v goes to the operator as it is or padded with zeros to hn, the 
 back (``mcore_npu.ops.value_padding``). The mask arguments come from ``mcore_npu.masks.describe_mask``:
 causal attention uses the cached compressed mask (sparse_mode 2/3), sliding windows mode 4,
 packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
-polarity (True = masked out) is the operator's, so explicit masks pass through untouched.
+polarity (True = masked out) is the operator's, so explicit masks pass through untouched; verl's
+``[B, S]`` key-padding mask (True = real token, right padding) becomes the causal description
+(``mcore_npu.masks.key_padding``).
 
 Under context parallelism (``context_parallel_size > 1``) the layer's ``cp_comm_type`` picks
 an algorithm of :mod:`mcore_npu.transformer.context_parallel` (p2p ring, all_gather, a2a) for
@@ -173,6 +175,7 @@ class NPUFusionAttention(MegatronModule):
             attention_mask,
             seq_q=seq_q,
             seq_kv=seq_kv,
+            batch=None if packed else query.shape[1],
             packed_seq_params=packed_seq_params,
             window_size=self.window_size,
             memo=self.seq_lengths_memo,

@@ -150,6 +150,7 @@ def get_gpt_decoder_block_npu_spec(
     mla_value_padding: str = "auto",
     pg_collection=None,
     gdn_naive_l2norm: bool = False,
+    moe_grouped_gemm: bool | None = None,
     **block_spec_kwargs,
 ):
     """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
@@ -171,6 +172,11 @@ def get_gpt_decoder_block_npu_spec(
             spec's.
         gdn_naive_l2norm: GDN layers l2-normalise q and k with plain torch before the rule
             (MindSpeed's ``use_naive_l2norm``) instead of inside it.
+        moe_grouped_gemm: the routed experts' form, as the layer spec's keyword of the same
+            name: None (default) = ``config.moe_grouped_gemm``; True = grouped experts
+            (``TEGroupedMLP``'s names in the te layout) whatever the config says, what a weight
+            bridge that maps only those names needs; False = sequential experts
+            (``SequentialMLP``'s names). The computation is the same either way.
         **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
             ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
             ``pp_rank``, ...).
@@ -182,9 +188,17 @@ def get_gpt_decoder_block_npu_spec(
     _check_layout(param_layout)
     build = megatron_specs.get_gpt_decoder_block_spec
     _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
+    if moe_grouped_gemm is not None and not isinstance(moe_grouped_gemm, bool):
+        raise TypeError(
+            f"moe_grouped_gemm: expected True, False or None (the config's), got "
+            f"{moe_grouped_gemm!r}"
+        )
+    if moe_grouped_gemm is None:
+        moe_grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
     block = copy.deepcopy(
-        build(dense_block_config(config), use_transformer_engine=False, **block_spec_kwargs)
-    )
+        build(_builder_config(config, moe_grouped_gemm), use_transformer_engine=False,
+              **block_spec_kwargs)
+    )  # fmt: skip
     # one provider per model: every layer shares its cu_seqlens memo
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
@@ -192,10 +206,11 @@ def get_gpt_decoder_block_npu_spec(
                                moe_permute_kernel=moe_permute_kernel,
                                rope_kernel=rope_kernel,
                                mla_value_padding=mla_value_padding)  # fmt: skip
-    grouped = bool(getattr(config, "moe_grouped_gemm", False))
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
-        swapped.setdefault(id(spec), _swap_npu_parts(spec, provider, grouped, pg_collection))
+        swapped.setdefault(
+            id(spec), _swap_npu_parts(spec, provider, moe_grouped_gemm, pg_collection)
+        )
         for spec in block.layer_specs
     ]
     if is_gdn(config):
@@ -205,6 +220,17 @@ def get_gpt_decoder_block_npu_spec(
         )  # fmt: skip
     block.layer_norm = provider.layer_norm()
     return block
+
+
+def _builder_config(config, moe_grouped_gemm: bool):
+    """The config Megatron's block builder is given (``dense_block_config``), with the experts'
+    form asked for: a shallow copy where it differs from ``config``'s (never written to)."""
+    view = dense_block_config(config)
+    if bool(getattr(view, "moe_grouped_gemm", False)) == moe_grouped_gemm:
+        return view
+    view = copy.copy(view)
+    view.moe_grouped_gemm = moe_grouped_gemm
+    return view
 
 
 def get_gpt_mtp_block_npu_spec(

@@ -123,6 +123,20 @@ def tiny_deepseek_v3_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_hub(tmp_path_factory) -> str:
+    """A tiny hub-form Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``: the text model under
+    ``model.language_model.``, a 1-block vision tower, ``vision_config`` in its config), the form
+    every Qwen3.5 checkpoint on the hub has, with the word-level tokenizer; its weights
+    bf16-exact (stored in fp32), as ``log_probs.hf_log_probs`` computes them."""
+    from tests.integrations.qwen3_5_models import save_tiny
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_5_hub")
+    save_tiny(path, "hub", bf16_exact=True)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def cpu_runtime():
     """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""
     import torch.distributed as dist

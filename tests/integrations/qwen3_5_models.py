@@ -67,12 +67,17 @@ def draw(model) -> None:
                 param.copy_(0.1 * noise)
 
 
-def save_tiny(path, kind: str):
+def save_tiny(path, kind: str, *, bf16_exact: bool = False):
     """Save the tiny ``kind`` checkpoint (safetensors, fp32) to ``path``; returns the
-    transformers model (eval mode)."""
+    transformers model (eval mode). ``bf16_exact``: every weight rounded to bf16 first (stored
+    in fp32), so a model loaded in bf16 holds the same numbers."""
     model_class, config = model_class_and_config(kind)
     torch.manual_seed(0)
     model = model_class(config)
     draw(model)
+    if bf16_exact:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(torch.bfloat16).float())
     model.save_pretrained(path, safe_serialization=True)
     return model.eval()

@@ -118,18 +118,21 @@ def test_the_bridge_builds_the_npu_spec_in_te_layout(npu_model, hf_model):
 
 def test_logits_match_transformers_and_export_is_bit_exact(npu_model, hf_model,
                                                            tiny_deepseek_v3_model):  # fmt: skip
-    from pathlib import Path
-
-    from mcore_npu.integrations.hf import export_hf_weights
-
     bridge, model = npu_model
     want, got = _logits(hf_model), _logits(model)
     error = float((got - want).abs().max())
     print(f"tiny DeepSeek-V3: max |logit - transformers| = {error:.1e}")
     assert error <= 1e-4, error
-    saved = safetensors.torch.load_file(
-        str(next(Path(tiny_deepseek_v3_model).glob("*.safetensors")))
-    )
+    _assert_exports_the_checkpoint(model, bridge, tiny_deepseek_v3_model)
+
+
+def _assert_exports_the_checkpoint(model, bridge, path: str) -> None:
+    """The bridge exports ``model`` as exactly the checkpoint's tensors, names and values."""
+    from pathlib import Path
+
+    from mcore_npu.integrations.hf import export_hf_weights
+
+    saved = safetensors.torch.load_file(str(next(Path(path).glob("*.safetensors"))))
     exported = dict(export_hf_weights(model, bridge))
     assert exported.keys() == saved.keys()
     for name, tensor in saved.items():
@@ -211,3 +214,91 @@ def test_verls_training_worker_with_the_plugins_engine_matches_transformers(
     grads = [_grad(p) for p in engine.module[0].parameters()]
     assert all(torch.isfinite(g).all() for g in grads)
     assert sum(bool(g.abs().sum() > 0) for g in grads) > len(grads) // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# sequential experts (moe_grouped_gemm=False, Kimi-K2.5's recipe): the same model as grouped ones
+# ---------------------------------------------------------------------------------------------
+
+
+def _with_spec(bridge, **spec_keywords):
+    """A GPTModel from ``bridge``'s provider with the NPU block spec given ``spec_keywords``
+    (the bridge's own hook is put back afterwards)."""
+    from mcore_npu.integrations.hf import build_model
+    from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+    def layer_spec(vp_stage=None):
+        return get_gpt_decoder_block_npu_spec(
+            bridge.config, kernel="reference", param_layout="te",
+            normalization=bridge.config.normalization, vp_stage=vp_stage, **spec_keywords,
+        )  # fmt: skip
+
+    hook = bridge._get_transformer_layer_spec
+    bridge._get_transformer_layer_spec = layer_spec
+    try:
+        return build_model(bridge).eval()
+    finally:
+        bridge._get_transformer_layer_spec = hook
+
+
+def _through_checkpoint(source, target, folder) -> None:
+    """``target`` gets ``source``'s weights through a Megatron distributed checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    folder.mkdir()
+    dist_checkpointing.save(source.sharded_state_dict(), str(folder))
+    target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), str(folder)))
+
+
+SEQUENTIAL = {
+    "plugin": {},  # NPUGroupedMLP under SequentialMLP's names (npu_grouped_matmul)
+    "megatron": {"grouped_matmul_kernel": "off"},  # Megatron's own SequentialMLP
+}
+
+
+@pytest.mark.parametrize("kind", SEQUENTIAL)
+def test_sequential_and_grouped_experts_give_equal_logits_and_export_equal_weights(
+    kind, npu_model, tiny_deepseek_v3_model, tmp_path
+):
+    """``moe_grouped_gemm=False``: the experts under ``SequentialMLP``'s names
+    (``local_experts.{e}.linear_fc1.weight``), given the grouped model's weights through
+    Megatron's distributed checkpoint (both write SequentialMLP's keys): the logits equal the
+    grouped model's (fp32, 1e-5); its checkpoint loaded back into grouped experts exports, through
+    the bridge, exactly the checkpoint's Hugging Face tensors."""
+
+    bridge, grouped = npu_model
+    sequential = _with_spec(bridge, moe_grouped_gemm=False, **SEQUENTIAL[kind])
+    experts = sequential.decoder.layers[1].mlp.experts
+    want_class = "NPUGroupedMLP" if kind == "plugin" else "SequentialMLP"
+    assert type(experts).__name__ == want_class and len(experts.local_experts) == 8
+    assert not torch.equal(_logits(sequential), _logits(grouped))  # not loaded yet: can fail
+    _through_checkpoint(grouped, sequential, tmp_path / "from_grouped")
+    error = float((_logits(sequential) - _logits(grouped)).abs().max())
+    print(f"sequential experts ({kind}) vs grouped: max |logit diff| = {error:.1e}")
+    assert error <= 1e-5, error
+    back = _with_spec(bridge)  # grouped experts, fresh weights
+    _through_checkpoint(sequential, back, tmp_path / "from_sequential")
+    _assert_exports_the_checkpoint(back, bridge, tiny_deepseek_v3_model)
+
+
+def test_mbridge_builds_grouped_experts_for_moe_grouped_gemm_false_with_one_log_line(
+    tiny_deepseek_v3_model, npu_model, caplog
+):
+    """mbridge maps only the grouped experts' names: the Kimi-K2.5 recipe's
+    ``moe_grouped_gemm=False`` through the bridge builds grouped experts, says so in one line,
+    loads the checkpoint and gives the grouped model's logits exactly."""
+    import logging
+
+    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
+
+    bridge = npu_bridge(tiny_deepseek_v3_model, kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**CPU_ARGS, moe_grouped_gemm=False)
+    with caplog.at_level(logging.INFO, logger="mcore_npu.integrations.hf"):
+        model = build_model(bridge).eval()
+    lines = [r.getMessage() for r in caplog.records if "moe_grouped_gemm=False" in r.getMessage()]
+    assert len(lines) == 1 and "grouped experts are built instead" in lines[0], lines
+    assert bridge.config.moe_grouped_gemm is False  # the config keeps what was asked
+    names = [name for name, _ in model.named_parameters() if ".experts." in name]
+    assert names and all(".local_experts." not in name for name in names)
+    load_hf_weights(model, tiny_deepseek_v3_model, bridge=bridge)
+    assert torch.equal(_logits(model), _logits(npu_model[1]))

@@ -49,13 +49,16 @@ from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
 from tests.gated_delta_standin import install_fla_npu, install_torch_npu
 from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
-from tests.integrations.qwen3_5_models import draw
+from tests.integrations.qwen3_5_models import VISION, draw
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
 RECIPES = yaml.safe_load((Path(__file__).parent / "gdn_recipes.yaml").read_text())["recipes"]
-CASES = [(recipe["name"], layout) for recipe in RECIPES for layout in recipe["layouts"]]
-CASES.append((RECIPES[0]["name"], "thd"))  # thd without dynamic batch, once
+# every recipe in each layout it runs, on the hub form the recipes train; thd without dynamic
+# batch once; the text form (Qwen3_5MoeForCausalLM) in bshd and thd once
+CASES = [(recipe["name"], layout, "hub") for recipe in RECIPES for layout in recipe["layouts"]]
+CASES += [(RECIPES[0]["name"], "thd", "hub"), (RECIPES[0]["name"], "bshd", "text"),
+          (RECIPES[0]["name"], "thd", "text")]  # fmt: skip
 BY_NAME = {recipe["name"]: recipe for recipe in RECIPES}
 LENGTHS = (12, 7, 5)
 TOKEN_BUDGET = 16  # max_token_len_per_gpu of the dynamic-batch case: 24 tokens, > 1 micro-batch
@@ -72,14 +75,20 @@ QWEN3_5_MOE = dict(
 )  # fmt: skip
 
 
-def save_tiny_qwen3_5_moe(path) -> str:
-    """The tiny Qwen3.5 MoE (text) checkpoint in ``path``: weights drawn as
-    ``tests/integrations/qwen3_5_models.draw`` draws them (every norm away from its init), then
-    rounded to bf16 (stored in fp32), and the word-level tokenizer."""
+def save_tiny_qwen3_5_moe(path, *, hub: bool = False) -> str:
+    """The tiny Qwen3.5 MoE checkpoint in ``path``: the text model (``Qwen3_5MoeForCausalLM``)
+    or, with ``hub``, the form hub checkpoints have (``Qwen3_5MoeForConditionalGeneration``: the
+    same text model under ``model.language_model.``, a 1-block vision tower, ``vision_config``);
+    weights drawn as ``tests/integrations/qwen3_5_models.draw`` draws them (every norm away from
+    its init), then rounded to bf16 (stored in fp32), and the word-level tokenizer."""
     torch.manual_seed(0)
-    config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
-    assert config.layer_types.count("linear_attention") == 3
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    if hub:
+        config = transformers.Qwen3_5MoeConfig(text_config=QWEN3_5_MOE, vision_config=VISION)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert config.get_text_config().layer_types.count("linear_attention") == 3
     draw(model)
     with torch.no_grad():
         for param in model.parameters():
@@ -95,20 +104,35 @@ def qwen3_5_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(qwen3_5_moe) -> list[torch.Tensor]:
-    """transformers' log-probs of the :func:`packed_batch` rows, fp32 (computed once)."""
-    return hf_log_probs(qwen3_5_moe, LENGTHS)
+def qwen3_5_moe_hub(tmp_path_factory) -> str:
+    return save_tiny_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe_hub"), hub=True)
 
 
-def _engine(path: str, keys: dict, *, thd: bool):
+@pytest.fixture(scope="module")
+def checkpoints(qwen3_5_moe, qwen3_5_moe_hub) -> dict:
+    """form -> (path, transformers' log-probs of the :func:`packed_batch` rows, fp32)."""
+    hub_class = transformers.Qwen3_5MoeForConditionalGeneration
+    return {
+        "text": (qwen3_5_moe, hf_log_probs(qwen3_5_moe, LENGTHS)),
+        "hub": (qwen3_5_moe_hub, hf_log_probs(qwen3_5_moe_hub, LENGTHS, hub_class)),
+    }
+
+
+def _engine(path: str, keys: dict, *, thd: bool, **engine_fields):
     """``(engine after _build_tf_config, the worker's own engine config)``, with the recipes'
-    ``vanilla_mbridge=False`` (Megatron-Bridge does not import here: the mbridge fallback)."""
+    ``vanilla_mbridge=False`` (Megatron-Bridge does not import here: the mbridge fallback) and
+    ``engine_fields`` (more ``McoreEngineConfig`` fields)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VERL_ENGINE_DEVICE", "npu")
         env.setenv("VERL_ENGINE_VENDOR", "huawei")
         config = training_worker_config(path, remove_padding=thd, override_transformer_config=keys)
-        engine_config = dataclasses.replace(config.engine_config, vanilla_mbridge=False)
-        worker = TrainingWorker(dataclasses.replace(config, engine_config=engine_config))
+        engine_config = dataclasses.replace(
+            config.engine_config, vanilla_mbridge=False, **engine_fields
+        )
+        model_config = dataclasses.replace(config.model_config, load_tokenizer=True)
+        worker = TrainingWorker(
+            dataclasses.replace(config, engine_config=engine_config, model_config=model_config)
+        )
     engine = worker.engine
     assert type(engine) is NPUMegatronEngineWithLMHead
     engine._build_tf_config()  # the first two steps of engine.initialize()
@@ -128,12 +152,13 @@ def _grad(param) -> torch.Tensor:
     return param.main_grad.float() + extra
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES)
+@pytest.mark.parametrize(("name", "layout", "form"), CASES)
 def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
-    name, layout, qwen3_5_moe, hf_reference
+    name, layout, form, checkpoints
 ):
     keys = BY_NAME[name]["keys"]
-    engine, worker_engine_config = _engine(qwen3_5_moe, keys, thd=layout != "bshd")
+    path, hf_reference = checkpoints[form]
+    engine, worker_engine_config = _engine(path, keys, thd=layout != "bshd")
     before = copy.deepcopy(dict(worker_engine_config.override_transformer_config))
     engine.module = engine._build_megatron_module()
     assert before == keys  # the worker's config still holds the recipe as written
@@ -158,8 +183,8 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
     rows = result["model_output"]["log_probs"].unbind()
     got = [row[: n - 1].float() for row, n in zip(rows, LENGTHS, strict=True)]
     error = max(float((g - w).abs().max()) for g, w in zip(got, hf_reference, strict=True))
-    print(f"{name} ({layout}): max |log p - log p_hf| = {error:.2e}")
-    assert error < TOLERANCE, f"{name} ({layout}): max |log p - log p_hf| = {error:.2e}"
+    print(f"{name} ({layout}, {form}): max |log p - log p_hf| = {error:.2e}")
+    assert error < TOLERANCE, f"{name} ({layout}, {form}): max |log p - log p_hf| = {error:.2e}"
     for layer in gdn:
         for pname, param in layer.named_parameters():
             grad = _grad(param)
@@ -322,3 +347,92 @@ def _check_fla_npu_calls(recorder, *, layers: int) -> None:
     shapes = {s[0] for name, s, _ in recorder.calls if name == "npu_chunk_fwd_o"}
     value_heads = QWEN3_5_MOE["linear_num_value_heads"]
     assert shapes == {(len(CHAIN_LENGTHS), value_heads, max(CHAIN_LENGTHS), 128)}
+
+
+MEMORY_SEQS = (2048, 4096)
+
+
+def _peak_per_step(run, seq: int):
+    """``(peak bytes, largest single allocation)`` of one forward-only step over two rows of
+    ``seq`` and ``3/4 seq`` tokens (the second right-padded in bshd), by the allocation tracker."""
+    from mcore_npu.tools.bench.memory import track_allocations
+
+    lengths = (seq, 3 * seq // 4)
+    data, _ = packed_batch(lengths)
+    with torch.no_grad(), track_allocations() as usage:
+        run(data, lengths)
+    return usage.peak_bytes, max(usage.sizes)
+
+
+def test_the_hub_recipes_bshd_step_allocates_o_s_for_masks(qwen3_5_moe_hub, monkeypatch):
+    """The nightly recipe's keys on the hub form in bshd, verl's log-prob pass at S = 2048 and
+    4096: the peak and the largest single allocation grow as S (x2), so no mask of S x S
+    entries is made (verl's ``[B, 1, S, S]`` alone would be B·S² bytes, x4). The control, in the
+    same run: verl's own bshd forward as it runs on an NPU (``is_npu_available``: its
+    ``_build_npu_attn_mask``, which the plugin takes as a dense mask) allocates B·S² bytes in
+    one tensor, and that allocation grows as S²."""
+    from verl.models.mcore import util as verl_util
+    from verl.models.mcore.model_forward import gptmodel_forward_model_engine
+
+    engine, _ = _engine(qwen3_5_moe_hub, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
+    engine.module = engine._build_megatron_module()
+    model = engine.module[0]
+
+    def plugin(data, lengths):
+        _forward_only_log_probs(engine, data, lengths)
+
+    def verl_on_npu(data, lengths):
+        gptmodel_forward_model_engine(model, data["input_ids"], {}, data_format="bshd")
+
+    ours = {seq: _peak_per_step(plugin, seq) for seq in MEMORY_SEQS}
+    monkeypatch.setattr(verl_util, "is_npu_available", True)  # stand-in: torch_npu present
+    control = {seq: _peak_per_step(verl_on_npu, seq) for seq in MEMORY_SEQS}
+    small, large = MEMORY_SEQS
+    growth = {name: tuple(usage[large][i] / usage[small][i] for i in (0, 1))
+              for name, usage in (("plugin", ours), ("verl", control))}  # fmt: skip
+    mib = 2**20
+    for name, usage in (("plugin", ours), ("verl", control)):
+        print(
+            f"{name}: peak {usage[small][0] / mib:.1f} -> {usage[large][0] / mib:.1f} MiB "
+            f"(x{growth[name][0]:.2f}), largest allocation {usage[small][1] / mib:.1f} -> "
+            f"{usage[large][1] / mib:.1f} MiB (x{growth[name][1]:.2f}), S = {small} -> {large}"
+        )
+    assert max(growth["plugin"]) < 2.5  # O(S): twice the tokens, twice the bytes
+    assert growth["verl"][1] > 3.5 and control[large][1] >= 2 * large * large  # O(S^2) seen
+
+
+def _with_images(data):
+    """The batch with one image in its first sample (verl's ``multi_modal_inputs``)."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    image = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    rows = [NonTensorData(image if i == 0 else {}) for i in range(len(LENGTHS))]
+    data["multi_modal_inputs"] = NonTensorStack(*rows)
+    return data
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
+def test_a_batch_with_images_is_refused_in_one_line(qwen3_5_moe_hub, thd):
+    """The plugin builds the hub checkpoint's language model, not its vision tower: a micro-batch
+    that carries images stops before the model runs, in one line that says so."""
+    engine, _ = _engine(qwen3_5_moe_hub, {}, thd=thd)
+    engine.module = engine._build_megatron_module()
+    data, _ = packed_batch(LENGTHS)
+    with pytest.raises(ValueError, match="carries pixel_values.*not its vision tower") as info:
+        engine.forward_backward_batch(_with_images(data), mean_negative_log_prob)
+    assert "\n" not in str(info.value)
+
+
+def test_what_only_verls_vision_forward_prepares_is_refused_on_the_hub_form(qwen3_5_moe_hub):
+    """Router replay (here R2) runs through verl's own forward, which for a vision-language
+    config hands the model unpacked rows for a vision tower: refused in one line, naming it."""
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
+    replay = EngineRouterReplayConfig(mode="R2")
+    engine, _ = _engine(qwen3_5_moe_hub, {}, thd=True, router_replay=replay)
+    engine.module = engine._build_megatron_module()
+    assert engine.enable_routing_replay
+    data, _ = packed_batch(LENGTHS)
+    with pytest.raises(ValueError, match="^router replay: not with the vision-language") as info:
+        engine.forward_backward_batch(data, mean_negative_log_prob)
+    assert "\n" not in str(info.value)

@@ -1,6 +1,7 @@
 """verl's loop with the plugin's engine on more than one rank: torchrun, one ``TrainingWorker`` per
 rank, no Ray; TP=2 with sequence parallelism, PP=2, DP=2 with the distributed optimizer, EP=2
-(Qwen3-MoE), each 5 SFT steps, compared with one process; DP=2 resuming exactly; and
+(Qwen3-MoE), CP=2 in bshd (the engine's own forward: every row split zigzag, fp32 only), each 5
+SFT steps, compared with one process (thd); DP=2 resuming exactly; and
 the tiny DeepSeek-V3 through mbridge and a tiny Qwen3.5-MoE through the plugin's bridge at TP=2.
 
 One torchrun launch of 2 ranks runs every layout in turn, in fp32 and in bf16
@@ -49,8 +50,9 @@ EXPECTED = {  # the layout each run must have had (read back from Megatron's par
     "pp2": {"tp": 1, "pp": 2, "dp": 1, "ep": 1, "sp": False},
     "dp2": {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "sp": False},
     "ep2": {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "sp": False},
+    "cp2_bshd": {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "cp": 2, "sp": False},
 }
-RUNS = [*EXPECTED, *(f"{name}@bf16" for name in EXPECTED)]
+RUNS = [*EXPECTED, *(f"{name}@bf16" for name in EXPECTED if name != "cp2_bshd")]
 TOLERANCE = {  # fp32: the issue's 1e-5 for every layout; bf16: see the module docstring
     **dict.fromkeys(EXPECTED, 1e-5),
     "tp2_sp@bf16": 2e-3, "pp2@bf16": 1e-5, "dp2@bf16": 1e-5, "ep2@bf16": 2e-3,
@@ -67,13 +69,16 @@ def qwen3_5_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, tmp_path_factory):
+def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub,
+           tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
-    and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``)."""
+    and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``) and
+    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
            qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
-           f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}"]  # fmt: skip
+           f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}",
+           f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)
@@ -126,10 +131,12 @@ def test_layout_equals_one_process(run, ranks, fp32_reference, dense_sft_run, mo
         assert record["layout"]["distributed_optimizer"] is True
         want_dtype = "torch.float32" if dtype == "float32" else "torch.bfloat16"
         assert record["layout"]["params_dtype"] == record["layout"]["model_dtype"] == want_dtype
+    own_forward = [record["own_forward_steps"] > 0 for record in records]
+    assert own_forward == [name == "cp2_bshd"] * WORLD  # bshd: the engine's own forward
     with_outputs = [r["losses"] for r in records if r["losses"] is not None]
-    # verl returns outputs on tensor rank 0 of the last pipeline stage: one rank under TP / PP,
-    # both under DP / EP (the same all-reduced loss)
-    assert len(with_outputs) == (1 if name in ("tp2_sp", "pp2") else WORLD)
+    # verl returns outputs on tensor and context rank 0 of the last pipeline stage: one rank
+    # under TP / PP / CP, both under DP / EP (the same all-reduced loss)
+    assert len(with_outputs) == (1 if name in ("tp2_sp", "pp2", "cp2_bshd") else WORLD)
     assert all(losses == with_outputs[0] for losses in with_outputs)
     want = _reference(run, fp32_reference, dense_sft_run, moe_sft_run)
     error = max(abs(a - b) for a, b in zip(with_outputs[0], want, strict=True))
@@ -220,4 +227,26 @@ def test_qwen3_5_through_the_plugins_bridge_at_tp2(launch, qwen3_5_moe):
     got = torch.load(launch / "qwen3_5_tp2.logits.pt")  # [b, s, V], gathered over TP
     error = float((got - want).abs().max())
     print(f"Qwen3.5-MoE at TP=2: max |logit - transformers| = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-4, error
+
+
+def test_the_qwen3_5_hub_checkpoint_through_verl_at_cp2_in_bshd(launch, qwen3_5_hub):
+    """Rows 10 and 26 of the census at CP > 1: the hub form (``vision_config``) in bshd with the
+    32k recipe's keys (``kvallgather_cp_algo``) at CP=2, fp32: the engine's own forward splits
+    every row zigzag over the two ranks (the GDN layers run CP by all-to-all, the attention
+    layer all-gathers K/V), and verl's log-prob pass equals transformers' within 1e-4."""
+    import transformers
+
+    from tests.integrations.log_probs import hf_log_probs
+
+    for rank in range(WORLD):
+        record = json.loads((launch / f"qwen3_5_hub_cp2.rank{rank}.json").read_text())
+        assert record["cp"] == 2 and record["cp_comm_type"] == "all_gather"
+        assert record["own_forward_steps"] > 0
+    lengths = verl_loop_ranks.HUB_CP2_LENGTHS
+    got = torch.load(launch / "qwen3_5_hub_cp2.log_probs.pt")
+    want = hf_log_probs(qwen3_5_hub, lengths, transformers.Qwen3_5MoeForConditionalGeneration)
+    error = max(float((g[: n - 1] - w).abs().max())
+                for g, w, n in zip(got, want, lengths, strict=True))  # fmt: skip
+    print(f"Qwen3.5 hub at CP=2, bshd: max |log p - transformers| = {error:.1e}", file=sys.stderr)
     assert error <= 1e-4, error

@@ -1,4 +1,6 @@
-"""``build_npu_attention_mask`` against verl 0.9.1's own mask code, on verl's own inputs.
+"""``build_npu_attention_mask`` against verl 0.9.1's own mask code, on verl's own inputs; and
+every mask verl's own forward (``gptmodel_forward_model_engine``) hands the model, through the
+NPU spec.
 
 The keep masks come from verl's ``preprocess_bshd_engine`` (right padding, ``[B, S]`` bool,
 True = real token). verl's ``_build_npu_attn_mask`` and ``postprocess_bshd_engine`` are called
@@ -70,3 +72,53 @@ def test_other_dtypes_are_refused():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         with pytest.raises(TypeError, match="keep_mask: dtype"):
             build_npu_attention_mask(keep.to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# every mask verl's own forwards hand the model, through the NPU spec
+# ---------------------------------------------------------------------------------------------
+
+LENGTHS = (11, 6, 3)
+# (data_format, vision_model, verl's is_npu_available): what reaches the model's attention
+FORWARDS = {
+    "bshd": ("bshd", False, False),  # preprocess_bshd_engine: [B, S] keep, True = real token
+    "bshd_npu": ("bshd", False, True),  # _build_npu_attn_mask: [B, 1, S, S], True = masked out
+    "bshd_vision": ("bshd", True, False),  # build_vlm_attn_mask_bshd: [B, S] keep, no positions
+    "bshd_vision_npu": ("bshd", True, True),  # build_vlm_attn_mask_bshd on an NPU: None
+    "thd": ("thd", False, False),  # preprocess_thd_engine: no mask, PackedSeqParams
+}
+
+
+@pytest.fixture(scope="module")
+def fp32_model(qwen3):
+    """The tiny Qwen3 through the plugin's engine (NPU spec), fp32, and its rows."""
+    from tests.integrations import verl_loop as loop
+
+    worker = loop.new_worker(loop.worker_config(qwen3, dtype="float32"), loop.sft_loss_fn())
+    generator = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, 128, (n,), generator=generator) for n in LENGTHS]
+    return worker.engine.module[0], rows
+
+
+@pytest.mark.parametrize("name", FORWARDS)
+def test_every_mask_verls_forwards_hand_the_model_gives_each_rows_own_logits(
+    name, fp32_model, monkeypatch
+):
+    """verl's ``gptmodel_forward_model_engine`` (the forward of its Megatron engine) with the
+    plugin's model: each form of mask it builds is accepted, and every real token's logits are
+    those of its row run alone (no padding, no mask). The NPU forms are verl's own code with its
+    ``is_npu_available`` flag set (the stand-in for torch_npu being present)."""
+    from verl.models.mcore.model_forward import gptmodel_forward_model_engine
+
+    model, rows = fp32_model
+    data_format, vision, on_npu = FORWARDS[name]
+    monkeypatch.setattr(verl_util, "is_npu_available", on_npu)
+    with torch.no_grad():
+        got = gptmodel_forward_model_engine(
+            model, tu.nested_tensor_from_tensor_list(rows), {}, vision_model=vision,
+            pad_token_id=0, data_format=data_format,
+        )  # fmt: skip
+        for row, logits in zip(rows, got.unbind(), strict=True):
+            alone = model(input_ids=row[None], position_ids=torch.arange(len(row))[None],
+                          attention_mask=None)  # fmt: skip
+            torch.testing.assert_close(logits, alone[0], rtol=1e-5, atol=1e-5)

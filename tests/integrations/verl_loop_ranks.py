@@ -6,7 +6,8 @@
 RUN is a layout of :data:`LAYOUTS`, optionally with a precision: ``tp2_sp`` (fp32, the default)
 or ``tp2_sp@bf16`` (:data:`DTYPES`), or ``deepseek_tp2`` (:func:`deepseek_tp2`: the DeepSeek-V3
 checkpoint through the plugin's bridge at TP=2, no verl worker), or ``qwen3_5_tp2=PATH``
-(:func:`qwen3_5_tp2`: a tiny Qwen3.5 checkpoint the same way). fp32 is a test oracle verl's config refuses
+(:func:`qwen3_5_tp2`: a tiny Qwen3.5 checkpoint the same way), or ``qwen3_5_hub_cp2=PATH``
+(:func:`qwen3_5_hub_cp2`: a Qwen3.5 hub checkpoint's log-probs through verl at CP=2, bshd). fp32 is a test oracle verl's config refuses
 (``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
 engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
 parallel state from verl's own engine config (``MegatronEngine._init_device_mesh``), trains
@@ -39,12 +40,15 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-# name -> (family, McoreEngineConfig fields); one process of each family is the reference
+# name -> (family, worker_config keywords: McoreEngineConfig fields, remove_padding); one process
+# of each family (thd) is the reference
 LAYOUTS = {
     "tp2_sp": ("qwen3", {"tensor_model_parallel_size": 2}),  # vanilla mbridge: SP on at TP > 1
     "pp2": ("qwen3", {"pipeline_model_parallel_size": 2}),
     "dp2": ("qwen3", {}),  # the world is the data-parallel group; distributed optimizer
     "ep2": ("qwen3_moe", {"expert_model_parallel_size": 2}),
+    # bshd under context parallelism: the engine's own forward splits every row zigzag
+    "cp2_bshd": ("qwen3", {"context_parallel_size": 2, "remove_padding": False}),
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 STEPS = 5
@@ -95,9 +99,9 @@ def run_layout(run: str, checkpoints: dict[str, str], out: Path) -> None:
     from tests.integrations import verl_loop as loop
 
     name, dtype = parse_run(run)
-    family, engine_fields = LAYOUTS[name]
+    family, fields = LAYOUTS[name]
     settings = loop.FAMILY_SETTINGS[family]  # those of the one-process reference runs
-    config = loop.worker_config(checkpoints[family], **settings, **engine_fields, dtype=dtype)
+    config = loop.worker_config(checkpoints[family], **settings, **fields, dtype=dtype)
     worker = loop.new_worker(config, loop.sft_loss_fn())
     engine = worker.engine
     layout = {
@@ -105,6 +109,7 @@ def run_layout(run: str, checkpoints: dict[str, str], out: Path) -> None:
         "pp": mpu.get_pipeline_model_parallel_world_size(),
         "dp": mpu.get_data_parallel_world_size(),
         "ep": mpu.get_expert_model_parallel_world_size(),
+        "cp": mpu.get_context_parallel_world_size(),
         "sp": bool(engine.tf_config.sequence_parallel),
         "distributed_optimizer": bool(engine.engine_config.use_distributed_optimizer),
         "params_dtype": str(engine.tf_config.params_dtype),
@@ -115,10 +120,18 @@ def run_layout(run: str, checkpoints: dict[str, str], out: Path) -> None:
         return loop.train_sft(w, STEPS, dp_rank=w.engine.get_data_parallel_rank(),
                               dp_size=w.engine.get_data_parallel_size())  # fmt: skip
 
+    own_steps, own_step = [], engine._mask_free_step  # a spy: the engine's own forward ran?
+
+    def counting(*args, **kwargs):
+        own_steps.append(1)
+        return own_step(*args, **kwargs)
+
+    engine._mask_free_step = counting
     metrics = train(worker)
     record = {
         "layout": layout,
         "engine": type(engine).__name__,
+        "own_forward_steps": len(own_steps),
         "losses": _losses(metrics),
         "grad_norms": [m["grad_norm"] for m in metrics] if metrics[0] is not None else None,
     }
@@ -253,6 +266,53 @@ def qwen3_5_tp2(path: str, out: Path) -> None:
     mpu.destroy_model_parallel()
 
 
+QWEN3_5_HUB_CP2 = "qwen3_5_hub_cp2="  # the run "qwen3_5_hub_cp2=<checkpoint path>"
+HUB_CP2_LENGTHS = (12, 7, 5)
+
+
+def qwen3_5_hub_cp2(path: str, out: Path) -> None:
+    """A Qwen3.5 hub checkpoint (``vision_config``) through verl's ``TrainingWorker`` at CP=2 in
+    bshd with the 32k recipe's keys (``kvallgather_cp_algo``; tests/integrations/gdn_recipes.yaml),
+    fp32: verl's log-prob pass (``infer_batch``) over rows of :data:`HUB_CP2_LENGTHS` seeded
+    tokens; rank 0 writes the rows (``OUT/qwen3_5_hub_cp2.log_probs.pt``), every rank its layout
+    and whether the engine's own forward ran (``OUT/qwen3_5_hub_cp2.rank<r>.json``)."""
+    import yaml
+    from megatron.core import parallel_state as mpu
+    from verl.utils import tensordict_utils as tu
+
+    from tests.integrations import verl_loop as loop
+    from tests.integrations.log_probs import packed_batch
+
+    recipes = yaml.safe_load((ROOT / "tests" / "integrations" / "gdn_recipes.yaml").read_text())
+    keys = next(r["keys"] for r in recipes["recipes"] if r["name"] == "qwen3_5_moe_32k_kvallgather")
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)  # see qwen3_5_tp2
+    config = loop.worker_config(path, remove_padding=False, dtype="float32",
+                                context_parallel_size=2, override_transformer_config=keys)  # fmt: skip
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    own_steps, own_step = [], worker.engine._mask_free_step
+
+    def counting(*args, **kwargs):
+        own_steps.append(1)
+        return own_step(*args, **kwargs)
+
+    worker.engine._mask_free_step = counting
+    data, _ = packed_batch(HUB_CP2_LENGTHS)
+    tu.assign_non_tensor(data, compute_loss=False)
+    with torch.no_grad():
+        result = worker.infer_batch(data)  # verl returns it on CP rank 0
+    record = {"cp": mpu.get_context_parallel_world_size(), "own_forward_steps": len(own_steps),
+              "cp_comm_type": worker.engine.tf_config.cp_comm_type}  # fmt: skip
+    rank = dist.get_rank()
+    if rank == 0:
+        rows = [row.float() for row in tu.get(result, "log_probs").unbind()]
+        torch.save(rows, out / "qwen3_5_hub_cp2.log_probs.pt")
+    (out / f"qwen3_5_hub_cp2.rank{rank}.json").write_text(json.dumps(record))
+    del worker
+    gc.collect()
+    mpu.destroy_model_parallel()
+
+
 def main(argv: list[str]) -> int:
     out, qwen3, qwen3_moe, deepseek_v3, *runs = argv
     from mcore_npu.training import cpu_support
@@ -267,6 +327,9 @@ def main(argv: list[str]) -> int:
                 continue
             if run.startswith(QWEN3_5_TP2):
                 qwen3_5_tp2(run[len(QWEN3_5_TP2) :], Path(out))
+                continue
+            if run.startswith(QWEN3_5_HUB_CP2):
+                qwen3_5_hub_cp2(run[len(QWEN3_5_HUB_CP2) :], Path(out))
                 continue
             run_layout(run, {"qwen3": qwen3, "qwen3_moe": qwen3_moe}, Path(out))
     except Exception:

@@ -5,7 +5,7 @@ verl 0.9.x runs Megatron on NPU through ``MindspeedEngineWithLMHead``
 layer spec underneath, the bshd path builds a dense ``[B, 1, S, S]`` mask per micro-batch
 (``verl.models.mcore.util._build_npu_attn_mask``) and the thd path hands sequence lengths to
 MindSpeed through process globals. The engines here subclass verl's own Megatron engines and
-change six things, nothing else:
+change these things, nothing else:
 
 0. **Recipe keys.** ``override_transformer_config`` goes through the recipe vocabulary
    (``specs/recipe_keys.yaml``, :mod:`mcore_npu.integrations.verl.recipe`) before verl reads it:
@@ -38,16 +38,13 @@ change six things, nothing else:
    line; this engine's copy of the engine config carries the value), any other is refused
    (:mod:`mcore_npu.integrations.verl.weight_path`, docs/weight_path.md). ``use_mbridge=False``,
    on which verl 0.9.1's engine asserts, is refused in one line before verl's ``__init__`` runs.
-2. **bshd batches** (``use_remove_padding=False``): verl right-pads every sequence, so under
-   causal attention no real query ever sees a padded key; the model gets
-   ``attention_mask=None`` and the operator runs with its causal ``sparse_mode`` and the cached
-   2048 x 2048 compressed mask. No ``[B, 1, S, S]`` tensor exists; the ``[B, S]`` keep mask
-   (True = real token) only selects the real positions of the outputs.
-3. **thd batches** (the default) go through verl's own path unchanged: ``attention_mask=None``
-   and ``PackedSeqParams``, which ``NPUFusionAttention`` turns into the operator's TND layout with
-   ``actual_seq_qlen`` from ``cu_seqlens``. Nothing is read from or written to globals.
-   (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed it only
-   logs that it skipped.)
+2. **The forward of a micro-batch** (:mod:`mcore_npu.integrations.verl.forward`): bshd runs
+   without a mask tensor (the cached compressed causal mask), and so does thd of a
+   vision-language checkpoint whose language model the plugin builds; every mask verl's own
+   forwards hand the model is accepted (the ``[B, S]`` keep mask as right padding).
+3. **Sequential experts** (``moe_grouped_gemm=False``): mbridge maps only the grouped experts'
+   names, so through mbridge the grouped experts are built instead, with one log line
+   (``hf.mbridge_expert_form``); the computation is the same.
 4. **The optimizer without TE or Apex** (as on an NPU without MindSpeed): Megatron's
    distributed optimizer runs over torch's Adam, and a load into a fresh worker asserts on its
    empty state and then restores the step counter as 0, one tensor shared by all parameters.
@@ -76,12 +73,8 @@ import functools
 import inspect
 import logging
 import sys
-from functools import partial
 
 import torch
-from megatron.core import parallel_state as mpu
-from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 from verl.workers.engine.megatron.transformer_impl import register_megatron_training_hooks
@@ -93,10 +86,12 @@ from mcore_npu.integrations.hf import (
     expose_hf_config_fields,
     install_npu_mtp_block,
     match_hf_routing,
+    mbridge_expert_form,
     refuse_mbridge_mtp,
 )
 from mcore_npu.integrations.mbridge_fixes import needs_fixed_bridge
 from mcore_npu.integrations.verl import weight_path
+from mcore_npu.integrations.verl.forward import LMHeadSteps, ValueHeadSteps
 from mcore_npu.integrations.verl.optimizer import (
     build_optimizer,
     grad_reduce_in_fp32,
@@ -113,9 +108,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "NPUMegatronEngineWithLMHead",
     "NPUMegatronEngineWithValueHead",
-    "RightPadded",
     "npu_block_spec",
-    "pad_right",
     "megatron_bridge_unavailable",
 ]
 
@@ -148,43 +141,9 @@ def _provider_layer_spec(provider, vp_stage: int | None = None, *, spec: dict | 
     return npu_block_spec(provider, vp_stage, **(spec or {}))
 
 
-class RightPadded:
-    """A jagged ``[B, j]`` batch padded on the right to ``[B, S]``, and back.
-
-    Attributes:
-        lengths: ``[B]`` int64, real tokens per row.
-        keep: ``[B, S]`` bool, **True = real token** (False = padding, on the right only).
-        positions: ``[B, S]`` int64 position ids ``0 .. S-1`` of every row.
-    """
-
-    def __init__(self, nested: torch.Tensor, align: int = 1) -> None:
-        self.lengths = nested.offsets().diff()
-        seq = int(self.lengths.max().item()) if self.lengths.numel() else 0
-        seq += (align - seq % align) % align
-        self.batch, self.seq = int(self.lengths.numel()), seq
-        index = torch.arange(seq, device=nested.device)
-        self.keep = index.unsqueeze(0) < self.lengths.unsqueeze(1)
-        self.positions = index.unsqueeze(0).expand(self.batch, seq)
-
-    def pad(self, nested: torch.Tensor, value: float = 0) -> torch.Tensor:
-        """Jagged ``[B, j, ...]`` -> dense ``[B, S, ...]``, ``value`` in the padding."""
-        size = (self.batch, self.seq, *nested.shape[2:])
-        return torch.nested.to_padded_tensor(nested, value, output_size=size)
-
-    def unpad(self, dense: torch.Tensor) -> torch.Tensor:
-        """Dense ``[B, S, ...]`` -> jagged ``[B, j, ...]`` of the real positions (as verl does)."""
-        rows = [dense[i][self.keep[i]] for i in range(self.batch)]
-        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-
-
-def pad_right(input_ids: torch.Tensor) -> RightPadded:
-    """Padding for ``input_ids`` (jagged), aligned to the tensor-parallel size as verl aligns."""
-    return RightPadded(input_ids, align=mpu.get_tensor_model_parallel_world_size())
-
-
 class _NPUEngineMixin:
-    """What both NPU engines change in verl's ``MegatronEngine``: the recipe keys, the spec hook
-    and bshd."""
+    """What both NPU engines change in verl's ``MegatronEngine`` to build the model and the
+    optimizer: the recipe keys, the spec hook, the optimizer, checkpoint loading, offload."""
 
     npu_spec_keywords: dict = {}  # replaced per engine by _apply_recipe, never mutated
     mbridge_fallback: bool = False  # set per engine by _build_tf_config (weight_path.py)
@@ -316,6 +275,7 @@ class _NPUEngineMixin:
                 _provider_layer_spec, spec=spec
             )
         elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
+            spec.update(mbridge_expert_form(self.bridge.config))
             layer_spec = functools.partial(_mbridge_layer_spec, self.bridge, spec=spec)
             self.bridge._get_transformer_layer_spec = layer_spec
             if builds_npu_mtp(self.bridge):  # MiMo: its MTP layers from the NPU spec too
@@ -354,47 +314,6 @@ class _NPUEngineMixin:
             model = grad = False
         return super().to(device, model=model, optimizer=optimizer, grad=grad)
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        """verl's own ``forward_step`` unless this micro-batch may take the mask-free bshd path
-        (:meth:`_dense_mask_free`); then the engine's ``_mask_free_step`` on the device batch."""
-        batch = next(batch_iter)
-        if not self._dense_mask_free(batch):
-            return super().forward_step(
-                iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
-            )
-        return self._mask_free_step(
-            batch.to(get_device_id()), model, logits_processor_func, postprocess_micro_batch_func
-        )
-
-    def _mask_free_forward(self, model, batch):
-        """One bshd forward without a mask tensor: ``(output, RightPadded, jagged input_ids)``.
-
-        The jagged ``input_ids`` are right-padded to ``[B, S]``; right padding under causal
-        attention needs no mask (no real query sees a pad key), so ``attention_mask=None`` and
-        the operator's causal mode (the cached compressed mask) does the rest.
-        """
-        input_ids = self.prepare_model_inputs(batch)["input_ids"]
-        padded = pad_right(input_ids)
-        output = model(
-            input_ids=padded.pad(input_ids), attention_mask=None, position_ids=padded.positions
-        )
-        return output, padded, input_ids
-
-    def _dense_mask_free(self, batch) -> bool:
-        """True when this micro-batch may take the bshd path without a mask tensor.
-
-        Conditions: bshd (``use_remove_padding=False``), no fused kernels, no context
-        parallelism, no vision tower, no MTP, no router replay and no distillation: the cases
-        whose extra inputs verl's bshd forward prepares and this path does not.
-        """
-        if self.engine_config.use_remove_padding or self.engine_config.use_fused_kernels:
-            return False
-        if mpu.get_context_parallel_world_size() > 1 or self.enable_routing_replay:
-            return False
-        if hasattr(self.model_config.hf_config, "vision_config") or self.model_config.mtp.enable:
-            return False
-        return not tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False)
-
 
 def _plugin_builds_bridge(hf_config) -> bool:
     """Whether the plugin builds this model's bridge (``hf.bridge_from_config``) rather than
@@ -402,55 +321,12 @@ def _plugin_builds_bridge(hf_config) -> bool:
     return needs_fixed_bridge(hf_config) or getattr(hf_config, "model_type", None) in PLUGIN_BRIDGES
 
 
-class NPUMegatronEngineWithLMHead(_NPUEngineMixin, MegatronEngineWithLMHead):
-    """verl's Megatron LM-head engine with NPU layers and mask-free bshd micro-batches."""
-
-    def _mask_free_step(self, batch, model, logits_processor_func, postprocess_micro_batch_func):
-        logits, padded, input_ids = self._mask_free_forward(model, batch)
-        done = partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
-        if not unwrap_post_process(model):  # an earlier pipeline stage: hidden states go on
-            return logits, done
-        processor = partial(
-            self._lm_head_logits_processor,
-            calculate_sum_pi_squared=tu.get_non_tensor_data(
-                batch, key="calculate_sum_pi_squared", default=False
-            ),
-            calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy", default=False),
-            distillation_use_topk=False,
-            distillation_only=False,
-            logits_processor_func=logits_processor_func,
-            batch=batch,
-            data_format="bshd",
-        )
-        label = torch.roll(padded.pad(input_ids), shifts=-1, dims=1)  # next token, as verl rolls
-        results = processor(logits, label, self._padded_temperature(batch, input_ids, padded))
-        return {key: padded.unpad(value) for key, value in results.items()}, done
-
-    @staticmethod
-    def _padded_temperature(batch, input_ids, padded: RightPadded) -> torch.Tensor:
-        """``[B, S]`` float32: each row's temperature on every position (1.0 in the padding)."""
-        temperature = batch["temperature"]
-        if not isinstance(temperature, torch.Tensor):
-            temperature = torch.tensor([temperature] * input_ids.shape[0])
-        rows = temperature.to(device=padded.keep.device, dtype=torch.float32).reshape(-1, 1)
-        return torch.where(padded.keep, rows, torch.ones_like(rows))
+class NPUMegatronEngineWithLMHead(_NPUEngineMixin, LMHeadSteps, MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine with NPU layers and mask-free micro-batches."""
 
 
-class NPUMegatronEngineWithValueHead(_NPUEngineMixin, MegatronEngineWithValueHead):
-    """verl's Megatron value-head engine with NPU layers and mask-free bshd micro-batches."""
-
-    def _mask_free_step(self, batch, model, logits_processor_func, postprocess_micro_batch_func):
-        values, padded, _ = self._mask_free_forward(model, batch)
-        if unwrap_post_process(model):
-            values = padded.unpad(values).squeeze(-1)  # [B, j], as verl's value forward returns
-        return values, partial(postprocess_micro_batch_func, data=batch)
-
-
-def unwrap_post_process(model) -> bool:
-    """Whether this model chunk holds the output layer (the last pipeline stage)."""
-    from verl.utils.megatron_utils import unwrap_model
-
-    return bool(unwrap_model(model).post_process)
+class NPUMegatronEngineWithValueHead(_NPUEngineMixin, ValueHeadSteps, MegatronEngineWithValueHead):
+    """verl's Megatron value-head engine with NPU layers and mask-free micro-batches."""
 
 
 def register() -> tuple[type, type]:
