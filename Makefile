@@ -13,7 +13,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
+.PHONY: demo test test-fast test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -48,6 +48,12 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations
 
+# the inner loop: the operator, mask, CPU-runtime and spec unit tests, no torchrun and no
+# trainer runs in a subprocess (docs/contributing.md: run it first; under 2 minutes on 2 cores)
+FAST := tests/ops tests/masks tests/cpu tests/transformer tests/test_layering.py
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not distributed and not slow" $(FAST)
+
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
 
@@ -56,22 +62,22 @@ test-verl: $(VERL_STAMP)
 # MEGATRON_BRIDGE_DIR, put on PYTHONPATH of the verl environment (docs/weight_path.md)
 MEGATRON_BRIDGE_DIR ?= $(CURDIR)/.megatron-bridge
 test-megatron-bridge: $(VERL_STAMP)
-	$(VERL_BIN)/python -m tests.integrations.megatron_bridge_env $(MEGATRON_BRIDGE_DIR)
+	$(VERL_BIN)/python -m scripts.megatron_bridge_env $(MEGATRON_BRIDGE_DIR)
 	PYTHONPATH=$(MEGATRON_BRIDGE_DIR) $(VERL_BIN)/python -m pytest -q \
 		tests/integrations/scratch_megatron_bridge.py
 
 # release check, not CI: tests/ops, masks, transformer, training on every megatron-core release
 # pyproject admits, one venv each under .compat/<version> (docs/compat.md); COMPAT_VERSIONS picks
 test-compat:
-	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --workers $(TEST_WORKERS) $(COMPAT_VERSIONS)
+	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --workers $(TEST_WORKERS) $(COMPAT_VERSIONS)
 
 # the CI smoke (.ci/run): dense, MoE and MLA from the NPU spec on megatron-core 0.15.3 and 0.19.2
 # (tests/transformer/test_compat_smoke.py); compat-smoke-envs only builds their environments
 compat-smoke-envs:
-	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --smoke --build-only
+	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --smoke --build-only
 
 compat-smoke:
-	$(PYTHON) -m tests.compat_matrix --python $(PYTHON) --smoke --workers 0
+	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --smoke --workers 0
 
 # the verl environment alone (CI builds it while `make test` runs)
 verl-env: $(VERL_STAMP)

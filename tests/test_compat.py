@@ -1,7 +1,7 @@
 """The megatron-core range ``pyproject.toml`` declares is the range docs/compat.md shows measured.
 
 Every minor line (0.15, 0.16, ...) the declared range admits must have a row in the table of
-docs/compat.md, every row must be admitted, and ``make test-compat`` (tests/compat_matrix.py)
+docs/compat.md, every row must be admitted, and ``make test-compat`` (scripts/compat_matrix.py)
 must check exactly the versions of the table. Widening the range without a measured row fails.
 """
 
@@ -13,7 +13,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tests.compat_matrix import ROOT, VERSIONS
+from scripts.compat_matrix import ROOT, VERSIONS
 
 TABLE_ROW = re.compile(r"^\|\s*(\d+\.\d+\.\d+)\s*\|", re.MULTILINE)
 
@@ -50,7 +50,7 @@ def test_every_admitted_minor_line_is_measured():
     assert not missing, (
         f"pyproject.toml admits megatron-core{specifier}, but docs/compat.md has no measured row "
         f"for {', '.join(f'{a}.{b}' for a, b in missing)}: run `make test-compat` with that "
-        "version in tests/compat_matrix.py VERSIONS and add its row, or narrow the range"
+        "version in scripts/compat_matrix.py VERSIONS and add its row, or narrow the range"
     )
 
 
@@ -97,7 +97,7 @@ def test_the_readme_states_the_table_as_measured():
 def test_the_printed_table_has_the_columns_of_the_docs_table():
     """``make test-compat`` prints rows docs/compat.md can take as they are: the same header, and a
     row per version with its counts, seconds, when it ran and the commit."""
-    from tests.compat_matrix import parse_summary, table
+    from scripts.compat_matrix import parse_summary, table
 
     counts = parse_summary("....\n3 failed, 120 passed, 2 skipped, 1 error in 9.1s\n")
     assert counts == {"passed": 120, "failed": 3, "skipped": 2, "errors": 1}

@@ -34,6 +34,7 @@ RANKS = {
     "ops": 1,
     "allocator": 1,
     "masks": 2,
+    "cpu": 2,  # the CPU runtime: torch, Megatron and the allocator's detection only
     "transformer": 3,
     "optimizer": 3,  # peers: the layer specs and the optimizer do not know each other
     "training": 4,

@@ -4,7 +4,7 @@ One process (``python -m mcore_npu.train``) or many (``torchrun ...``): ``initia
 RANK / WORLD_SIZE / LOCAL_RANK, picks the collective backend for the accelerator (hccl on NPU,
 nccl on CUDA, gloo on CPU), sets the device, forms the process groups and Megatron's tensor /
 pipeline / data parallel groups, and seeds the RNG streams. On a CPU it first applies the shims
-of ``mcore_npu.training.cpu_support``; on an NPU it loads Ascend's CUDA-to-NPU mapping
+of the CPU runtime (``mcore_npu.cpu``); on an NPU it loads Ascend's CUDA-to-NPU mapping
 (``torch_npu.contrib.transfer_to_npu``), the standard way Megatron-Core runs on Ascend.
 """
 
@@ -152,9 +152,9 @@ def select_device() -> torch.device:
 def _prepare_accelerator(accelerator: str) -> None:
     select_device()
     if accelerator == "cpu":
-        from mcore_npu.training import cpu_support
+        from mcore_npu import cpu as cpu_runtime
 
-        cpu_support.apply()
+        cpu_runtime.apply()
     elif accelerator == "npu":
         importlib.import_module("torch_npu.contrib.transfer_to_npu")
 
@@ -165,9 +165,9 @@ def seed_streams(seed: int) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if device.current_accelerator() == "cpu":
-        from mcore_npu.training import cpu_support
+        from mcore_npu import cpu as cpu_runtime
 
-        cpu_support.seed_cpu_streams(seed, tp_rank=tp_rank)
+        cpu_runtime.seed_cpu_streams(seed, tp_rank=tp_rank)
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

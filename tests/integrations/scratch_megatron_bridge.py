@@ -2,7 +2,7 @@
 opt-in: ``make test-megatron-bridge`` (not in CI; the file name keeps pytest's default collection
 away from it).
 
-The make target builds a scratch megatron-bridge 0.3.1 (``tests/integrations/megatron_bridge_env.py``:
+The make target builds a scratch megatron-bridge 0.3.1 (``scripts/megatron_bridge_env.py``:
 ``--no-deps``, its Transformer-Engine- and Triton-only modules replaced by stand-ins) and runs
 this module with it on ``PYTHONPATH``. Per model, two verl ``TrainingWorker`` s in one process:
 ``vanilla_mbridge=True`` (mbridge) and ``False`` (Megatron-Bridge with the NPU spec on the

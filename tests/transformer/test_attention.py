@@ -96,8 +96,9 @@ class _count_tolist:
 
         def counting(tensor, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            # cpu_support's TorchFunctionMode re-dispatches every call: not a caller of its own
-            if f"{os.sep}mcore_npu{os.sep}" in caller and not caller.endswith("cpu_support.py"):
+            # the CPU runtime's TorchFunctionMode re-dispatches every call: not a caller of its own
+            shims = f"{os.sep}mcore_npu{os.sep}cpu{os.sep}shims.py"
+            if f"{os.sep}mcore_npu{os.sep}" in caller and not caller.endswith(shims):
                 counter.count += 1
             return counter._original(tensor, *args, **kwargs)
 

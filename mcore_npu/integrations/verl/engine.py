@@ -163,9 +163,9 @@ class _NPUEngineMixin:
         Megatron's RNG tracker seeded with ``engine_config.seed`` (verl seeds it only on a
         device; without it the embedding's ``fork()`` fails in a fresh Ray worker)."""
         super()._init_device_mesh()
-        from mcore_npu.training import cpu_support
+        from mcore_npu import cpu as cpu_runtime
 
-        cpu_support.seed_if_applied(self.engine_config.seed)
+        cpu_runtime.seed_if_applied(self.engine_config.seed)
 
     def _build_tf_config(self):
         hf_config = self.model_config.hf_config

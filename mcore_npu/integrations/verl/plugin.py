@@ -92,7 +92,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _ThenLoader(importlib.abc.Loader):
-    """``loader`` with ``then()`` after ``exec_module``."""
+    """``loader`` with ``then()`` after ``exec_module``; the module is left with ``loader`` as
+    its ``__loader__`` and ``__spec__.loader``, as if this one had never been there."""
 
     def __init__(self, loader, then) -> None:
         self.loader, self.then = loader, then
@@ -101,6 +102,9 @@ class _ThenLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
         self.loader.exec_module(module)
         self.then()
 

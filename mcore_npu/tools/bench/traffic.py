@@ -84,7 +84,7 @@ class Traffic:
                 "sync_sites": dict(self.sync_sites)}  # fmt: skip
 
 
-_NOT_SITES = ("/mcore_npu/training/cpu_support.py",) + tuple(
+_NOT_SITES = ("/mcore_npu/cpu/shims.py",) + tuple(
     f"/mcore_npu/tools/bench/{name}.py" for name in ("traffic", "cp", "cp_worker")
 )
 

@@ -8,7 +8,7 @@ It
 2. sets, where the user has not set them already: ``RAY_USAGE_STATS_ENABLED=0`` (Ray reports
    nothing), ``VERL_ENGINE_DEVICE=npu`` / ``VERL_ENGINE_VENDOR=huawei`` (verl picks the NPU
    engines, as on Ascend) and ``VERL_PLATFORM=mcore_npu_cpu``;
-3. applies the project's CPU shims (:func:`mcore_npu.training.cpu_support.apply`), in this
+3. applies the project's CPU shims (:func:`mcore_npu.cpu.apply`), in this
    thread and in every thread started later (``apply_in_new_threads``: Ray runs actor tasks in
    executor threads);
 4. registers :class:`~.platform.CpuPlatform` with verl's ``PlatformRegistry`` and makes it this
@@ -16,7 +16,7 @@ It
 5. registers the CPU rollout (:mod:`.rollout`) in verl's two rollout registries.
 
 Idempotent. Nothing of verl, Megatron or mbridge is patched; the torch entry points the CPU shims
-replace are listed in ``cpu_support``.
+replace are listed in ``mcore_npu.cpu.PATCHES``.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def activate() -> None:
         )
     for key, value in ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    from mcore_npu.training import cpu_support
+    from mcore_npu import cpu as cpu_runtime
 
-    cpu_support.apply()
-    cpu_support.apply_in_new_threads()  # Ray runs actor tasks in executor threads
+    cpu_runtime.apply()
+    cpu_runtime.apply_in_new_threads()  # Ray runs actor tasks in executor threads
     _use_platform()
     # a dry run says which engine each worker built (the engines log it at INFO)
     logging.getLogger("mcore_npu.integrations.verl").setLevel(logging.INFO)

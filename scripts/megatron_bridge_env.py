@@ -1,5 +1,5 @@
 """A scratch Megatron-Bridge for ``make test-megatron-bridge`` (not CI): ``python -m
-tests.integrations.megatron_bridge_env DIR`` installs megatron-bridge 0.3.1 into ``DIR`` with
+scripts.megatron_bridge_env DIR`` installs megatron-bridge 0.3.1 into ``DIR`` with
 ``pip install --no-deps --target`` and replaces the modules that ``import megatron.bridge``
 reaches and that need Transformer Engine or Triton with stand-in modules; then ``PYTHONPATH=DIR``
 makes ``import megatron.bridge`` work in the verl environment (.venv-verl).
@@ -30,7 +30,7 @@ STAND_INS = (
     "megatron/bridge/models/nemotron_vl/nemotron_vl_provider.py",
 )
 STAND_IN = '''"""A stand-in for a Transformer-Engine- or Triton-only module of megatron-bridge (written by
-tests/integrations/megatron_bridge_env.py for the scratch test; no such module runs here)."""
+scripts/megatron_bridge_env.py for the scratch test; no such module runs here)."""
 
 
 def _unavailable(*args, **kwargs):
@@ -61,5 +61,5 @@ def scratch_site(target: Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m tests.integrations.megatron_bridge_env DIR")
+        raise SystemExit("usage: python -m scripts.megatron_bridge_env DIR")
     print(scratch_site(Path(sys.argv[1]).resolve()))

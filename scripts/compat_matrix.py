@@ -9,10 +9,10 @@ stamped and reused. The script prints the table docs/compat.md shows: version ->
 skipped / errors / seconds / when it ran (UTC) / the commit it ran on, and exits non-zero if any
 version failed.
 
-    python3.11 -m tests.compat_matrix                      # every version
-    python3.11 -m tests.compat_matrix 0.15.3 0.19.2        # only these
-    python3.11 -m tests.compat_matrix --build-only         # the environments, no tests
-    python3.11 -m tests.compat_matrix --smoke              # the CI smoke: 0.15.3 and 0.19.2
+    python3.11 -m scripts.compat_matrix                      # every version
+    python3.11 -m scripts.compat_matrix 0.15.3 0.19.2        # only these
+    python3.11 -m scripts.compat_matrix --build-only         # the environments, no tests
+    python3.11 -m scripts.compat_matrix --smoke              # the CI smoke: 0.15.3 and 0.19.2
 
 Standard library only: it runs with the interpreter that builds the environments.
 """
