@@ -10,12 +10,9 @@ never from a version string.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import pytest
 
-from mcore_npu.transformer.megatron_fields import version_with
+from mcore_npu.transformer.megatron_features import config_fields, version_with
 
 REFUSALS = "tests/transformer/test_version_refusals.py"
 GDN_CONFIG_FIELDS = (
@@ -23,14 +20,6 @@ GDN_CONFIG_FIELDS = (
     "linear_num_key_heads",
     "linear_attention_freq",
 )
-
-
-@functools.cache
-def config_fields() -> frozenset[str]:
-    """The installed megatron-core's ``TransformerConfig`` field names."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
 
 def missing_fields(*names: str) -> list[str]:

@@ -42,7 +42,7 @@ RANKS = {
     "integrations": 5,
     "entry": 6,  # cli, __main__, the train launcher, the package facade
 }
-BASE_MODULES = {"_warnings"}
+BASE_MODULES = {"_warnings", "_optional"}  # warn-once; the one importer of the Ascend packages
 
 
 def room_of(module: str) -> str:
@@ -170,3 +170,69 @@ print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"megatron", "t
 def test_no_room_imports_megatron_when_the_room_is_imported():
     heavy = json.loads(run_command([sys.executable, "-c", ROOM_PROBE], check=True).stdout)
     assert heavy == []
+
+
+def import_graph(tree: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the package's modules its ``import`` statements name (at any depth, so the
+    imports inside functions count): ``from a.b import c`` names ``a.b.c`` when that is a
+    module, else ``a.b``. Module paths in strings are data here (the operator registry names
+    functions it resolves when asked)."""
+    graph = {}
+    for module, (source, is_package) in tree.items():
+        package = module if is_package else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in tree else base)
+        graph[module] = {name for name in found if name in tree and name != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_files_import_each_other_even_through_others():
+    assert cycles(import_graph(package_tree())) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_lazy_import():
+    tree = {
+        "mcore_npu.ops.a": ("from mcore_npu.ops import b\n", False),
+        "mcore_npu.ops.b": ("def f():\n    from mcore_npu.ops.c import g\n", False),
+        "mcore_npu.ops.c": ("from . import a\n", False),
+        "mcore_npu.ops.d": ("from mcore_npu.ops import a\n", False),
+    }
+    assert cycles(import_graph(tree)) == [["mcore_npu.ops.a", "mcore_npu.ops.b", "mcore_npu.ops.c"]]

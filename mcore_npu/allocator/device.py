@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from mcore_npu._optional import load
 from mcore_npu._warnings import WARNED
 
 if TYPE_CHECKING:
@@ -160,9 +161,9 @@ def _npu_module() -> types.ModuleType | None:
     if not _torch_npu_installed():
         return None
     try:
-        importlib.import_module("torch_npu")
-    except Exception as exc:
-        _record_npu_error(exc)
+        load("torch_npu")
+    except ImportError as exc:  # the cause: ImportError, OSError, RuntimeError without CANN
+        _record_npu_error(exc.__cause__ or exc)
         return None
     return getattr(torch, "npu", None)
 

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
+from mcore_npu.integrations.mbridge_fixes import PLUGIN_BRIDGES
 from mcore_npu.transformer.layer_specs import (
     get_gpt_decoder_block_npu_spec,
     get_gpt_mtp_block_npu_spec,
@@ -49,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 # model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
 NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
-# model types mbridge has no bridge for, bridged by the plugin (mcore_npu.integrations.hf_qwen3_5)
-PLUGIN_BRIDGES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _auto_bridge():

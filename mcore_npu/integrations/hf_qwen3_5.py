@@ -79,7 +79,7 @@ import torch
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.safetensor_io import SafeTensorIO
 
-from mcore_npu.integrations.hf import PLUGIN_BRIDGES
+from mcore_npu.integrations.mbridge_fixes import PLUGIN_BRIDGES
 from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
 logger = logging.getLogger(__name__)

@@ -142,7 +142,9 @@ class SeqLengthsMemo:
     - :meth:`rows_expanded`: a ``[B, 1, 1, Skv]`` padding mask (True = masked out) -> the
       ``[B, 1, Sq, Skv]`` bool mask the operator accepts (one allocation of B·Sq·Skv bytes);
     - :meth:`keep_prefix_form`: a ``[B, S]`` keep mask (True = real token) -> whether each row's
-      real tokens form a prefix, and a non-empty one (one device-to-host sync).
+      real tokens form a prefix, and a non-empty one (one device-to-host sync);
+    - :meth:`plan`: what context parallelism derives from a packed layout's host ends (index
+      tensors on the device), keyed by those host values.
 
     Entries are keyed by ``(id(), what)`` and checked through a weak reference, so a new tensor
     that reuses a freed one's id is derived afresh; a tensor refilled in place (a static buffer,
@@ -155,6 +157,8 @@ class SeqLengthsMemo:
         self.conversions = 0  # how many cu_seqlens device-to-host syncs this memo has made
         self.expansions = 0  # how many [B,1,1,S] masks it has expanded
         self.keep_reads = 0  # how many [B, S] keep masks it has read (one sync each)
+        self.plans_built = 0  # how many plan() values it has built
+        self._plans: OrderedDict[tuple, object] = OrderedDict()  # host key -> value, LRU
         # (id, what) -> (weak reference, (version, data pointer) when derived, value)
         self._entries: OrderedDict[tuple[int, object], tuple[weakref.ref, tuple, object]] = (
             OrderedDict()
@@ -214,6 +218,19 @@ class SeqLengthsMemo:
             self.keep_reads += 1
             self._store(keep, "keep_prefix", form)
         return form
+
+    def plan(self, key: tuple, build):
+        """``build()`` once per ``key``, a tuple of host values (a packed layout's ends, the CP
+        size and rank, the device): index tensors every layer of a step shares. The last
+        ``capacity`` keys are kept, and they live as long as the memo (the model's)."""
+        if key in self._plans:
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        value = self._plans[key] = build()
+        self.plans_built += 1
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return value
 
     def remember(self, cu_seqlens: torch.Tensor, ends: tuple[int, ...]) -> None:
         """Record host offsets already known (e.g. from ``padding_to_packed``): no sync later."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_npu.ops.reference import (
+from mcore_npu.ops.attention_reference import (
     AttentionOptions,
     _from_bnsd,
     _Keep,

@@ -1,12 +1,12 @@
 """Dispatch of the fused operators beyond attention: ``kernel = auto | torch_npu | reference``.
 
-- :func:`rms_norm` -> ``torch_npu.npu_rms_norm`` or :func:`mcore_npu.ops.rms_norm.npu_rms_norm`
-- :func:`swiglu` -> ``torch_npu.npu_swiglu`` or :func:`mcore_npu.ops.swiglu.npu_swiglu`
+- :func:`rms_norm` -> ``torch_npu.npu_rms_norm`` or :func:`mcore_npu.ops.npu_rms_norm.npu_rms_norm`
+- :func:`swiglu` -> ``torch_npu.npu_swiglu`` or :func:`mcore_npu.ops.npu_swiglu.npu_swiglu`
 - :func:`grouped_linear` -> ``npu_grouped_matmul`` three times per projection (forward, dX, dW),
   MindSpeed's backward scheme, through :class:`GroupedLinear` (per-expert biases optional)
 
-Every call is validated first (the same checks for both kernels), then reaches the chosen kernel
-with exactly the documented arguments. ``torch_npu`` is imported at call time only.
+Every call is validated first (the same checks for both kernels), then reaches the kernel the
+registry picks (``mcore_npu.ops.registry``) with exactly the documented arguments.
 """
 
 from __future__ import annotations
@@ -15,41 +15,35 @@ import inspect
 
 import torch
 
-from mcore_npu.ops import grouped_matmul as gmm
-from mcore_npu.ops import rms_norm as rms
-from mcore_npu.ops import swiglu as glu
+from mcore_npu.ops import npu_grouped_matmul as gmm
+from mcore_npu.ops import npu_rms_norm as rms
+from mcore_npu.ops import npu_swiglu as glu
+from mcore_npu.ops import registry
+from mcore_npu.ops.probes import grouped_matmul_keywords
 
 GROUPED_MATMUL_NEWER_KEYWORDS = ("group_type", "group_list_type")
 """Keywords older ``npu_grouped_matmul`` releases (torch 2.1/2.2 builds) do not take."""
 
 
-def _chosen(kernel: str, t) -> str:
-    from mcore_npu.ops import resolve_kernel
-
-    return resolve_kernel(kernel, getattr(t, "device", torch.device("cpu")))
-
-
-def _torch_npu():
-    from mcore_npu.ops import load_torch_npu
-
-    return load_torch_npu()
+def _device(t):
+    return getattr(t, "device", torch.device("cpu"))
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6, *, kernel="auto"):
     """``npu_rms_norm(x, gamma, epsilon=epsilon)[0]``: x [*, H] -> y [*, H] (rstd dropped)."""
-    chosen = _chosen(kernel, x)
+    chosen = registry.resolve("rms_norm", kernel, _device(x)).kernel
     rms.validate_rms_norm(x, gamma, epsilon, kernel=chosen)
     if chosen == "torch_npu":
-        return _torch_npu().npu_rms_norm(x, gamma, epsilon=epsilon)[0]
+        return registry.ascend("rms_norm")(x, gamma, epsilon=epsilon)[0]
     return rms.npu_rms_norm(x, gamma, epsilon=epsilon)[0]
 
 
 def swiglu(x: torch.Tensor, dim: int = -1, *, kernel="auto") -> torch.Tensor:
     """``npu_swiglu(x, dim=dim)``: [..., 2F] -> [..., F], silu(first half) * second half."""
-    chosen = _chosen(kernel, x)
+    chosen = registry.resolve("swiglu", kernel, _device(x)).kernel
     glu.validate_swiglu(x, dim, kernel=chosen)
     if chosen == "torch_npu":
-        return _torch_npu().npu_swiglu(x, dim=dim)
+        return registry.ascend("swiglu")(x, dim=dim)
     return glu.npu_swiglu(x, dim=dim)
 
 
@@ -57,42 +51,25 @@ def grouped_matmul(x, weight, *, kernel="auto", **op_kwargs) -> list[torch.Tenso
     """One ``npu_grouped_matmul(x, weight, **op_kwargs)`` call on the chosen kernel.
 
     Keywords that the installed torch_npu does not take (older releases stop at ``group_list``,
-    ``split_item``, ``output_dtype``) raise TypeError naming them, before the call.
+    ``split_item``, ``output_dtype``) are a reason the kernel cannot run the call (the registry's
+    policy: raised for ``kernel="torch_npu"``, the reference with a warning for ``"auto"``).
     """
     first = x[0] if isinstance(x, (list, tuple)) and x else x
-    chosen = _chosen(kernel, first)
     unknown = set(op_kwargs) - set(inspect.signature(gmm.npu_grouped_matmul).parameters)
     if unknown:
         raise TypeError(f"grouped_matmul: unknown operator keyword(s) {sorted(unknown)}; "
-                        "see mcore_npu.ops.grouped_matmul for the operator's keywords")  # fmt: skip
+                        "see mcore_npu.ops.npu_grouped_matmul for the operator's keywords")  # fmt: skip
+    chosen = registry.resolve("grouped_matmul", kernel, _device(first),
+                              keywords=tuple(op_kwargs)).kernel  # fmt: skip
     if chosen != "torch_npu":
         gmm.validate_grouped_matmul(x, weight, kernel=chosen, **op_kwargs)
         return gmm.npu_grouped_matmul(x, weight, **op_kwargs)
-    op = _torch_npu().npu_grouped_matmul
-    accepted = grouped_matmul_keywords(op)
-    missing = [k for k in op_kwargs if k not in accepted]
-    if missing:
-        raise TypeError(f"grouped_matmul: the installed torch_npu's npu_grouped_matmul takes "
-                        f"no {missing}; upgrade torch-npu or leave them out")  # fmt: skip
+    op = registry.ascend("grouped_matmul")
     checked = dict(op_kwargs)
-    if "group_type" not in accepted and checked.get("group_list") is not None:
+    if "group_type" not in grouped_matmul_keywords(op) and checked.get("group_list") is not None:
         checked["group_type"] = 0  # older releases split x's rows (M) by group_list
     gmm.validate_grouped_matmul(x, weight, kernel=chosen, **checked)
     return op(x, weight, **op_kwargs)
-
-
-def grouped_matmul_keywords(op) -> frozenset[str]:
-    """The keyword names ``op`` accepts, probed from its signature (never from a version).
-
-    A builtin without an introspectable signature is taken to be a newer release (all keywords).
-    """
-    try:
-        params = inspect.signature(op).parameters
-    except (TypeError, ValueError):
-        params = inspect.signature(gmm.npu_grouped_matmul).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        params = inspect.signature(gmm.npu_grouped_matmul).parameters
-    return frozenset(name for name in params if name not in ("x", "weight"))
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -150,7 +127,7 @@ def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, biases=None, 
     ``tokens_per_expert`` [E] (int tensor or list) gives the rows per expert; zeros allowed.
     ``biases``: None or E x [N], added to each expert's rows inside the operator (``bias=``).
     """
-    chosen = _chosen(kernel, x)
+    chosen = registry.resolve("grouped_matmul", kernel, _device(x)).kernel
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64)
     counts = counts.to(x.device) if chosen == "torch_npu" else counts.cpu()
     biases = list(biases or [])
@@ -163,7 +140,7 @@ def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, biases=None, 
 def _supports(kernel: str, keyword: str) -> bool:
     if kernel != "torch_npu":
         return True
-    return keyword in grouped_matmul_keywords(_torch_npu().npu_grouped_matmul)
+    return keyword in grouped_matmul_keywords(registry.ascend("grouped_matmul"))
 
 
 def _call(kernel, x, weight, counts, *, split_item, group_type, bias=None):

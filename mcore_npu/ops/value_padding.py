@@ -35,7 +35,7 @@ import torch
 MODES = ("auto", "on", "off")
 PROBE_HEAD_DIM, PROBE_VALUE_DIM = 16, 8
 
-_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch_npu -> {device: bool}
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # its owner -> {device: bool}
 
 
 def check_mode(mode: str, name: str = "mla_value_padding") -> str:
@@ -61,31 +61,33 @@ def pads(mode: str, kernel: str, device: torch.device) -> bool:
         return mode == "on"
     if kernel != "torch_npu":
         return False  # the reference takes Dv < D in every layout
-    from mcore_npu.ops import load_torch_npu
+    from mcore_npu.ops import registry
 
-    return not takes_smaller_value(load_torch_npu(), device)
+    return not takes_smaller_value(registry.ascend("fusion_attention"), device)
 
 
-def takes_smaller_value(torch_npu, device: torch.device | str) -> bool:
-    """Whether ``torch_npu.npu_fusion_attention`` returns a Dv-wide output for Dv < D (SBH).
+def takes_smaller_value(op, device: torch.device | str) -> bool:
+    """Whether ``op`` (torch_npu's ``npu_fusion_attention``) returns a Dv-wide output for
+    Dv < D (SBH).
 
     One call on ``device``: q/k ``[1, 1, 16]``, v ``[1, 1, 8]`` (one head, one key: the output
     must be v). An exception, a D-wide output or a wrong value all read as "no".
     """
-    known = _PROBED.setdefault(torch_npu, {})
+    owner = getattr(op, "__self__", None) or op  # a method's (the module's) object is stable
+    known = _PROBED.setdefault(owner, {})
     key = str(device)
     if key not in known:
-        known[key] = _probe(torch_npu, device)
+        known[key] = _probe(op, device)
     return known[key]
 
 
-def _probe(torch_npu, device) -> bool:
+def _probe(op, device) -> bool:
     dtype = torch.float16  # every release takes fp16 (fp32 is unverified on old ones)
     try:
         q = torch.ones(1, 1, PROBE_HEAD_DIM, dtype=dtype, device=device)
         v = torch.arange(PROBE_VALUE_DIM, dtype=dtype, device=device).view(1, 1, -1)
         with torch.no_grad():
-            out = torch_npu.npu_fusion_attention(q, q, v, 1, "SBH", scale=0.25)[0]
+            out = op(q, q, v, 1, "SBH", scale=0.25)[0]
         return tuple(out.shape) == tuple(v.shape) and bool(torch.equal(out.cpu(), v.cpu()))
     except Exception:  # an older operator refuses Dv != D (or the device is unusable)
         return False

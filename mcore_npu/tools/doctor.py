@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -36,6 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mcore_npu.allocator import device as accelerators
+from mcore_npu.ops.registry import OPERATORS
+
+OPERATOR_NAMES = tuple(OPERATORS)
 
 __all__ = [
     "Check",
@@ -605,9 +609,8 @@ def check_attention(probe: _Probe) -> Check:
     if probe.torch is None:
         return _not_checked("attention")
     accelerator = probe.accelerator or accelerators.current_accelerator()
-    kernel = importlib.import_module("mcore_npu.ops").resolve_kernel(
-        "auto", probe.torch.device(accelerator)
-    )
+    registry = importlib.import_module("mcore_npu.ops.registry")
+    kernel = registry.resolve("fusion_attention", "auto", probe.torch.device(accelerator)).kernel
     try:
         backend = _quiet_import("mcore_npu.transformer.backends").resolve_backend("auto")
     except Exception as exc:  # megatron-core missing or broken: reported on its own line
@@ -630,63 +633,55 @@ def check_attention(probe: _Probe) -> Check:
     return Check("attention", OK, detail)
 
 
-FUSED_OPERATORS = ("npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_grouped_matmul",
-                   "npu_rotary_mul")  # fmt: skip
-"""The torch_npu operators the NPU spec calls (each has a reference in ``mcore_npu.ops``)."""
+# What the probes are told for ``doctor``'s line of an operator: the calls the NPU spec makes
+# (bf16, head dims 128), labelled where an operator's choice depends on the call.
+def _typical_calls(torch) -> dict[str, list[tuple[str, dict]]]:
+    bf16 = types.SimpleNamespace(dtype=torch.bfloat16, shape=(1, 64, 4, 128))
+    gdn = {"q": bf16, "v": bf16, "initial_state": None, "output_final_state": False}
+    return {
+        "rotary_mul": [("", {"rotary_mode": "half", "head_dim": 128}),
+                       ("interleaved", {"rotary_mode": "interleave", "head_dim": 128})],
+        "grouped_matmul": [("", {"keywords": ("group_list", "split_item", "group_type",
+                                              "group_list_type")})],
+        "chunk_gated_delta_rule": [("training", {**gdn, "grad": True}),
+                                   ("forward-only", {**gdn, "grad": False})],
+    }  # fmt: skip
 
 
-def check_fused_ops(probe: _Probe) -> Check:
-    """Which of ``FUSED_OPERATORS`` the installed torch_npu has, and its grouped-matmul keywords."""
+def check_operator(name: str, probe: _Probe) -> Check:
+    """What ``kernel="auto"`` runs for the registered operator ``name`` on NPU tensors here,
+    and why (the registry's reasons), when torch_npu imports; else the reference."""
+    label = f"op {name}"
     if probe.torch is None:
-        return _not_checked("fused ops")
-    absent = _distribution_version("torch-npu") is None and _module_origin("torch_npu") is None
-    if absent and "torch_npu" not in sys.modules:
-        return Check("fused ops", OK, "no torch_npu: every operator runs its reference")
-    if accelerators.npu_import_error() is not None:
-        return Check("fused ops", OK, "torch_npu does not import (see the torch-npu line): "
-                     "every operator runs its reference")  # fmt: skip
-    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
-    have = [name for name in FUSED_OPERATORS if _attribute(torch_npu, name)]
-    missing = [name for name in FUSED_OPERATORS if name not in have]
-    detail = f"torch_npu has {', '.join(have) or 'none of them'}"
-    if "npu_grouped_matmul" in have:
-        keywords = importlib.import_module("mcore_npu.ops.fused").grouped_matmul_keywords(
-            torch_npu.npu_grouped_matmul
-        )
-        newer = "group_type" in keywords and "group_list_type" in keywords
-        detail += ("; npu_grouped_matmul takes group_type/group_list_type" if newer else
-                   "; npu_grouped_matmul is the older signature (no group_type: expert weight "
-                   "gradients by one matmul per expert)")  # fmt: skip
-    if "npu_rotary_mul" in have:
-        detail += _rotary_detail(torch_npu.npu_rotary_mul)
-    if missing:
-        return Check("fused ops", WARN, f"{detail}; missing {', '.join(missing)}",
-                     "an older torch-npu release",
-                     "upgrade torch-npu, or set that operator's kernel to reference "
-                     "(YAML fused.<op>: reference)")  # fmt: skip
-    return Check("fused ops", OK, detail)
+        return _not_checked(label)
+    registry = importlib.import_module("mcore_npu.ops.registry")
+    accelerator = probe.accelerator or accelerators.current_accelerator()
+    if not registry.operator(name).kernels:
+        return Check(label, OK, "the PyTorch reference everywhere (no Ascend kernel registered)")
+    if _quiet_optional("torch_npu") is None:
+        return Check(label, OK, f"auto -> reference on {accelerator} (no usable torch_npu)")
+    parts, fell_back = [], False
+    for call, facts in _typical_calls(probe.torch).get(name, [("", {})]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reasons are printed here instead
+            resolution = registry.resolve(name, "auto", "npu", **facts)
+        reasons = f" ({'; '.join(resolution.reasons)})" if resolution.reasons else ""
+        parts.append(f"{call + ' ' if call else ''}-> {resolution.kernel}{reasons}")
+        fell_back = fell_back or resolution.fell_back
+    detail = f"auto on NPU tensors {', '.join(parts)}"
+    if fell_back and accelerator == "npu":
+        return Check(label, WARN, detail, "no Ascend kernel can take the call (the reasons above)",
+                     "install or upgrade the package named, or set this operator's kernel to "
+                     "reference to silence the warning")  # fmt: skip
+    return Check(label, OK, detail)
 
 
-def check_moe_permute(probe: _Probe) -> Check:
-    """Which of the four MoE permute operators torch_npu has, and the path ``auto`` takes."""
-    if probe.torch is None:
-        return _not_checked("moe permute")
-    absent = _distribution_version("torch-npu") is None and _module_origin("torch_npu") is None
-    if (absent and "torch_npu" not in sys.modules) or accelerators.npu_import_error() is not None:
-        return Check("moe permute", OK, "no usable torch_npu: fused.moe_permute auto / "
-                     "reference runs the reference permute")  # fmt: skip
-    dispatch = importlib.import_module("mcore_npu.ops.permute_dispatch")
-    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
-    present = dispatch.installed_permute_ops(torch_npu)
-    have = [name for name, ok in present.items() if ok]
-    fused = all(present[name] for name in dispatch.mp.ROUTING_MAP_OPS)
-    path = "the fused operators" if fused else "the unfused permute (Megatron's), with a warning"
-    detail = f"torch_npu has {', '.join(have) or 'none of the four'}; auto on NPU -> {path}"
-    if not fused:
-        return Check("moe permute", WARN, detail, "torch-npu older than op-plugin 7.2.0 (no "
-                     "_with_routing_map operators)", "upgrade torch-npu for the fused permute; "
-                     "until then auto gives the same results unfused")  # fmt: skip
-    return Check("moe permute", OK, detail)
+def _quiet_optional(name: str):
+    """``_optional.import_optional(name)`` with the import's own warnings hidden."""
+    optional = importlib.import_module("mcore_npu._optional")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return optional.import_optional(name)
 
 
 def check_mla_value(probe: _Probe) -> Check:
@@ -700,8 +695,8 @@ def check_mla_value(probe: _Probe) -> Check:
     if accelerator != "npu":
         return Check("mla value", OK, "Dv < D unpadded: the reference kernel takes it in every "
                      "layout (mla_value_padding auto; on pads anyway)")  # fmt: skip
-    torch_npu = sys.modules.get("torch_npu") or _quiet_import("torch_npu")
-    if padding.takes_smaller_value(torch_npu, "npu"):
+    op = importlib.import_module("mcore_npu.ops.registry").ascend("fusion_attention")
+    if padding.takes_smaller_value(op, "npu"):
         return Check("mla value", OK, "Dv < D unpadded: npu_fusion_attention returns Dv-wide "
                      "outputs (probe on the NPU; mla_value_padding auto)")  # fmt: skip
     return Check("mla value", WARN, "Dv < D padded: v padded to D and the output sliced "
@@ -709,38 +704,6 @@ def check_mla_value(probe: _Probe) -> Check:
                  "for Dv < D (probe on the NPU); the padding costs (D - Dv) / Dv more value "
                  "memory", "a torch-npu / CANN release with Dv < D (MindSpeed-LLM recommends "
                  "CANN >= 8.2.RC1 for it); the results are the same either way")  # fmt: skip
-
-
-def check_gated_delta(probe: _Probe) -> Check:
-    """Which kernel ``chunk_gated_delta_rule(kernel="auto")`` runs here, for training calls and
-    for forward-only calls (bf16, K = V = 128: what every Ascend kernel takes)."""
-    if probe.torch is None:
-        return _not_checked("gated delta")
-    accelerator = probe.accelerator or accelerators.current_accelerator()
-    if accelerator != "npu":
-        return Check("gated delta", OK, f"auto -> reference on {accelerator} (the Ascend "
-                     "kernels run on NPU tensors only)")  # fmt: skip
-    kernels = importlib.import_module("mcore_npu.ops.gated_delta.kernels")
-    chain = importlib.import_module("mcore_npu.ops.gated_delta.fla_npu_chain")
-    train = "fla_npu" if chain.available() else "fla" if kernels.fla_rule() else "reference"
-    forward = "torch_npu" if kernels.torch_npu_rule() is not None else train
-    detail = (f"auto on NPU -> training {train}, forward-only {forward} (bf16, K = V = 128; "
-              "shapes a kernel does not take fall back)")  # fmt: skip
-    if train == "reference":
-        return Check("gated delta", WARN, detail, "neither fla_npu's Ascend C operators nor fla's "
-                     "triton-ascend kernel imports: GDN training runs the reference on the NPU",
-                     "install flash-linear-attention-npu (fla_npu) or flash-linear-attention "
-                     "with triton-ascend")  # fmt: skip
-    return Check("gated delta", OK, detail)
-
-
-def _rotary_detail(op) -> str:
-    """Whether ``npu_rotary_mul`` takes ``rotary_mode`` (its signature, never its version)."""
-    takes = importlib.import_module("mcore_npu.ops.fused_rotary").rotary_mul_takes_mode(op)
-    if takes:
-        return "; npu_rotary_mul takes rotary_mode (half and interleave)"
-    return ("; npu_rotary_mul is the older signature (no rotary_mode: half only, head dim 128; "
-            "rotary_interleaved models need fused.rope: reference or off)")  # fmt: skip
 
 
 CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
@@ -754,10 +717,8 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("allocator env", check_allocator_env),
     ("allocator setter", check_allocator_setter),
     ("attention", check_attention),
-    ("fused ops", check_fused_ops),
-    ("moe permute", check_moe_permute),
     ("mla value", check_mla_value),
-    ("gated delta", check_gated_delta),
+    *((f"op {name}", functools.partial(check_operator, name)) for name in OPERATOR_NAMES),
 )
 """The report's lines, in order. Each takes the shared probe and returns one Check."""
 

@@ -206,7 +206,7 @@ def oracle(case: FusedCase, leaves) -> torch.Tensor:
 
 
 def _compare_all(case, got, got_leaves, want, want_leaves, upstream):
-    from mcore_npu.tools.verify import CaseResult, compare
+    from mcore_npu.tools.comparison import CaseResult, compare
 
     got_grads = torch.autograd.grad(got, got_leaves, upstream.to(got.dtype), allow_unused=True)
     want_grads = torch.autograd.grad(want, want_leaves, upstream.to(want.dtype), allow_unused=True)
@@ -240,10 +240,10 @@ def check_reference_fused_case(case: FusedCase, device="cpu"):
 
 def check_kernel_fused_case(case: FusedCase, device):
     """torch_npu on ``device`` against the float32 reference on the CPU (same rounded inputs)."""
-    from mcore_npu.ops import load_torch_npu, reference
+    from mcore_npu.ops import reference, registry
 
     leaves, kwargs = make_call(case, case.dtype, device)
-    got = call_operator(case, getattr(load_torch_npu(), case.operator), leaves, kwargs)
+    got = call_operator(case, registry.by_attribute(case.operator), leaves, kwargs)
     rounded, cpu_kwargs = make_call(case, case.dtype, "cpu")
     wide = [t.detach().float().requires_grad_(True) for t in rounded]
     want = call_operator(case, getattr(reference, case.operator), wide, cpu_kwargs)

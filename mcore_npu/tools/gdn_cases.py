@@ -245,7 +245,7 @@ def conv_oracle(x, weight, bounds=None):
 
 def _compare_all(case, got, got_leaves, want, want_leaves):
     """Forward, state and every input gradient (seeded upstream gradients)."""
-    from mcore_npu.tools.verify import CaseResult, compare
+    from mcore_npu.tools.comparison import CaseResult, compare
 
     (out, state), (want_out, want_state) = got, want
     comparisons = [compare("forward", out, want_out, None, case.forward)]

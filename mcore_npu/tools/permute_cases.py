@@ -58,10 +58,11 @@ def make_call(case, dtype, device="cpu"):
 
 def _partner(op, name):
     """The same source's other operator (the reference's or the installed torch_npu's)."""
-    from mcore_npu.ops import load_torch_npu, reference
+    from mcore_npu.ops import reference, registry
 
-    owner = reference if op is getattr(reference, op.__name__, None) else load_torch_npu()
-    return getattr(owner, name)
+    if op is getattr(reference, op.__name__, None):
+        return getattr(reference, name)
+    return registry.by_attribute(name)
 
 
 def call_operator(case, op, leaves, kwargs):

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mcore_npu.transformer import megatron_features
+
 LATEST = "latest"
 STEP_PREFIX = "step_"
 COMPLETE_MARK = "metadata.json"  # Megatron writes it after every rank's data is on disk
@@ -132,17 +134,11 @@ def diagnose(path: str | Path) -> str | None:
     return _check_data_files(path, storage)
 
 
-@functools.cache
 def _writes_common_file() -> bool:
-    """Whether the installed megatron-core saves the common state as ``common.pt`` (its
-    ``dist_checkpointing.save`` takes a ``common_strategy``: <= 0.18); 0.19+ writes it into the
-    ``.distcp`` files (the sharded object ``common_state``) and reads a ``common.pt`` only from
-    older checkpoints. Read from the signature, not the version."""
-    import inspect
-
-    from megatron.core import dist_checkpointing
-
-    return "common_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    """Whether the installed megatron-core saves the common state as ``common.pt`` (<= 0.18);
+    0.19+ writes it into the ``.distcp`` files (the sharded object ``common_state``) and reads a
+    ``common.pt`` only from older checkpoints."""
+    return megatron_features.has("checkpoint_common_file")
 
 
 def _check_data_files(path: Path, storage) -> str | None:

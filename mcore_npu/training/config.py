@@ -30,10 +30,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcore_npu.ops.registry import KERNELS
 from mcore_npu.transformer.backends import BACKENDS, PARAM_LAYOUTS, resolve_backend
-from mcore_npu.transformer.megatron_fields import install_hint
+from mcore_npu.transformer.megatron_features import install_hint
 
-KERNELS = ("auto", "torch_npu", "reference")  # = mcore_npu.ops.KERNELS (a test keeps them equal)
 DTYPES = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
@@ -334,6 +334,7 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
     "pipeline_model_parallel_size": "parallel.pipeline",
     "virtual_pipeline_model_parallel_size": "parallel.pipeline (no virtual stages)",
     "context_parallel_size": "parallel.context",
+    "cp_comm_type": "parallel.cp_comm_type",
     "sequence_parallel": "parallel.sequence_parallel",
     "expert_model_parallel_size": "parallel.expert",
     "expert_tensor_parallel_size": "parallel.expert_tensor",
@@ -656,14 +657,23 @@ def _validate_heads(cfg) -> None:
               "round the vocabulary up to a multiple of the tensor-parallel size")  # fmt: skip
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+# Megatron's argument names in this schema's keys, for the context-parallel rules' reasons
+_CP_KEYS = {
+    "cp_comm_type": "parallel.cp_comm_type",
+    "context_parallel_size": "parallel.context",
+    "attention_dropout": "model.attention_dropout",
+    "window_size": "model.window_size",
+    "num_attention_heads": "model.num_attention_heads",
+    "num_query_groups": "model.num_query_groups",
+}
 
 
 def _validate_context(cfg, p) -> None:
-    """``parallel.context > 1``: the NPU spec's attention splits the sequence over CP ranks."""
-    if p.cp_comm_type not in CP_COMM_TYPES:
-        _fail("parallel.cp_comm_type", p.cp_comm_type, "is not a context-parallel algorithm of "
-              "the NPU spec ('a2a+p2p' is not built)", f"use one of {', '.join(CP_COMM_TYPES)}")  # fmt: skip
+    """``parallel.context > 1``: the NPU spec's attention splits the sequence over CP ranks;
+    what it takes is the context-parallel rules' answer
+    (``mcore_npu.transformer.context_parallel.rules``)."""
+    from mcore_npu.transformer.context_parallel import rules
+
     if _resolved_backend(cfg) != "npu_fusion":
         _fail("parallel.context", p.context, "needs attention.backend=npu_fusion (Megatron's "
               f"local attention refuses CP; attention.backend={cfg.attention.backend})",
@@ -672,26 +682,20 @@ def _validate_context(cfg, p) -> None:
         _fail("train.seq_length", cfg.train.seq_length, f"does not divide by 2*parallel.context "
               f"= {2 * p.context} (Megatron cuts each sequence into 2*CP chunks)",
               f"use a multiple of {2 * p.context}")  # fmt: skip
-    # Packed batches: each packed sequence (one sample of train.seq_length tokens) is cut into
-    # its own 2*CP chunks; the train.seq_length rule above covers that. Every comm type splits them.
-    if cfg.model.window_size is not None and p.cp_comm_type == "p2p" and cfg.data.pack_sequences:
-        _fail("model.window_size", list(cfg.model.window_size), "is not computed on packed "
-              "batches by the p2p ring (a ring block's band shifts by the chunk length, which "
-              "differs per packed sequence)", "use parallel.cp_comm_type=a2a or all_gather, "
-              "unpacked batches, or parallel.context=1")  # fmt: skip
-    if p.cp_comm_type == "p2p" and cfg.model.attention_dropout > 0:
-        _fail("model.attention_dropout", cfg.model.attention_dropout, "the p2p ring's gradient "
-              "operator cannot replay a dropout mask", "set it to 0, or parallel.cp_comm_type="
-              "all_gather / a2a")  # fmt: skip
-    if p.cp_comm_type == "a2a":
-        m, tp = cfg.model, p.tensor
-        groups = m.num_query_groups or m.num_attention_heads
-        for name, count in (("num_attention_heads", m.num_attention_heads),
-                            ("num_query_groups", groups)):  # fmt: skip
-            if (count // tp) % p.context:
-                _fail(f"model.{name}", count, f"per tensor-parallel rank ({count // tp}) does "
-                      f"not divide by parallel.context={p.context}, as cp_comm_type=a2a needs",
-                      "use parallel.cp_comm_type=p2p or all_gather, or another CP size")  # fmt: skip
+    m = cfg.model
+    hierarchical = m.extra.get("hierarchical_context_parallel_sizes")
+    if hierarchical:  # Megatron's a2a+p2p
+        _, problem, fix = rules.not_supported_reasons("a2a+p2p", p.context)[0].render(_CP_KEYS)
+        _fail("model.hierarchical_context_parallel_sizes", list(hierarchical), problem, fix)
+    comm_type = p.cp_comm_type
+    window = None if m.window_size is None else tuple(m.window_size)
+    facts = dict(dropout=m.attention_dropout, window=window, packed=bool(cfg.data.pack_sequences))
+    groups = m.num_query_groups or m.num_attention_heads
+    heads = dict(heads=m.num_attention_heads, groups=groups, tp=p.tensor)
+    reasons = rules.not_supported_reasons(comm_type, p.context, **facts, **heads)
+    if reasons:
+        key, problem, fix = reasons[0].render(_CP_KEYS)
+        _fail(key, reasons[0].value, problem, fix)
 
 
 def _validate_parallel(cfg, world_size: int) -> None:

@@ -148,11 +148,12 @@ def _portable_fields() -> dict:
 
 def attention_choice(cfg, device) -> tuple[str, str | None]:
     """``(backend, kernel)`` the model's attention uses on ``device`` (kernel: npu_fusion only)."""
-    from mcore_npu.ops import resolve_kernel
+    from mcore_npu.ops import registry
 
     backend = resolve_backend(cfg.attention.backend)
-    kernel = resolve_kernel(cfg.attention.kernel, device) if backend == "npu_fusion" else None
-    return backend, kernel
+    if backend != "npu_fusion":
+        return backend, None
+    return backend, registry.resolve("fusion_attention", cfg.attention.kernel, device).kernel
 
 
 def layer_spec(cfg, config):

@@ -11,7 +11,6 @@ of the CPU runtime (``mcore_npu.cpu``); on an NPU it loads Ascend's CUDA-to-NPU 
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -156,7 +155,9 @@ def _prepare_accelerator(accelerator: str) -> None:
 
         cpu_runtime.apply()
     elif accelerator == "npu":
-        importlib.import_module("torch_npu.contrib.transfer_to_npu")
+        from mcore_npu._optional import load
+
+        load("torch_npu.contrib.transfer_to_npu")
 
 
 def seed_streams(seed: int) -> None:

@@ -40,6 +40,7 @@ import math
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from mcore_npu.masks import (
     BottomRightCausalMask,
@@ -50,15 +51,11 @@ from mcore_npu.masks import (
     TopLeftCausalMask,
     describe_mask,
 )
-from mcore_npu.ops import KERNELS, fusion_attention, resolve_kernel
+from mcore_npu.ops import fusion_attention, registry
 from mcore_npu.ops import value_padding as padding
+from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer import context_parallel
 from mcore_npu.transformer.extra_state import EmptyExtraState
-
-try:  # Megatron >= 0.15
-    from megatron.core.transformer.utils import is_layer_window_attention
-except ImportError:  # older releases have no sliding window in local attention
-    is_layer_window_attention = None
 
 
 class NPUFusionAttention(MegatronModule):
@@ -85,8 +82,7 @@ class NPUFusionAttention(MegatronModule):
         value_padding: ``"auto"`` | ``"on"`` | ``"off"``: whether a value head dim smaller than
             the query's is padded to it for the operator (``mcore_npu.ops.value_padding``;
             the spec's ``mla_value_padding``).
-        **kwargs: the process-group argument Megatron passes (``pg_collection`` since 0.15,
-            ``model_comm_pgs`` in 0.13-0.14, nothing before); used when present.
+        **kwargs: ``pg_collection``, Megatron's process groups, when it passes them.
     """
 
     def __init__(
@@ -131,14 +127,13 @@ class NPUFusionAttention(MegatronModule):
             self.cp_comm_type = context_parallel.layer_comm_type(
                 config, self.layer_number, cp_comm_type
             )
-            self.cp_group = context_parallel.context_parallel_group(
-                kwargs.get("pg_collection") or kwargs.get("model_comm_pgs")
+            context_parallel.rules.check(
+                self.cp_comm_type,
+                config.context_parallel_size,
+                heads=self.num_heads_per_partition,
+                groups=self.num_query_groups_per_partition,
             )
-            if self.cp_comm_type == "a2a":
-                cp_size = config.context_parallel_size
-                context_parallel.ulysses.check_heads(
-                    self.num_heads_per_partition, self.num_query_groups_per_partition, cp_size
-                )
+            self.cp_group = context_parallel.context_parallel_group(kwargs.get("pg_collection"))
 
     def forward(
         self,
@@ -164,7 +159,8 @@ class NPUFusionAttention(MegatronModule):
 
     def _pads_value(self, device) -> bool:
         """Whether v (Dv < D) is padded to D here (``value_padding``; auto: a probe of torch_npu)."""
-        return padding.pads(self.value_padding, resolve_kernel(self.kernel, device), device)
+        kernel = registry.resolve("fusion_attention", self.kernel, device).kernel
+        return padding.pads(self.value_padding, kernel, device)
 
     def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                 packed_seq_params) -> torch.Tensor:  # fmt: skip
@@ -222,6 +218,7 @@ class NPUFusionAttention(MegatronModule):
                 self.cp_comm_type, query, key, value, self.cp_group,
                 heads=self.num_heads_per_partition, scale=self.softmax_scale, causal=causal,
                 kernel=self.kernel, keep_prob=keep_prob, thd_ends=thd_ends, window=window,
+                memo=self.seq_lengths_memo,
             )  # fmt: skip
 
     def _thd_ends(self, mask, params, t_local: int, where: str) -> tuple[int, ...]:
@@ -330,8 +327,7 @@ def _cp_mask(mask, where: str) -> tuple[bool, tuple[int, int] | None]:
 
 
 def _check_supported(config, kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+    check_kernel(kernel)
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
         raise NotImplementedError(
@@ -341,7 +337,7 @@ def _check_supported(config, kernel: str) -> None:
 
 
 def _tensor_parallel_size(kwargs) -> int:
-    groups = kwargs.get("pg_collection") or kwargs.get("model_comm_pgs")
+    groups = kwargs.get("pg_collection")
     tp_group = getattr(groups, "tp", None)
     if tp_group is not None:
         return tp_group.size()
@@ -372,9 +368,7 @@ def _layer_window(config, layer_number) -> tuple[int, int] | None:
     if window is None:
         return None
     skip = getattr(config, "window_attn_skip_freq", None)
-    if is_layer_window_attention is not None and not is_layer_window_attention(
-        window, skip, layer_number
-    ):
+    if not is_layer_window_attention(window, skip, layer_number):
         return None
     return tuple(window)
 

@@ -47,7 +47,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
-from mcore_npu.ops import KERNELS, grouped_linear, swiglu
+from mcore_npu.ops import grouped_linear, swiglu
+from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer.backends import PARAM_LAYOUTS
 from mcore_npu.transformer.extra_state import EmptyExtraState
 from mcore_npu.transformer.mlp import is_plain_swiglu
@@ -398,8 +399,7 @@ def _current_device() -> torch.device:
 
 
 def _check_choices(kernel, param_layout, config) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+    check_kernel(kernel)
     if param_layout not in PARAM_LAYOUTS:
         raise ValueError(f"param_layout: unknown layout {param_layout!r}; pass one of "
                          f"{', '.join(PARAM_LAYOUTS)}")  # fmt: skip

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from typing import Any
 
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mcore_npu.transformer import megatron_features
 
 _GROUP_KEYWORDS = ("tp_group", "pg_collection")
 
@@ -62,7 +63,7 @@ class BoundModuleSpec:
         """Build the module as megatron-core 0.18+'s ``TransformerLayer`` asks (it calls the
         slot): an MLP subclass gets ``tp_group=pg_collection.tp``, an MoE subclass
         ``pg_collection`` and ``is_mtp_layer``; groups bound in ``params`` win; ``name`` is
-        passed where the class takes it."""
+        passed on (the plugin's MLP and MoE classes give it to Megatron's)."""
         kwargs = dict(self.params)
         if mlp_process_group_keyword(self.module) == "tp_group":
             if pg_collection is not None:
@@ -70,7 +71,7 @@ class BoundModuleSpec:
         else:
             kwargs.setdefault("pg_collection", pg_collection)
             kwargs["is_mtp_layer"] = is_mtp_layer
-        if name is not None and "name" in inspect.signature(self.module.__init__).parameters:
+        if name is not None:
             kwargs["name"] = name
         return self.module(config=config, submodules=self.submodules, **kwargs)
 
@@ -80,11 +81,9 @@ def _megatron_groups_classes() -> tuple[type, ...]:
     from megatron.core.transformer.moe import experts
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    found = [MoELayer]
-    for name in ("GroupedMLP", "TEGroupedMLP", "SequentialMLP"):
-        cls = getattr(experts, name, None)
-        if isinstance(cls, type):
-            found.append(cls)
+    found = [MoELayer, experts.TEGroupedMLP, experts.SequentialMLP]
+    if megatron_features.has("grouped_mlp"):
+        found.append(experts.GroupedMLP)
     return tuple(found)
 
 

@@ -63,7 +63,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu.ops import KERNELS
+from mcore_npu.ops.registry import check_kernel
+from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
 from mcore_npu.transformer.gated_delta_net.spec import (
     dense_block_config,
@@ -75,7 +76,7 @@ from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
 from mcore_npu.transformer.self_attention import NPUSelfAttention
-from mcore_npu.transformer.spec_provider import NPUSpecProvider, backend_builders
+from mcore_npu.transformer.spec_provider import NPUSpecProvider
 
 _SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
                   "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel",
@@ -266,17 +267,13 @@ def get_gpt_mtp_block_npu_spec(
     """
     _check_kernel(kernel)
     _check_layout(param_layout)
-    build = getattr(megatron_specs, "get_gpt_mtp_block_spec_for_backend", None)
     if not getattr(config, "mtp_num_layers", None):
         return None
-    if build is None:  # pragma: no cover - megatron-core < 0.14
-        raise ValueError(
-            f"mtp_num_layers: {config.mtp_num_layers} needs get_gpt_mtp_block_spec_for_backend, "
-            "which the installed megatron-core lacks; set mtp_num_layers=None or upgrade"
-        )
     provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
                                rms_norm_kernel=rms_norm_kernel)  # fmt: skip
-    return build(config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank)
+    return megatron_specs.get_gpt_mtp_block_spec_for_backend(
+        config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank
+    )
 
 
 def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
@@ -337,7 +334,7 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool,
 def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
     """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, experts -> NPUGroupedMLP, shared
     experts -> NPUSharedExpertMLP (each unless its operator is "off"). A part left as it is keeps
-    Megatron's own object (a ``functools.partial`` on megatron-core 0.18+, see ``_as_spec``)."""
+    Megatron's own object (a ``functools.partial`` on megatron-core 0.17+, see ``_as_spec``)."""
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     mlp = _as_spec(subs.mlp)
@@ -349,7 +346,7 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
     moe = mlp.submodules
     if not hasattr(moe, "experts"):
         return
-    if hasattr(moe, "router"):  # megatron-core >= 0.16 has the slot
+    if megatron_features.has("router_slot"):  # megatron-core >= 0.16
         moe.router = NPUTopKRouter
     shared = _as_spec(moe.shared_experts)
     if isinstance(shared, ModuleSpec) and shared.module is SharedExpertMLP:
@@ -358,7 +355,7 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
     if isinstance(experts, ModuleSpec):
         moe.experts = _swapped(moe.experts, experts, provider.experts(experts, grouped))
     layer = provider.moe_layer(mlp)  # NPUMoELayer unless "off"
-    if layer is mlp and not hasattr(moe, "router"):  # megatron-core 0.15: no router slot
+    if layer is mlp and not megatron_features.has("router_slot"):  # megatron-core 0.15
         from mcore_npu.transformer.token_permute import NPURouterMoELayer
 
         layer = ModuleSpec(module=NPURouterMoELayer, params=dict(mlp.params),
@@ -367,8 +364,8 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
 
 
 def _as_spec(slot):
-    """``slot`` as a ``ModuleSpec``: megatron-core 0.18+ builds its MLP / MoE / expert specs as
-    ``functools.partial(cls, submodules=..., **params)`` (a dense MLP as
+    """``slot`` as a ``ModuleSpec``: megatron-core 0.17+ builds its expert specs (0.18+ its MLP
+    and MoE ones too) as ``functools.partial(cls, submodules=..., **params)`` (a dense MLP as
     ``partial(MLP.as_mlp_submodule, ...)``); those become ``ModuleSpec(cls, params,
     submodules)``. 0.19+ builds the shared experts through a function,
     ``partial(_build_shared_experts, submodules=...)`` (see :func:`_shared_experts_builder`):
@@ -427,7 +424,9 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
             "param_layout='local'"
         )
     if getattr(_as_spec(subs.mlp), "module", None) is MLP:
-        subs.mlp = _dense_mlp(provider, _as_spec(subs.mlp))
+        subs.mlp = megatron_specs.get_mlp_module_spec_for_backend(
+            backend=provider, num_experts=None
+        )
         subs.pre_mlp_layernorm = IdentityOp
     subs.sharded_state_dict_keys_map = {}  # the local spec's map renames to what is now real
 
@@ -445,14 +444,6 @@ def _fuse_latent_norms(attention, provider: NPUSpecProvider) -> None:
             setattr(attention, norm, IdentityOp)
 
 
-def _dense_mlp(provider: NPUSpecProvider, local_mlp: ModuleSpec) -> ModuleSpec:
-    build = backend_builders().get("get_mlp_module_spec_for_backend")
-    if build is not None:
-        return build(backend=provider, num_experts=None)
-    local_mlp.submodules.linear_fc1 = provider.column_parallel_layer_norm_linear()
-    return local_mlp
-
-
 def _is_torch_norm(module) -> bool:
     """Megatron's local norm: ``WrappedTorchNorm`` (possibly wrapped in a ModuleSpec)."""
     target = module.module if isinstance(module, ModuleSpec) else module
@@ -467,15 +458,12 @@ def _check_layout(param_layout: str) -> None:
 
 
 def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+    check_kernel(kernel)
 
 
 def _check_keywords(kwargs: dict, function, exclude: tuple[str, ...] = ()) -> None:
     """Refuse keywords the installed Megatron function does not take, listing those it does."""
-    parameters = inspect.signature(function).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return  # Megatron >= 0.17 forwards **kwargs; it checks them itself
+    parameters = inspect.signature(function).parameters  # 0.17+: copy_signature's
     accepted = [name for name in parameters if name not in exclude]
     unknown = [name for name in kwargs if name not in accepted]
     if unknown:

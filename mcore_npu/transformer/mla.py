@@ -56,7 +56,6 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer import multi_latent_attention as megatron_mla
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import (
@@ -66,24 +65,19 @@ from megatron.core.transformer.multi_latent_attention import (
 from megatron.core.transformer.spec_utils import build_module
 
 from mcore_npu.masks import SeqLengthsMemo
-from mcore_npu.ops import KERNELS, rotary_mul
+from mcore_npu.ops import rotary_mul
+from mcore_npu.ops.registry import check_kernel
+from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.rope import RopeCosSinCache, packed_positions
 
 __all__ = ["NPUMLASelfAttention", "megatron_mla_constructs"]
 
-RETURNS_LATENTS = "q_compressed" in MultiLatentAttention.forward.__code__.co_varnames
-"""Whether Megatron's MLA forward takes ``(query, key, value, q_compressed, kv_compressed)``
-from ``get_query_key_value_tensors`` (0.16) or ``(query, key, value)`` (0.15): read from the
-forward's own local names, not from the version."""
-
 
 def megatron_mla_constructs() -> bool:
-    """Whether Megatron's ``MultiLatentAttention.__init__`` is used as it is: False where its
-    module says ``HAVE_TE`` while ``TELinear`` is not a class (TE's ``MagicMock`` stand-in), so
-    that ``isinstance(..., TELinear)`` raises wherever it is evaluated (megatron-core 0.16.x
-    always, 0.15.x with fp8)."""
-    te_linear = getattr(megatron_mla, "TELinear", None)
-    return not getattr(megatron_mla, "HAVE_TE", False) or isinstance(te_linear, type)
+    """Whether Megatron's ``MultiLatentAttention.__init__`` is used as it is: not where TE's
+    ``MagicMock`` stand-in would make its ``isinstance(..., TELinear)`` raise (megatron-core
+    0.16 always, 0.15 with fp8). Probed on every call, not cached: a test flips the flag."""
+    return not megatron_features.FEATURES["mla_te_stand_in"].probe()
 
 
 class _MLAConstruction(MultiLatentAttention):
@@ -127,7 +121,7 @@ class _MLAConstruction(MultiLatentAttention):
             pg_collection=self.pg_collection,
         )  # fmt: skip
         proj_kwargs = {}
-        if _takes(submodules.linear_proj, "tp_group"):  # 0.16 passes it, 0.15 does not
+        if _takes(submodules.linear_proj, "tp_group"):  # Megatron's linears do
             proj_kwargs["tp_group"] = self.pg_collection.tp
         self.linear_proj = build_module(  # lines 169-181
             submodules.linear_proj, self.query_projection_size, config.hidden_size,
@@ -186,11 +180,8 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
 
     def __init__(self, config, submodules, layer_number, *args, rope_kernel: str | None = None,
                  seq_lengths_memo: SeqLengthsMemo | None = None, **kwargs):  # fmt: skip
-        if rope_kernel is not None and rope_kernel not in KERNELS:
-            raise ValueError(
-                f"rope_kernel: unknown kernel {rope_kernel!r}; pass one of {', '.join(KERNELS)} "
-                "or None (Megatron's own RoPE)"
-            )
+        if rope_kernel is not None:  # None: Megatron's own RoPE
+            check_kernel(rope_kernel, what="rope_kernel")
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.rope_kernel = rope_kernel
         self.seq_lengths_memo = seq_lengths_memo if seq_lengths_memo is not None else (
@@ -250,7 +241,7 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
             )
         else:
             query, key, value = up(q_compressed, kv_compressed, k_pos_emb)
-        if not RETURNS_LATENTS:
+        if not megatron_features.has("mla_returns_latents"):
             return query, key, value
         return query, key, value, q_compressed, kv_compressed
 

@@ -18,14 +18,14 @@ instead of their forward, so that step is the one swapped.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from mcore_npu.ops import KERNELS, swiglu
+from mcore_npu.ops import swiglu
+from mcore_npu.ops.registry import check_kernel
+from mcore_npu.transformer import megatron_features
 
 
 def is_plain_swiglu(config) -> bool:
@@ -48,13 +48,12 @@ class NPUMLP(MLP):
         ``TransformerLayer`` passes when it calls an ``mlp`` slot holding a plain ``ModuleSpec``
         (as its ``MLP.as_mlp_submodule`` takes them): the MLP runs on ``pg_collection.tp``
         unless ``tp_group`` is given; ``name`` reaches ``MLP`` where it takes one (0.18+)."""
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        check_kernel(kernel)
         del is_mtp_layer  # as Megatron's as_mlp_submodule: no difference for a dense MLP
         if pg_collection is not None:
             kwargs.setdefault("tp_group", pg_collection.tp)
-        if "name" in kwargs and "name" not in inspect.signature(MLP.__init__).parameters:
-            kwargs.pop("name")  # megatron-core <= 0.17
+        if not megatron_features.has("mlp_takes_name"):
+            kwargs.pop("name", None)  # megatron-core <= 0.17
         if not args and not kwargs.get("is_expert", False):
             kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)  # the dense MLP's width
         super().__init__(config, submodules, *args, **kwargs)
@@ -84,10 +83,10 @@ def _steps_overlap_state(method):
     shared-expert overlap state; ``method`` itself where Megatron has no such state (<= 0.17)."""
     from megatron.core.transformer.moe import shared_experts
 
-    check = getattr(shared_experts, "overlap_state_check", None)
-    if check is None:
+    if not megatron_features.has("shared_expert_overlap_state"):
         return method
     states = shared_experts.SharedExpertState
+    check = shared_experts.overlap_state_check
     return check(states.PRE_FORWARD_COMM_DONE, states.FC1_FORWARD_DONE)(method)
 
 
@@ -106,9 +105,7 @@ class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
                 "have; set it False, or pass swiglu_kernel='off' to keep Megatron's shared experts"
             )
         super().__init__(*args, **kwargs)
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
-        self.kernel = kernel
+        self.kernel = check_kernel(kernel)
 
     def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
         """The overlapped path's fc1 and SwiGLU through ``mcore_npu.ops.swiglu`` (megatron-core

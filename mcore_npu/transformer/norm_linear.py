@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_npu.ops import KERNELS, rms_norm
+from mcore_npu.ops import rms_norm
+from mcore_npu.ops.registry import check_kernel
 
 
 class NormColumnParallelLinear(ColumnParallelLinear):
@@ -47,10 +48,8 @@ class NormColumnParallelLinear(ColumnParallelLinear):
         self, input_size: int, output_size: int, *, config, norm_kernel=None, **linear_kwargs
     ):
         _check_norm(config)
-        if norm_kernel is not None and norm_kernel not in KERNELS:
-            raise ValueError(
-                f"norm_kernel: unknown kernel {norm_kernel!r}; pass one of {', '.join(KERNELS)}"
-            )
+        if norm_kernel is not None:
+            check_kernel(norm_kernel, what="norm_kernel")
         super().__init__(input_size, output_size, config=config, **linear_kwargs)
         self.norm_kernel = norm_kernel
         self.normalization = config.normalization

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mcore_npu.ops import KERNELS, rms_norm
+from mcore_npu.ops import rms_norm
+from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer.extra_state import EmptyExtraState, TELayerNorm, TERMSNorm
 
 
@@ -141,8 +142,8 @@ class SequenceParallelNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, kernel: str | None = None,
                 *, extra_state: bool = False, **_unused):  # fmt: skip
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        if kernel is not None:
+            check_kernel(kernel)
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"normalization: {config.normalization!r} is not supported; use 'LayerNorm' or "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from mcore_npu.transformer.megatron_fields import install_hint
+from mcore_npu.transformer.megatron_features import install_hint
 
 __all__ = [
     "RecipeContext",
@@ -171,7 +171,31 @@ def translate(
         else:
             raise _unknown(key, value, context, table)
     _place_stage_list(plan, context)
+    _check_context_parallel(plan.megatron, context)
     return plan
+
+
+def _check_context_parallel(megatron: dict, context: RecipeContext) -> None:
+    """The recipe's context-parallel keys as the NPU attention will judge them
+    (``context_parallel.rules``), refused here before a model is built."""
+    from mcore_npu.transformer.context_parallel import rules
+
+    if context.context_parallel_size <= 1:
+        return
+    size = context.context_parallel_size
+    hierarchical = megatron.get("hierarchical_context_parallel_sizes")
+    if hierarchical:  # Megatron's a2a+p2p
+        _, problem, fix = rules.not_supported_reasons("a2a+p2p", size)[0].render()
+        raise _refusal("hierarchical_context_parallel_sizes", hierarchical, problem, fix)
+    comm_types = megatron.get("cp_comm_type") or "p2p"
+    facts = dict(
+        dropout=megatron.get("attention_dropout") or 0.0, window=megatron.get("window_size")
+    )
+    for comm_type in [comm_types] if isinstance(comm_types, str) else comm_types:
+        reasons = rules.not_supported_reasons(comm_type, size, **facts)
+        if reasons:
+            key, problem, fix = reasons[0].render()
+            raise _refusal(key, reasons[0].value, problem, fix)
 
 
 def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, fields) -> None:

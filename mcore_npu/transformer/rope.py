@@ -38,19 +38,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config as _yarn_mscale,  # as Attention.forward applies it
+)
 
 from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import rotary_mul
 from mcore_npu.transformer.self_attention import NPUSelfAttention
-
-try:  # megatron-core 0.16: yarn's concentration factor, as Attention.forward applies it
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        _yarn_get_concentration_factor_from_config as _yarn_mscale,
-    )
-except ImportError:  # pragma: no cover - releases without yarn in attention
-
-    def _yarn_mscale(config) -> float:
-        return 1.0
 
 
 class RopeCosSinCache:
@@ -115,13 +109,9 @@ class NPURotarySelfAttention(NPUSelfAttention):
         **kwargs,
     ):  # fmt: skip
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        from mcore_npu.ops import KERNELS
+        from mcore_npu.ops.registry import check_kernel
 
-        if rope_kernel not in KERNELS:
-            raise ValueError(
-                f"rope_kernel: unknown kernel {rope_kernel!r}; pass one of {', '.join(KERNELS)}"
-            )
-        self.rope_kernel = rope_kernel
+        self.rope_kernel = check_kernel(rope_kernel, what="rope_kernel")
         self.rope_cache = rope_cache if rope_cache is not None else RopeCosSinCache()
         self.seq_lengths_memo = seq_lengths_memo if seq_lengths_memo is not None else (
             SeqLengthsMemo())  # fmt: skip

@@ -34,11 +34,13 @@ import inspect
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from mcore_npu.transformer import megatron_features
+
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 _MEGATRON_APPLY_EXPERT_BIAS = (
     inspect.unwrap(TopKRouter._apply_expert_bias)
-    if hasattr(TopKRouter, "_apply_expert_bias")
+    if megatron_features.has("router_expert_bias")
     else None  # megatron-core 0.15: ``routing`` counts inline, no method to call or replace
 )
 """Megatron's ``TopKRouter._apply_expert_bias`` without its ``@jit_fuser`` (torch.compile) wrapper."""

@@ -27,21 +27,22 @@ RoPE; None = ``kernel``) puts ``NPURotarySelfAttention`` (``npu_rotary_mul``) in
 with ``"off"`` the slot holds ``NPUSelfAttention`` (Megatron's, its output gate eager).
 Multi-latent attention layers get ``NPUMLASelfAttention`` (``mla_self_attention(spec)``, fused
 RoPE on the rope slice with ``rope_kernel``); ``mla_value_padding`` reaches every core attention.
-Whether the installed megatron-core has the protocol and the builders is probed
-(``HAVE_BACKEND_PROVIDER``, ``backend_builders()``), never read from its version.
+The experts' form follows the installed protocol (``megatron_features``: ``experts_builder``).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.masks import SeqLengthsMemo
-from mcore_npu.ops import KERNELS, value_padding
+from mcore_npu.ops import value_padding
+from mcore_npu.ops.registry import KERNELS, check_kernel
+from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
 from mcore_npu.transformer.backends import PARAM_LAYOUTS
 from mcore_npu.transformer.experts import NPUGroupedMLP
@@ -55,20 +56,6 @@ from mcore_npu.transformer.self_attention import NPUSelfAttention
 FUSED_KERNELS = (*KERNELS, "off")
 """Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` /
 ``rope_kernel``; None = ``kernel``."""
-
-try:  # megatron-core >= 0.13 has the protocol; before, the provider is a plain class
-    from megatron.core.models.backends import BackendSpecProvider
-
-    HAVE_BACKEND_PROVIDER = True
-except ImportError:  # pragma: no cover - older megatron-core
-    BackendSpecProvider = object
-    HAVE_BACKEND_PROVIDER = False
-
-EXPERTS_AS_BUILDER = HAVE_BACKEND_PROVIDER and "moe_use_legacy_grouped_gemm" not in (
-    inspect.signature(BackendSpecProvider.grouped_mlp_modules).parameters
-)
-"""Whether the installed protocol's ``grouped_mlp_modules`` takes one argument and answers with
-an experts builder (megatron-core 0.18+), not ``(class, submodules)``: read from its signature."""
 
 
 class NPUSpecProvider(BackendSpecProvider):
@@ -109,8 +96,7 @@ class NPUSpecProvider(BackendSpecProvider):
                 f"param_layout: unknown layout {param_layout!r}; pass one of "
                 f"{', '.join(PARAM_LAYOUTS)}"
             )
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel: unknown kernel {kernel!r}; pass one of {', '.join(KERNELS)}")
+        check_kernel(kernel)
         fused = {"rms_norm": rms_norm_kernel, "swiglu": swiglu_kernel,
                  "grouped_matmul": grouped_matmul_kernel, "rope": rope_kernel,
                  "moe_permute": moe_permute_kernel}  # fmt: skip
@@ -233,8 +219,8 @@ class NPUSpecProvider(BackendSpecProvider):
                             moe_use_legacy_grouped_gemm: bool = False):  # fmt: skip
         """``SequentialMLP`` of the column/row-parallel linears (the same names in both layouts),
         in the form the installed Megatron's builders take: ``(SequentialMLP, MLPSubmodules)``
-        where its protocol has ``moe_use_legacy_grouped_gemm`` (<= 0.17), else the
-        ``functools.partial(SequentialMLP, submodules=...)`` it builds experts from (0.18+,
+        where its protocol has ``moe_use_legacy_grouped_gemm`` (<= 0.16), else the
+        ``functools.partial(SequentialMLP, submodules=...)`` it builds experts from (0.17+,
         one argument).
 
         Raises:
@@ -248,7 +234,7 @@ class NPUSpecProvider(BackendSpecProvider):
                 "moe_grouped_gemm=False (SequentialMLP)"
             )
         submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-        if EXPERTS_AS_BUILDER:
+        if megatron_features.has("experts_builder"):
             return functools.partial(SequentialMLP, submodules=submodules)
         return SequentialMLP, submodules
 
@@ -264,23 +250,3 @@ def _fused_kernel(name: str, value: str | None, kernel: str) -> str:
             "or None (= kernel)"
         )
     return value
-
-
-def backend_builders() -> dict:
-    """The installed megatron-core's ``*_for_backend`` builders, by name (those it has)."""
-    import importlib
-
-    places = {
-        "get_mlp_module_spec_for_backend": "megatron.core.models.gpt.gpt_layer_specs",
-        "get_moe_module_spec_for_backend": "megatron.core.models.gpt.moe_module_specs",
-        "get_mtp_layer_spec_for_backend": "megatron.core.transformer.multi_token_prediction",
-    }
-    found = {}
-    for name, module in places.items():
-        try:
-            function = getattr(importlib.import_module(module), name, None)
-        except ImportError:  # pragma: no cover - older megatron-core
-            function = None
-        if function is not None:
-            found[name] = function
-    return found

@@ -14,9 +14,9 @@ lives in the spec (``moe_permute_kernel``), never in ``config``:
   The rest (communication, sorting chunks by local expert, shared-expert overlap) is
   Megatron's own code path. ``routing_map`` is [T, E] bool, True = token routed to expert.
 
-Where ``auto`` finds a torch_npu without the ``_with_routing_map`` operators it falls back to
-Megatron's unfused ``permute`` / ``unpermute`` with one warning per process (as MindSpeed does).
-Nothing is patched; ``config`` is read only.
+Where ``auto`` finds a torch_npu without the ``_with_routing_map`` operators the registry's
+policy holds: the reference permute, with one warning per process. Nothing is patched;
+``config`` is read only.
 
 megatron-core 0.15 has no ``MoESubmodules.router`` slot: its ``MoELayer`` builds ``TopKRouter``
 itself, whose gating raises ``NameError`` without Transformer Engine (see ``router.py``). There
@@ -26,55 +26,40 @@ same weights in its place (``_npu_router``); the spec uses it where the permute 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
 
-from mcore_npu.ops import (
-    KERNELS,
-    moe_token_permute_with_routing_map,
-    moe_token_unpermute_with_routing_map,
-)
-from mcore_npu.ops.permute_dispatch import UNFUSED, resolve_permute_kernel
+from mcore_npu.ops import moe_token_permute_with_routing_map, moe_token_unpermute_with_routing_map
+from mcore_npu.ops.registry import check_kernel
+from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.router import NPUTopKRouter
 
 
 class _FusedPermute:
-    """The permute / unpermute steps on ``self.permute_kernel`` (or Megatron's, as fallback)."""
+    """The permute / unpermute steps through ``mcore_npu.ops`` on ``self.permute_kernel``."""
 
     permute_kernel: str = "auto"
 
     def _permute(self, tokens, routing_map, *, probs=None, num_out_tokens=None,
                  drop_and_pad=False):  # fmt: skip
         """tokens [T, H], routing_map [T, E] (True = routed) -> (permuted, probs, indices)."""
-        kernel = resolve_permute_kernel(self.permute_kernel, tokens.device)
-        if kernel == UNFUSED:  # 0.19+ returns two more values (fused padding's), None here
-            return moe_utils.permute(tokens, routing_map, probs=probs,
-                                     num_out_tokens=num_out_tokens,
-                                     drop_and_pad=drop_and_pad)[:3]  # fmt: skip
         return moe_token_permute_with_routing_map(
             tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-            drop_and_pad=drop_and_pad, kernel=kernel,
+            drop_and_pad=drop_and_pad, kernel=self.permute_kernel,
         )  # fmt: skip
 
     def _unpermute(self, permuted, sorted_indices, restore_shape, *, routing_map=None,
                    drop_and_pad=False):  # fmt: skip
         """permuted [N, H] -> [T, H] (restore_shape), rows summed per token."""
-        kernel = resolve_permute_kernel(self.permute_kernel, permuted.device)
-        restore_shape = torch.Size(restore_shape)
-        if kernel == UNFUSED:
-            return moe_utils.unpermute(permuted, sorted_indices, restore_shape,
-                                       routing_map=routing_map, drop_and_pad=drop_and_pad)  # fmt: skip
         return moe_token_unpermute_with_routing_map(
-            permuted, sorted_indices, restore_shape, routing_map=routing_map,
-            drop_and_pad=drop_and_pad, kernel=kernel,
+            permuted, sorted_indices, torch.Size(restore_shape), routing_map=routing_map,
+            drop_and_pad=drop_and_pad, kernel=self.permute_kernel,
         )  # fmt: skip
 
 
@@ -188,8 +173,7 @@ class NPURouterMoELayer(MoELayer):
         if pg_collection is None:
             pg_collection = moe_utils.get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
-        slots = {field.name for field in dataclasses.fields(MoESubmodules)}
-        if type(self.router) is TopKRouter and "router" not in slots:
+        if type(self.router) is TopKRouter and not megatron_features.has("router_slot"):
             self.router = _npu_router(self.router, config, pg_collection)
 
 
@@ -204,11 +188,7 @@ class NPUMoELayer(NPURouterMoELayer):
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  permute_kernel: str = "auto", **megatron_kwargs):  # fmt: skip
-        if permute_kernel not in KERNELS:
-            raise ValueError(
-                f"permute_kernel: unknown kernel {permute_kernel!r}; pass one of "
-                f"{', '.join(KERNELS)} (use Megatron's MoELayer for 'off')"
-            )
+        check_kernel(permute_kernel, what="permute_kernel")  # 'off': Megatron's MoELayer
         if pg_collection is None:
             pg_collection = moe_utils.get_default_pg_collection()
         # megatron_kwargs: what newer MoELayers take (0.17+: is_mtp_layer; 0.18+: name)

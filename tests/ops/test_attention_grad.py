@@ -120,7 +120,7 @@ def test_pse_gradient(pse_shape, tiles):
 def test_small_tiles_skip_the_tiles_above_a_causal_diagonal(monkeypatch):
     """Rows 0..5 x keys 0..5 causal in tiles of 1 row x 2 keys: row i visits key blocks up to
     its own, i // 2 + 1 of 3, the rest is skipped."""
-    from mcore_npu.ops.reference import _Keep
+    from mcore_npu.ops.attention_reference import _Keep
 
     monkeypatch.setattr(attention_grad, "KEY_BLOCK", 2)
     keep = _Keep(causal=True)

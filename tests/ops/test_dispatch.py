@@ -55,11 +55,19 @@ def test_auto_runs_the_reference_for_cpu_tensors(fake_torch_npu):
     torch.testing.assert_close(npu_fusion_attention(q, k, v, 4, "SBH", **kwargs)[0], want)
 
 
-def test_auto_picks_torch_npu_for_npu_devices():
+def test_auto_picks_torch_npu_for_npu_devices(fake_torch_npu):
     # torch.device("npu") exists only once torch_npu registers it; a stand-in device object here
     assert resolve_kernel("auto", types.SimpleNamespace(type="npu", index=0)) == "torch_npu"
     assert resolve_kernel("auto", torch.device("cpu")) == "reference"
     assert resolve_kernel("auto", torch.device("meta")) == "reference"
+
+
+def test_auto_on_an_npu_without_torch_npu_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # the import fails
+    npu = types.SimpleNamespace(type="npu", index=0)
+    with pytest.warns(UserWarning, match="fusion_attention: using the PyTorch reference on the "
+                      "NPU \\(torch_npu: failed to import"):  # fmt: skip
+        assert resolve_kernel("auto", npu) == "reference"
 
 
 def test_unknown_kernel_is_refused():

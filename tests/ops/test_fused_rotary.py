@@ -119,7 +119,7 @@ def test_an_old_torch_npu_without_rotary_mode_gets_three_arguments_and_d_128(mon
     ops.rotary_mul(x, c, s, kernel="torch_npu")
     ((_, args, kwargs),) = standin.calls
     assert len(args) == 3 and kwargs == {}
-    with pytest.raises(ValueError, match="rotary_mode: 'interleave' needs a torch_npu"):
+    with pytest.raises(ValueError, match="rotary_mode 'interleave' needs an npu_rotary_mul that"):
         ops.rotary_mul(x, c, s, "interleave", kernel="torch_npu")
     x64, c64, s64 = x[..., :64], c[..., :64], s[..., :64]
     with pytest.raises(ValueError, match="needs D = 128, got D = 64"):

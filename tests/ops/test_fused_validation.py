@@ -1,6 +1,6 @@
 """Bad inputs of the fused operators: each raises TypeError/ValueError naming the argument.
 
-The same checks run before either kernel (``mcore_npu.ops.rms_norm`` / ``swiglu`` /
+The same checks run before either kernel (``mcore_npu.ops.npu_rms_norm`` / ``npu_swiglu`` /
 ``grouped_matmul`` dispatch them for torch_npu too), so each case is also run through the dispatch
 with ``kernel="torch_npu"`` and a stand-in torch_npu that must not be called.
 """

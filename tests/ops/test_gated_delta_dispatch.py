@@ -131,7 +131,7 @@ def test_a_broken_kernel_import_falls_back_to_the_reference(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     q, _, v, *_ = _problem()
     assert choose_kernel("auto", *_on_npu(q, v), grad=True) == "reference"
-    with pytest.raises(ImportError, match="kernel='fla' needs flash-linear-attention"):
+    with pytest.raises(ImportError, match="fla: failed to import.*\n.*flash-linear-attention"):
         chunk_gated_delta_rule(*_problem(), kernel="fla")
 
 
@@ -175,7 +175,7 @@ def test_torch_npu_packed_passes_the_segment_lengths(monkeypatch):
 def test_torch_npu_refuses_a_call_that_needs_gradients(monkeypatch):
     install_torch_npu(monkeypatch)
     q, k, v, g, beta = _problem(dk=128, dv=128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="'torch_npu' is forward only"):
+    with pytest.raises(ValueError, match="'torch_npu' cannot run this call: it is forward only"):
         chunk_gated_delta_rule(q.requires_grad_(), k, v, g, beta, kernel="torch_npu")
 
 
@@ -259,19 +259,24 @@ def test_fla_npu_refuses_what_its_kernels_cannot_do(monkeypatch):
 def test_doctor_says_which_gated_delta_kernel_runs(monkeypatch):
     from mcore_npu.tools import doctor
 
-    here = doctor.check_gated_delta(doctor._probe_torch())
-    assert here.status == doctor.OK and here.detail.startswith("auto -> reference on cpu")
+    here = doctor.check_operator("chunk_gated_delta_rule", doctor._probe_torch())
+    assert here.status == doctor.OK and here.detail == (
+        "auto -> reference on cpu (no usable torch_npu)"
+    )
     npu = doctor._Probe(torch=torch, accelerator="npu")
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setitem(sys.modules, "fla_npu", None)
-    monkeypatch.setitem(sys.modules, "torch_npu", None)
-    bare = doctor.check_gated_delta(npu)
-    assert (
-        bare.status == doctor.WARN and "training reference, forward-only reference" in bare.detail
-    )
-    install_fla(monkeypatch)
     install_torch_npu(monkeypatch)
-    assert "training fla, forward-only torch_npu" in doctor.check_gated_delta(npu).detail
+    bare = doctor.check_operator("chunk_gated_delta_rule", npu)
+    assert (
+        bare.status == doctor.WARN
+        and "training -> reference (torch_npu: it is forward only" in (bare.detail)
+    )
+    assert "forward-only -> torch_npu" in bare.detail
+    install_fla(monkeypatch)
+    assert "training -> fla (" in doctor.check_operator("chunk_gated_delta_rule", npu).detail
     install_fla_npu(monkeypatch)
-    check = doctor.check_gated_delta(npu)
-    assert check.status == doctor.OK and "training fla_npu, forward-only torch_npu" in check.detail
+    check = doctor.check_operator("chunk_gated_delta_rule", npu)
+    assert check.status == doctor.OK and check.detail.startswith(
+        "auto on NPU tensors training -> fla_npu (torch_npu: it is forward only"
+    )

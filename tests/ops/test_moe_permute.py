@@ -14,7 +14,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from mcore_npu import ops
 from mcore_npu.ops import reference
-from mcore_npu.ops.permute_dispatch import installed_permute_ops, resolve_permute_kernel
+from mcore_npu.ops.registry import resolve
 from tests.fused_standin import install
 
 T, H, E = 12, 8, 4
@@ -253,23 +253,29 @@ def test_torch_npu_kernel_calls_the_legacy_pair(monkeypatch):
     assert standin.names() == ["npu_moe_token_permute", "npu_moe_token_unpermute"]
 
 
+PERMUTE = "moe_token_permute_with_routing_map"
+
+
 def test_auto_on_an_npu_without_the_operators_falls_back_with_one_warning(monkeypatch):
-    """A device object of type "npu" stands in for NPU tensors (only ``.type`` is read)."""
+    """The registry's policy for the permute pair. A device object of type "npu" stands in for
+    NPU tensors (only ``.type`` is read)."""
     install(monkeypatch, routing_map_ops=False)
     npu = types.SimpleNamespace(type="npu")
     with pytest.warns(UserWarning, match="no npu_moe_token_permute_with_routing_map") as record:
-        assert resolve_permute_kernel("auto", npu) == "unfused"
+        assert resolve(PERMUTE, "auto", npu).kernel == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_permute_kernel("auto", npu) == "unfused"  # no second warning
+        assert resolve(PERMUTE, "auto", npu).fell_back  # no second warning
     assert len(record) == 1
-    with pytest.raises(ValueError, match="kernel: 'torch_npu' needs torch_npu.npu_moe_token_perm"):
-        resolve_permute_kernel("torch_npu", npu)
-    assert resolve_permute_kernel("reference", npu) == "reference"
+    with pytest.raises(ValueError, match="kernel 'torch_npu' cannot run this call: the installed "
+                       "torch_npu has no npu_moe_token_perm"):  # fmt: skip
+        resolve(PERMUTE, "torch_npu", npu)
+    assert resolve(PERMUTE, "reference", npu).kernel == "reference"
 
 
 def test_auto_on_an_npu_with_the_operators_takes_them(monkeypatch):
-    standin = install(monkeypatch)
-    assert resolve_permute_kernel("auto", types.SimpleNamespace(type="npu")) == "torch_npu"
-    assert all(installed_permute_ops(standin).values())
-    assert resolve_permute_kernel("auto", torch.device("cpu")) == "reference"
+    install(monkeypatch)
+    for name in (PERMUTE, "moe_token_unpermute_with_routing_map", "moe_token_permute",
+                 "moe_token_unpermute"):  # fmt: skip
+        assert resolve(name, "auto", types.SimpleNamespace(type="npu")).kernel == "torch_npu"
+        assert resolve(name, "auto", torch.device("cpu")).kernel == "reference"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mcore_npu.cli import main
+from mcore_npu.ops.registry import OPERATORS
 from mcore_npu.tools import doctor
 from tests.launch import ROOT, run_command
 
@@ -27,10 +28,8 @@ NAMES = [
     "allocator env",
     "allocator setter",
     "attention",
-    "fused ops",
-    "moe permute",
     "mla value",
-    "gated delta",
+    *(f"op {name}" for name in OPERATORS),
 ]
 ENV_NOISE = (
     "PYTORCH_NPU_ALLOC_CONF",
@@ -291,6 +290,7 @@ def test_mla_value_line_reports_the_probed_path(monkeypatch, takes):
     cpu = doctor.check_mla_value(doctor._probe_torch())
     assert cpu.status == doctor.OK and "unpadded" in cpu.detail and "reference" in cpu.detail
     stand_in = types.ModuleType("torch_npu")  # no NPU here: a stand-in module
+    stand_in.npu_fusion_attention = lambda *args, **kwargs: None  # what the probe would call
     monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
     asked = []
     monkeypatch.setattr(value_padding, "_probe", lambda module, dev: asked.append(dev) or takes)

@@ -40,25 +40,34 @@ def test_verify_text_output_has_fused_columns_and_filters(capsys):
 
 
 def test_doctor_says_no_torch_npu_means_references():
-    check = doctor.check_fused_ops(doctor._probe_torch())
-    assert check.status == doctor.OK and "reference" in check.detail
+    for name in ("rms_norm", "swiglu", "grouped_matmul", "rotary_mul"):
+        check = doctor.check_operator(name, doctor._probe_torch())
+        assert check.status == doctor.OK and "reference" in check.detail
 
 
 @pytest.mark.parametrize("old", [False, True])
-def test_doctor_lists_the_operators_the_installed_torch_npu_has(monkeypatch, old):
+def test_doctor_says_what_auto_runs_with_the_installed_torch_npu(monkeypatch, old):
+    """The stand-in has every fused operator; an older release's npu_grouped_matmul takes no
+    group_type: auto then takes the reference, and the line says why (the registry's reason)."""
     standin = install(monkeypatch, old_signature=old)
     assert isinstance(standin, FusedOpsTorchNpu)
-    check = doctor.check_fused_ops(doctor._probe_torch())
-    assert "npu_rms_norm, npu_swiglu, npu_grouped_matmul" in check.detail
-    assert check.status == doctor.WARN and "missing npu_fusion_attention" in check.detail
-    assert ("older signature" in check.detail) == old
-    assert "fused.<op>: reference" in check.fix
+    probe = doctor._probe_torch()
+    for name in ("rms_norm", "swiglu"):
+        assert doctor.check_operator(name, probe).detail == "auto on NPU tensors -> torch_npu"
+    check = doctor.check_operator("grouped_matmul", probe)
+    assert check.status == doctor.OK  # no NPU on this machine: nothing runs on one
+    assert ("-> reference" in check.detail and "takes no ['group_list_type', 'group_type']"
+            in check.detail) == old  # fmt: skip
+    attention = doctor.check_operator("fusion_attention", probe)
+    assert "-> reference (torch_npu: the installed torch_npu has no npu_fusion_attention)" in (
+        attention.detail
+    )
 
 
 @pytest.mark.parametrize("old", [False, True])
 def test_doctor_says_whether_npu_rotary_mul_takes_rotary_mode(monkeypatch, old):
     install(monkeypatch, old_rotary=old)
-    check = doctor.check_fused_ops(doctor._probe_torch())
-    assert "npu_rotary_mul" in check.detail.split(";")[0]  # it is among the operators found
-    assert ("npu_rotary_mul takes rotary_mode" in check.detail) != old
-    assert ("npu_rotary_mul is the older signature" in check.detail) == old
+    check = doctor.check_operator("rotary_mul", doctor._probe_torch())
+    assert check.detail.startswith("auto on NPU tensors -> torch_npu, interleaved -> ")
+    assert ("interleaved -> reference (torch_npu: rotary_mode 'interleave' needs an "
+            "npu_rotary_mul that takes rotary_mode" in check.detail) == old  # fmt: skip

@@ -48,6 +48,11 @@ BAD = [
         "train.seq_length",
     ),  # fmt: skip
     (["parallel.context=2", "model.attention_dropout=0.1"], "model.attention_dropout"),
+    (["parallel.context=2", "model.cp_comm_type=a2a+p2p"], "model.cp_comm_type"),  # parallel.*
+    (
+        ["parallel.context=2", "model.hierarchical_context_parallel_sizes=[2,1]"],
+        "model.hierarchical_context_parallel_sizes",
+    ),  # a2a+p2p is not built
     (
         ["parallel.context=2", "parallel.cp_comm_type=a2a", "model.num_query_groups=1"],
         "model.num_query_groups",
@@ -117,7 +122,7 @@ def test_packed_sequences_and_windows_validate_under_context_parallelism(comm):
     assert cfg.parallel.context == 2 and cfg.data.pack_sequences
     if comm == "p2p":  # the ring computes windows on unpacked batches only
         load_config(CONFIGS / "gpt_tiny.yaml", [*overrides[:2], *window], world_size=2)
-        with pytest.raises(ConfigError, match="parallel.cp_comm_type=a2a or all_gather"):
+        with pytest.raises(ConfigError, match="parallel.cp_comm_type='a2a' or 'all_gather'"):
             load_config(CONFIGS / "gpt_tiny.yaml", [*overrides, *window], world_size=2)
     else:
         cfg = load_config(CONFIGS / "gpt_tiny.yaml", [*overrides, *window], world_size=2)

@@ -145,7 +145,7 @@ def test_context_parallel_comm_types_outside_the_plugin_are_refused():
     with pytest.raises(NotImplementedError, match="a2a\\+p2p.*fix"):
         _core(config)
     object.__setattr__(config, "cp_comm_type", ["p2p", "ring"])
-    with pytest.raises(ValueError, match="unknown value 'ring' for layer 2"):
+    with pytest.raises(ValueError, match="layer 2: cp_comm_type='ring': unknown value"):
         NPUFusionAttention(config, 2, _causal())
 
 

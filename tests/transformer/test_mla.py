@@ -262,8 +262,8 @@ def test_value_padding_auto_probes_the_installed_torch_npu(monkeypatch):
     """auto: a torch_npu that returns Dv-wide outputs gets unpadded calls, an older one (D wide)
     padded ones, each decided by one probe call; off on the older one fails with the fix."""
     new, old = ReferenceTorchNpu(), ReferenceTorchNpu(old=True)
-    assert value_padding.takes_smaller_value(new, "cpu")
-    assert not value_padding.takes_smaller_value(old, "cpu")
+    assert value_padding.takes_smaller_value(new.npu_fusion_attention, "cpu")
+    assert not value_padding.takes_smaller_value(old.npu_fusion_attention, "cpu")
     for stand_in, width in ((ReferenceTorchNpu(), 48), (ReferenceTorchNpu(old=True), 96)):
         _run_with(monkeypatch, stand_in, "auto")
         probe, *calls = stand_in.calls

@@ -9,12 +9,12 @@ tests/distributed/test_moe_permute_ep.py). A stand-in torch_npu (no NPU here;
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
 import torch
 
-import mcore_npu.ops
 from tests.fused_standin import install
 from tests.transformer.megatron_models import batch, gpt
 from tests.transformer.moe_models import module_of, moe_config, npu_moe_spec
@@ -118,20 +118,24 @@ def test_off_is_the_default_and_builds_megatrons_moe_layer(monkeypatch):
     assert config.moe_permute_fusion is False  # the intent lives in the spec, never in config
 
 
-def test_auto_without_the_operators_falls_back_to_megatrons_permute_with_one_warning(monkeypatch):
-    """NPU tensors are simulated: ``resolve_kernel`` answers torch_npu for auto (only the
-    choice is faked; the stand-in torch_npu lacks the routing-map operators)."""
+def test_auto_without_the_operators_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    """NPU tensors are simulated for the permute operators' choice (their device reads as
+    "npu"; the stand-in torch_npu lacks the routing-map operators): the registry's policy,
+    the reference permute with one warning, and the results of Megatron's own permute."""
+    from mcore_npu.ops import permute_dispatch
+
     config = moe_config(dispatcher="alltoall")
     want = _logits_and_grads(config, moe_permute_kernel="off")
     standin = install(monkeypatch, routing_map_ops=False)
-    real = mcore_npu.ops.resolve_kernel
-    monkeypatch.setattr(mcore_npu.ops, "resolve_kernel",
-                        lambda k, d: "torch_npu" if k == "auto" else real(k, d))  # fmt: skip
+    monkeypatch.setattr(permute_dispatch, "_device", lambda t: types.SimpleNamespace(type="npu"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _logits_and_grads(config, kernel="reference", moe_permute_kernel="auto")
-    fallback = [w for w in caught if "moe permute fusion" in str(w.message)]
-    assert len(fallback) == 1 and "using the unfused permute" in str(fallback[0].message)
+    fallback = [w for w in caught if "using the PyTorch reference on the NPU" in str(w.message)]
+    assert [str(w.message).split(":")[0] for w in fallback] == [
+        "moe_token_permute_with_routing_map",
+        "moe_token_unpermute_with_routing_map",
+    ]
     assert not any("moe_token" in n for n in standin.names())
     _assert_identical(got, want)
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from mcore_npu.transformer.megatron_fields import version_with
+from mcore_npu.transformer.megatron_features import version_with
 from mcore_npu.transformer.pipeline_layout import megatron_stage_layout
 from mcore_npu.transformer.recipe_keys import (
     RecipeContext,
@@ -155,6 +155,12 @@ REFUSALS = [
      ["hybrid_cp_algo", "megatron_cp_algo", "kvallgather_cp_algo", "ulysses_cp_algo"]),
     ({"context_parallel_algo": "hybrid_adaptive_cp_algo"}, CP2, ["hybrid_adaptive_cp_algo",
                                                                 "ulysses_cp_algo (a2a)"]),
+    ({"cp_comm_type": "a2a+p2p"}, CP2, ["cp_comm_type=a2a+p2p", "hierarchical", "'a2a'"]),
+    ({"cp_comm_type": ["p2p", "ring"]}, CP2, ["cp_comm_type=ring", "p2p, all_gather, a2a"]),
+    ({"hierarchical_context_parallel_sizes": [2, 1]}, CP2,
+     ["hierarchical_context_parallel_sizes=[2, 1]", "not built"]),
+    ({"context_parallel_algo": "megatron_cp_algo", "attention_dropout": 0.1}, CP2,
+     ["attention_dropout=0.1", "dropout mask", "'all_gather'"]),
     ({"position_embedding_type": "learned_absolute"}, BASE, ["learned_absolute",
                                                             "Hugging Face"]),
     ({"swiglu": False}, BASE, ["swiglu=false", "Hugging Face"]),

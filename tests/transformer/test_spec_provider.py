@@ -6,27 +6,21 @@ import pytest
 
 from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
-from mcore_npu.transformer.spec_provider import (
-    HAVE_BACKEND_PROVIDER,
-    NPUSpecProvider,
-    backend_builders,
-)
+from mcore_npu.transformer.spec_provider import NPUSpecProvider
 from tests.transformer.moe_models import module_of, submodules_of
 
 
-def test_provider_is_a_megatron_backend_spec_provider_where_megatron_has_one():
-    if HAVE_BACKEND_PROVIDER:
-        from megatron.core.models.backends import BackendSpecProvider
+def test_provider_is_a_megatron_backend_spec_provider():
+    from megatron.core.models.backends import BackendSpecProvider
 
-        assert BackendSpecProvider in NPUSpecProvider.__mro__  # an explicit subclass
-    assert set(backend_builders()) >= {"get_mlp_module_spec_for_backend"}
+    assert BackendSpecProvider in NPUSpecProvider.__mro__  # an explicit subclass
 
 
 @pytest.mark.parametrize("layout, fc1", [("te", NormColumnParallelLinear), ("local", None)])
 def test_mlp_builder_takes_the_fused_linear_in_te_layout(layout, fc1):
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend as build
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    build = backend_builders()["get_mlp_module_spec_for_backend"]
     spec = build(backend=NPUSpecProvider(param_layout=layout, kernel="reference"), num_experts=None)
     linear_fc1 = submodules_of(spec).linear_fc1
     if fc1 is None:
@@ -36,7 +30,8 @@ def test_mlp_builder_takes_the_fused_linear_in_te_layout(layout, fc1):
 
 
 def test_moe_builder_gets_sequential_experts_and_refuses_grouped_ones():
-    build = backend_builders()["get_moe_module_spec_for_backend"]
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend as build
+
     provider = NPUSpecProvider(param_layout="te")
     spec = build(backend=provider, num_experts=2, moe_grouped_gemm=False)
     assert module_of(submodules_of(spec).experts).__name__ == "SequentialMLP"

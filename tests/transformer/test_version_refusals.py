@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_npu.training.config import ConfigError, load_config
-from mcore_npu.transformer.megatron_fields import version_with
+from mcore_npu.transformer.megatron_features import version_with
 from tests.launch import CONFIGS
 from tests.megatron_features import GDN_CONFIG_FIELDS, config_fields, missing_fields
 

@@ -70,7 +70,6 @@ MindSpeed engine, so on Ascend (or with ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VEN
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import sys
 
@@ -117,18 +116,12 @@ VENDOR = "huawei"
 
 
 def npu_block_spec(config, vp_stage: int | None = None, *, kernel: str = "auto", **spec_keywords):
-    """The NPU decoder-block spec for ``config``, in TE parameter names.
-
-    ``vp_stage`` is passed only if the installed Megatron's ``get_gpt_decoder_block_spec`` takes
-    it (probed, not read from the version). ``spec_keywords``: the fused-operator kernels the
-    recipe asked for (``rms_norm_kernel``, ``swiglu_kernel``, ...; see ``recipe.apply_recipe``).
-    """
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    kwargs: dict = {"kernel": kernel, "param_layout": "te", **spec_keywords}
-    if "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters:
-        kwargs["vp_stage"] = vp_stage
-    return get_gpt_decoder_block_npu_spec(config, **kwargs)
+    """The NPU decoder-block spec for ``config``, in TE parameter names. ``spec_keywords``: the
+    fused-operator kernels the recipe asked for (``rms_norm_kernel``, ``swiglu_kernel``, ...;
+    see ``recipe.apply_recipe``)."""
+    return get_gpt_decoder_block_npu_spec(
+        config, kernel=kernel, param_layout="te", vp_stage=vp_stage, **spec_keywords
+    )
 
 
 def _mbridge_layer_spec(bridge, vp_stage: int | None = None, *, spec: dict | None = None):

@@ -65,7 +65,7 @@ def uncovered_reason(hf_config) -> str | None:
     Covered: a language model (no ``vision_config``) whose ``model_type`` has a bridge in
     mbridge's registry (``AutoBridge.list_supported_models()``) or in the plugin's
     (``mbridge_fixes.FIXED_BRIDGES``), and the Gated DeltaNet hybrids the plugin bridges itself
-    (``hf.PLUGIN_BRIDGES``: Qwen3.5 dense and MoE, Qwen3-Next), the hub form of Qwen3.5 included
+    (``mbridge_fixes.PLUGIN_BRIDGES``: Qwen3.5 dense and MoE, Qwen3-Next), the hub form of Qwen3.5 included
     (its bridge builds and trains the language model and logs that the vision tower is not
     trained). These are the models ``vanilla_mbridge=True`` builds.
     """

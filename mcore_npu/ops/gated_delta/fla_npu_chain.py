@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_npu.ops.gated_delta.kernels import import_optional
+from mcore_npu.ops import registry
 from mcore_npu.ops.gated_delta.norms import l2norm
 
 CHUNK = 64
@@ -41,9 +41,13 @@ OPS = (
 
 
 def blocks():
-    """``fla_npu.ops.ascendc`` when it imports and has every building block, else None."""
-    module = import_optional("fla_npu.ops.ascendc")
-    if module is None or not all(callable(getattr(module, name, None)) for name in OPS):
+    """``fla_npu.ops.ascendc`` (through the registry) when it imports and has every building
+    block, else None."""
+    try:
+        module = registry.ascend("chunk_gated_delta_rule", "fla_npu")
+    except ImportError:
+        return None
+    if not all(callable(getattr(module, name, None)) for name in OPS):
         return None
     return module
 

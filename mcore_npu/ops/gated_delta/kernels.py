@@ -1,4 +1,5 @@
-"""The Ascend kernels of the gated delta rule, looked up at call time (never at import).
+"""The Ascend kernels of the gated delta rule, called as the registry hands them over
+(``mcore_npu.ops.registry``; looked up at call time, never at import).
 
 - ``fla``: fla's ``chunk_gated_delta_rule`` (its triton-ascend backend on an NPU), trainable,
   fla's own calling convention, so the call passes through unchanged.
@@ -13,34 +14,18 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from mcore_npu._optional import import_optional
+from mcore_npu.ops import registry
 from mcore_npu.ops.gated_delta.norms import l2norm
 
 NPU_FORWARD_DTYPES = (torch.bfloat16,)
 NPU_FORWARD_HEAD_DIM = 128
 NPU_FORWARD_MAX_HEADS = 64
+OP = "chunk_gated_delta_rule"
 
-
-def import_optional(name: str):
-    """The module, or None when it does not import (any exception: a broken CANN as well)."""
-    try:
-        return importlib.import_module(name)
-    except Exception:
-        return None
-
-
-def fla_rule():
-    """fla's trainable ``chunk_gated_delta_rule``, or None."""
-    module = import_optional("fla.ops.gated_delta_rule")
-    return getattr(module, "chunk_gated_delta_rule", None)
-
-
-def torch_npu_rule():
-    """``torch_npu.npu_chunk_gated_delta_rule`` (forward only), or None."""
-    return getattr(import_optional("torch_npu"), "npu_chunk_gated_delta_rule", None)
+__all__ = ["import_optional", "run_fla", "run_torch_npu", "torch_npu_unsupported"]
 
 
 def torch_npu_unsupported(q, v) -> str | None:
@@ -57,11 +42,7 @@ def torch_npu_unsupported(q, v) -> str | None:
 def run_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel):  # fmt: skip
     """fla's kernel with fla's own keywords (the operator's convention is fla's)."""
-    rule = fla_rule()
-    if rule is None:
-        raise ImportError("kernel='fla' needs flash-linear-attention (fla) with its "
-                          "triton-ascend backend; fix: pip install flash-linear-attention on the "
-                          "Ascend machine, or use kernel='auto' / 'reference'")  # fmt: skip
+    rule = registry.ascend(OP, "fla")
     return rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
@@ -73,11 +54,7 @@ def run_torch_npu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
 
     ``bounds``: ``[0, T]`` (then every batch row is one sequence) or the packed segments.
     """
-    op = torch_npu_rule()
-    if op is None:
-        raise ImportError("kernel='torch_npu' needs torch_npu.npu_chunk_gated_delta_rule "
-                          "(torch-npu 26.1.0 or newer); fix: upgrade torch-npu, or use "
-                          "kernel='auto'")  # fmt: skip
+    op = registry.ascend(OP, "torch_npu")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     b, t, hv, dv = v.shape

@@ -1,24 +1,24 @@
-"""``chunk_gated_delta_rule``: fla's calling convention, checked, on the chosen kernel.
+"""``chunk_gated_delta_rule``: fla's calling convention, checked, on the kernel the registry picks.
 
 State per value head ``S [K, V]``: ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``,
 ``o_t = S_t^T q_t``. The reference is the chunked form (``mcore_npu.ops.gated_delta.chunked``).
-
-``kernel="auto"`` picks, for NPU tensors: torch_npu's forward-only kernel for calls that need no
-gradient (when it takes the shapes), else the trainable fla_npu Ascend C chain (when installed
-and it takes the call), else fla's triton-ascend kernel (when installed), else the reference.
-Everywhere else it picks the reference.
+The Ascend kernels, in ``auto``'s order (``mcore_npu.ops.registry``): torch_npu's forward-only
+kernel (calls that need no gradient, when it takes the shapes), the trainable fla_npu Ascend C
+chain, fla's triton-ascend kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_npu.ops import registry
 from mcore_npu.ops.gated_delta import fla_npu_chain, kernels
 from mcore_npu.ops.gated_delta.checks import validate_rule
 from mcore_npu.ops.gated_delta.chunked import chunked_gated_delta_rule
 from mcore_npu.ops.gated_delta.norms import l2norm
 
-KERNELS = ("auto", "reference", "fla_npu", "fla", "torch_npu")
+OP = "chunk_gated_delta_rule"
+KERNELS = registry.operator(OP).kernel_names
 
 
 def needs_grad(*tensors) -> bool:
@@ -30,24 +30,10 @@ def needs_grad(*tensors) -> bool:
 
 def choose_kernel(kernel: str, q, v, *, grad: bool, initial_state=None,
                   output_final_state=False) -> str:  # fmt: skip
-    """The kernel that runs this call (``auto`` resolved; see the module docstring)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"chunk_gated_delta_rule: kernel: unknown kernel {kernel!r}\n"
-                         f"  fix: pass one of {', '.join(KERNELS)} ('auto' picks the Ascend "
-                         "kernels for NPU tensors and the reference elsewhere)")  # fmt: skip
-    if kernel != "auto":
-        return kernel
-    if q.device.type != "npu":
-        return "reference"
-    forward_only = not grad and kernels.torch_npu_rule() is not None
-    if forward_only and kernels.torch_npu_unsupported(q, v) is None:
-        return "torch_npu"
-    chain = fla_npu_chain.available()
-    if chain and fla_npu_chain.unsupported(q, v, initial_state, output_final_state) is None:
-        return "fla_npu"
-    if kernels.fla_rule() is not None:
-        return "fla"
-    return "reference"
+    """The kernel that runs this call: the registry's answer for these facts."""
+    return registry.resolve(OP, kernel, q.device, grad=grad, q=q, v=v,
+                            initial_state=initial_state,
+                            output_final_state=output_final_state).kernel  # fmt: skip
 
 
 def chunk_gated_delta_rule(
@@ -65,7 +51,8 @@ def chunk_gated_delta_rule(
 
     Raises:
         TypeError, ValueError: a bad argument (named, with the value and the fix).
-        ImportError: an explicitly named Ascend kernel that is not installed.
+        ImportError, ValueError: an Ascend kernel named by ``kernel`` that is not installed or
+            cannot take the call (the registry's policy).
     """
     grad = needs_grad(q, k, v, g, beta, initial_state)
     chosen = "reference"
@@ -81,10 +68,6 @@ def chunk_gated_delta_rule(
     common = dict(scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state)  # fmt: skip
     if chosen == "torch_npu":
-        if grad:
-            raise ValueError("chunk_gated_delta_rule: kernel: 'torch_npu' is forward only (no "
-                             "derivative) but this call needs gradients\n  fix: use "
-                             "kernel='auto', or run it under torch.no_grad()")  # fmt: skip
         return kernels.run_torch_npu(q, k, v, g, beta, bounds=bounds,
                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                      **common)  # fmt: skip

@@ -71,7 +71,7 @@ CP = 2
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 PEAK_GOAL = 0.55
 """Per-rank peak at CP=2 over CP=1's, ring (p2p) and a2a, forward and backward."""
-REFERENCE_KERNEL_FILES = ("mcore_npu/ops/reference.py", "mcore_npu/ops/attention_grad.py")
+REFERENCE_KERNEL_FILES = ("mcore_npu/ops/attention_reference.py", "mcore_npu/ops/attention_grad.py")
 """The CPU reference of the operator: on an NPU, torch_npu runs instead."""
 TIMEOUT_S = float(os.environ.get("MCORE_NPU_BENCH_CP_TIMEOUT_S", "3600"))
 MIB = 2**20

@@ -18,7 +18,7 @@ to ``parallel_state``.
 
 from __future__ import annotations
 
-from mcore_npu.transformer.context_parallel import all_gather, ring, ulysses
+from mcore_npu.transformer.context_parallel import all_gather, ring, rules, ulysses
 from mcore_npu.transformer.context_parallel.thd import (
     check_thd_partitionable,
     get_thd_batch_on_this_cp_rank,
@@ -26,7 +26,7 @@ from mcore_npu.transformer.context_parallel.thd import (
     thd_get_partitioned_indices,
 )
 
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+COMM_TYPES = rules.KNOWN
 _ALGORITHMS = {"p2p": ring, "all_gather": all_gather, "a2a": ulysses}
 
 __all__ = [
@@ -52,16 +52,7 @@ def layer_comm_type(config, layer_number: int, given: str | None) -> str:
         else:
             chosen = configured
     chosen = "p2p" if chosen is None else chosen
-    if chosen not in COMM_TYPES:
-        raise ValueError(
-            f"cp_comm_type: unknown value {chosen!r} for layer {layer_number}; pass one of "
-            f"{', '.join(COMM_TYPES)} (a string, or a list with one per layer)"
-        )
-    if chosen == "a2a+p2p":
-        raise NotImplementedError(
-            "cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not built for "
-            "NPUFusionAttention; fix: use 'a2a' within a node-sized CP group or 'p2p' across"
-        )
+    rules.check(chosen, config.context_parallel_size, where=f"layer {layer_number}")
     return chosen
 
 
@@ -81,7 +72,8 @@ def attention(comm_type, query, key, value, group, **kwargs):
 
     Keyword arguments: ``heads`` (np), ``scale``, ``causal``, ``kernel``, ``keep_prob``,
     ``thd_ends`` (packed: the local padded cumulative ends without the leading 0, host ints;
-    None for sbhd) and ``window`` (``(left, right)``, -1 = unbounded; None = no window). An
-    algorithm that cannot do a case raises ``NotImplementedError`` naming it and the fix.
+    None for sbhd), ``window`` (``(left, right)``, -1 = unbounded; None = no window) and
+    ``memo`` (the layer's ``SeqLengthsMemo``, owner of the packed index tensors). A case that
+    :mod:`.rules` refuses raises ``ContextParallelUnsupported`` naming it and the fix.
     """
     return _ALGORITHMS[comm_type].attention(query, key, value, group, **kwargs)

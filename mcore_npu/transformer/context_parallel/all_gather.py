@@ -24,14 +24,13 @@ pure function of the host offsets and is built once per distinct batch layout (a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from mcore_npu.masks import compressed_causal_mask
-from mcore_npu.ops import INT32_MAX, fusion_attention
-from mcore_npu.transformer.context_parallel import chunks
+from mcore_npu.ops import fusion_attention
+from mcore_npu.ops.contract import INT32_MAX
+from mcore_npu.transformer.context_parallel import chunks, rules
 
 
 class GatherSequence(torch.autograd.Function):
@@ -64,7 +63,7 @@ class GatherTokens(torch.autograd.Function):
 
 def attention(
     query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None,
+    window=None, memo=None,
 ):  # fmt: skip
     """Context-parallel attention by all-gather.
 
@@ -77,13 +76,19 @@ def attention(
             local sequence i spanning ``[ends[i-1], ends[i])``, first half chunk r, second half
             chunk 2·CP-1-r.
         window: ``(left, right)`` sliding window (-1 = unbounded), or None.
+        memo: the layer's ``SeqLengthsMemo``: the packed index is built once per layout.
 
     Returns:
         sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
     """
+    packed = thd_ends is not None
+    rules.check(
+        "all_gather", dist.get_world_size(group), causal=causal, window=window, packed=packed
+    )
     common = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
-    if thd_ends is not None:
-        return _thd(query, key, value, group, heads, causal, tuple(thd_ends), window, common)
+    if packed:
+        ends = tuple(thd_ends)
+        return _thd(query, key, value, group, heads, causal, ends, window, common, memo)
     return _sbhd(query, key, value, group, heads, causal, window, common)
 
 
@@ -127,24 +132,12 @@ def _key_range(start: int, end: int, seq: int, window) -> tuple[int, int, dict]:
     return first, last, {"sparse_mode": 4, "pre_tockens": pre, "next_tockens": nxt}
 
 
-def _thd(query, key, value, group, heads, causal, ends, window, common):
+def _thd(query, key, value, group, heads, causal, ends, window, common, memo):
     """Packed: q ``[t_local, np, hn]``, k/v ``[t_local, ng, hn]`` -> ``[t_local, np * hn]``."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     t_local = query.shape[0]
-    if window is not None and window[1] != 0:
-        raise NotImplementedError(
-            f"cp_comm_type='all_gather' with packed (thd) sequences takes causal sliding windows "
-            f"(left, 0) only, got window_size={tuple(window)}; fix: unpacked (sbhd) batches for "
-            "look-ahead windows under CP, or context_parallel_size=1"
-        )
-    if not causal and window is not None:
-        raise NotImplementedError(
-            "cp_comm_type='all_gather' with packed (thd) sequences: a sliding window on a "
-            "non-causal layer is not split over CP ranks; fix: a causal layer, sbhd batches, "
-            "or context_parallel_size=1"
-        )
     left = None if window is None or window[0] == -1 else window[0]
-    index, q_ends, kv_ends = thd_layout(ends, size, rank, causal, left, query.device)
+    index, q_ends, kv_ends = thd_layout(ends, size, rank, causal, left, query.device, memo)
     k = GatherTokens.apply(key, group).index_select(0, index)  # [Tk, ng, hn]
     v = GatherTokens.apply(value, group).index_select(0, index)
     kwargs = dict(actual_seq_qlen=list(q_ends), actual_seq_kvlen=list(kv_ends), **common)
@@ -157,9 +150,8 @@ def _thd(query, key, value, group, heads, causal, ends, window, common):
     return out.reshape(t_local, -1)
 
 
-@functools.lru_cache(maxsize=16)
 def _thd_layout_host(ends: tuple[int, ...], size: int, rank: int, causal: bool, left):
-    """Host part of :func:`thd_layout` (cached: the same batch layout serves every layer)."""
+    """Host part of :func:`thd_layout`."""
     t_local = ends[-1] if ends else 0
     pieces, q_ends, kv_ends = [], [], []
     start_local = 0
@@ -193,7 +185,7 @@ def _gathered_index(pos, chunk, start_local, size, t_local):
     return owner * t_local + start_local + late.long() * chunk + pos % chunk
 
 
-def thd_layout(ends, size: int, rank: int, causal: bool, left, device):
+def thd_layout(ends, size: int, rank: int, causal: bool, left, device, memo=None):
     """The gather index and TND lengths of one rank's packed attention.
 
     Args:
@@ -201,19 +193,17 @@ def thd_layout(ends, size: int, rank: int, causal: bool, left, device):
         causal: one (query chunk, prefix) segment per chunk; else one (both chunks, whole
             sequence) segment per sequence. left: a causal window's left width, or None.
 
+        memo: a ``SeqLengthsMemo``: built (and copied to ``device``) once per layout.
+
     Returns:
         ``(index [Tk] int64 into the rank-ordered gather, q_ends, kv_ends)``; q_ends/kv_ends are
         the ``actual_seq_qlen`` / ``actual_seq_kvlen`` of the TND call.
     """
-    index, q_ends, kv_ends = _thd_layout_host(tuple(ends), size, rank, causal, left)
-    return _on_device(index, device), q_ends, kv_ends
+    ends, device = tuple(ends), torch.device(device)
 
+    def build():
+        index, q_ends, kv_ends = _thd_layout_host(ends, size, rank, causal, left)
+        return index.to(device), q_ends, kv_ends
 
-@functools.lru_cache(maxsize=16)
-def _on_device_cached(index, device):
-    return index.to(device)
-
-
-def _on_device(index, device):
-    """One host-to-device copy per distinct index and device (the index object is cached)."""
-    return index if index.device == device else _on_device_cached(index, device)
+    key = ("cp_all_gather", ends, size, rank, causal, left, device)
+    return chunks.planned(memo, key, build)

@@ -26,7 +26,6 @@ sequence of the pack at once: one operator call per block for all sequences).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -149,9 +148,10 @@ class PackedLayout:
     input_layout = "TND"
     split_rows = False  # parts are index tensors: a block per part would gather copies
 
-    def __init__(self, ends: tuple[int, ...], heads: int, device) -> None:
+    def __init__(self, ends: tuple[int, ...], heads: int, device, memo=None) -> None:
         self.ends, self.heads, self.device = tuple(ends), heads, device
-        self.plan = _packed_plan(self.ends, heads, torch.device(device))
+        key = ("cp_ring", self.ends, heads, torch.device(device))
+        self.plan = chunks.planned(memo, key, lambda: _packed_plan(*key[1:]))
 
     def rows(self, part: str):
         return slice(0, self.ends[-1]) if part == BOTH else self.plan[part]
@@ -194,7 +194,6 @@ def _segmentation(part: str) -> str:
     return "whole" if part == BOTH else "half"
 
 
-@functools.lru_cache(maxsize=16)
 def _packed_plan(ends: tuple[int, ...], heads: int, device: torch.device) -> dict:
     """Index tensors of one packed layout (built on the host from host ints, then copied).
 

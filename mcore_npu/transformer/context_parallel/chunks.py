@@ -126,3 +126,9 @@ class RingTransfer:
         for request in self._requests:
             request.wait()
         return self.received
+
+
+def planned(memo, key: tuple, build):
+    """``memo.plan(key, build)`` (the layer's :class:`~mcore_npu.masks.SeqLengthsMemo`: built once
+    per batch layout), or ``build()`` when the caller has no memo."""
+    return build() if memo is None else memo.plan(key, build)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from mcore_npu.masks.descriptions import layer_window
 from mcore_npu.ops import fusion_attention_grad, fusion_attention_with_stats
-from mcore_npu.transformer.context_parallel import chunks
+from mcore_npu.transformer.context_parallel import chunks, rules
 from mcore_npu.transformer.context_parallel.blocks import (
     BOTH,
     DenseLayout,
@@ -168,7 +168,7 @@ def _or_zeros(grad, like: torch.Tensor) -> torch.Tensor:
 
 def attention(
     query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None,
+    window=None, memo=None,
 ):  # fmt: skip
     """Ring attention: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``; thd (with
     ``thd_ends``, the local padded cumulative ends without a leading 0, host ints)
@@ -178,27 +178,17 @@ def attention(
     that the reference draws). ``window=(left, right)`` (Megatron's ``window_size``): a causal
     sliding window, sbhd only (a packed pack would need one band per sequence length).
     """
-    if not causal or keep_prob != 1.0:
-        raise ValueError(
-            "cp_comm_type='p2p' runs causal attention without dropout; got "
-            f"causal={causal}, keep_prob={keep_prob}. fix: attention_dropout=0, or "
-            "cp_comm_type='all_gather'"
-        )
+    packed = thd_ends is not None
+    size = dist.get_world_size(group)
+    rules.check("p2p", size, causal=causal, dropout=1.0 - keep_prob, window=window, packed=packed)
     band = layer_window("causal", window)
     left = None if band is None else band.left
-    if thd_ends is None:
+    if not packed:
         layout = DenseLayout(query.shape[0], heads, query.device)
         q, k, v = query.flatten(2), key.flatten(2), value.flatten(2)
         return RingAttention.apply(q, k, v, group, layout, left, kernel, scale)
-    if left is not None:
-        raise NotImplementedError(
-            f"cp_comm_type='p2p' with packed (thd) sequences and window_size={tuple(window)}: "
-            "a ring block of a sliding window is a band shifted by the chunk length, which "
-            "differs between the packed sequences, so one operator call cannot hold it; fix: "
-            "cp_comm_type='a2a' or 'all_gather' for windowed packed batches"
-        )
     _check_thd_ends(thd_ends, query.shape[0])
-    layout = PackedLayout(tuple(thd_ends), heads, query.device)
+    layout = PackedLayout(tuple(thd_ends), heads, query.device, memo)
     return RingAttention.apply(query, key, value, group, layout, None, kernel, scale).flatten(1)
 
 

@@ -19,15 +19,13 @@ thd: TND with the global padded lengths, mode 3 / mode 4 per sequence).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from mcore_npu.masks import BottomRightCausalMask, FullAttention, TopLeftCausalMask
 from mcore_npu.masks.descriptions import layer_window
 from mcore_npu.ops import fusion_attention
-from mcore_npu.transformer.context_parallel import chunks
+from mcore_npu.transformer.context_parallel import chunks, rules
 from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indices
 
 
@@ -36,7 +34,7 @@ class TokenOrder:
     chunks; thd, with ``thd_ends``: every packed sequence's own chunks). Also used by the Gated
     DeltaNet's all-to-all (:mod:`mcore_npu.transformer.gated_delta_net.context_parallel`)."""
 
-    def __init__(self, size: int, device, thd_ends=None) -> None:
+    def __init__(self, size: int, device, thd_ends=None, memo=None) -> None:
         self.size, self.packed = size, thd_ends is not None
         if thd_ends is None:
             self.natural, self.ranked = (
@@ -44,7 +42,8 @@ class TokenOrder:
                 chunks.rank_index(size, device),
             )
         else:
-            self.natural, self.ranked = _packed_order(tuple(thd_ends), size, torch.device(device))
+            key = ("cp_a2a", tuple(thd_ends), size, torch.device(device))
+            self.natural, self.ranked = chunks.planned(memo, key, lambda: _packed_order(*key[1:]))
 
     def to_natural(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:  # sbhd: whole chunks
@@ -57,7 +56,6 @@ class TokenOrder:
         return x.index_select(0, self.ranked)
 
 
-@functools.lru_cache(maxsize=16)
 def _packed_order(ends: tuple[int, ...], size: int, device: torch.device):
     """``(natural, ranked)`` token permutations of a packed batch: ``ranked[p]`` is the global
     token at rank-order position p (rank after rank, each in its local order)."""
@@ -178,18 +176,6 @@ class HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.group, ctx.order), None, None
 
 
-def check_heads(heads: int, groups: int, cp_size: int) -> None:
-    """Refuse head counts that an all-to-all over ``cp_size`` ranks cannot split."""
-    for name, count in (("query heads", heads), ("KV groups", groups)):
-        if count % cp_size:
-            raise ValueError(
-                f"cp_comm_type='a2a': {count} {name} per tensor-parallel rank do not divide by "
-                f"context_parallel_size={cp_size}; Ulysses gives each CP rank 1/CP of the heads."
-                " fix: choose a CP size that divides both heads and groups, or cp_comm_type="
-                "'p2p' / 'all_gather'"
-            )
-
-
 def _mask_kwargs(causal: bool, window, packed: bool, device) -> dict:
     """The one-process mask arguments of the whole sequence (square, so top-left causal =
     bottom-right causal); ``window`` is Megatron's ``window_size`` ``(left, right)``."""
@@ -204,7 +190,7 @@ def _mask_kwargs(causal: bool, window, packed: bool, device) -> dict:
 
 def attention(
     query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None,
+    window=None, memo=None,
 ):  # fmt: skip
     """Context-parallel attention by all-to-all.
 
@@ -220,14 +206,14 @@ def attention(
         sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
     """
     size = dist.get_world_size(group)
-    check_heads(heads, key.shape[-2], size)
+    rules.check("a2a", size, heads=heads, groups=key.shape[-2])
     packed = thd_ends is not None
     if packed and (not thd_ends or tuple(thd_ends)[-1] != query.shape[0]):
         raise ValueError(
             f"thd_ends: expected the local padded cumulative ends without a leading 0, ending at "
             f"the local token count {query.shape[0]}; got {thd_ends!r}"
         )
-    order = TokenOrder(size, query.device, thd_ends)
+    order = TokenOrder(size, query.device, thd_ends, memo)
     q, k, v = (SeqToHeads.apply(t, group, order) for t in (query, key, value))
     kwargs = dict(kernel=kernel, scale=scale, keep_prob=keep_prob)
     kwargs.update(_mask_kwargs(causal, window, packed, query.device))

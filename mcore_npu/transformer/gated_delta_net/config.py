@@ -15,12 +15,11 @@ context_parallel_size``.
 
 from __future__ import annotations
 
-import dataclasses
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mcore_npu.transformer.megatron_features import config_fields
+
 GDN = "gated_delta_net"
-_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(TransformerConfig))
 
 _HEAD_FIELDS = (
     "linear_conv_kernel_dim",
@@ -41,8 +40,8 @@ class GDNTransformerConfig(TransformerConfig):
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        missing = [name for name in ("experimental_attention_variant", *_HEAD_FIELDS)
-                   if name not in _CONFIG_FIELDS]  # fmt: skip
+        fields = ("experimental_attention_variant", *_HEAD_FIELDS)
+        missing = [name for name in fields if name not in config_fields()]
         if missing:
             raise ValueError(
                 f"GDNTransformerConfig: the installed megatron-core's TransformerConfig has no "

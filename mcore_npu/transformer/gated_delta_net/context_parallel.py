@@ -72,7 +72,7 @@ def _check_split(x: torch.Tensor, sections: Sequence[int], size: int, thd_ends) 
         )
 
 
-def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None):
+def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None, memo=None):
     """Sequence split -> head split, zigzag undone (autograd: the backward is the inverse).
 
     Args:
@@ -83,6 +83,7 @@ def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None
         group: the CP process group.
         thd_ends: packed only: the local padded cumulative ends without a leading 0, host ints
             (:func:`packed_local_ends`); None for sbhd.
+        memo: the layer's ``SeqLengthsMemo``: a packed token order is built once per layout.
 
     Returns:
         ``[s, b, D/CP]`` (thd ``[t, 1, D/CP]``) in natural token order: the whole sequence,
@@ -90,13 +91,13 @@ def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None
     """
     size = dist.get_world_size(group)
     _check_split(x, sections, size, thd_ends)
-    order = TokenOrder(size, x.device, thd_ends)
+    order = TokenOrder(size, x.device, thd_ends, memo)
     parts = torch.split(x, list(sections), dim=-1)
     grouped = torch.cat([p.unflatten(-1, (size, -1)) for p in parts], dim=-1)  # [s_l, b, CP, D/CP]
     return SeqToHeads.apply(grouped, group, order).squeeze(-2)
 
 
-def gather_heads(x: torch.Tensor, group, thd_ends=None) -> torch.Tensor:
+def gather_heads(x: torch.Tensor, group, thd_ends=None, memo=None) -> torch.Tensor:
     """Head split -> sequence split, zigzag redone: the inverse of :func:`scatter_heads`.
 
     Args:
@@ -113,7 +114,7 @@ def gather_heads(x: torch.Tensor, group, thd_ends=None) -> torch.Tensor:
             f"x: expected [s, b, features] with s divisible by context_parallel_size={size}, "
             f"got shape {list(x.shape)}"
         )
-    order = TokenOrder(size, x.device, thd_ends)
+    order = TokenOrder(size, x.device, thd_ends, memo)
     return HeadsToSeq.apply(x.unsqueeze(-2), group, order).flatten(-2)
 
 
@@ -135,7 +136,8 @@ def packed_local_ends(
     """
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     padded = packed_seq_params.cu_seqlens_q if padded is None else padded
-    ends = (memo or SeqLengthsMemo()).context_parallel_ends(padded, cp_size)
+    memo = SeqLengthsMemo() if memo is None else memo  # an empty memo is falsy: no `or`
+    ends = memo.context_parallel_ends(padded, cp_size)
     if ends and ends[-1] > t_local:
         raise ValueError(
             f"packed_seq_params.cu_seqlens_q_padded: ends at {ends[-1] * cp_size} tokens, but "
@@ -175,7 +177,8 @@ class GDNContextParallel:
                     "linear_num_value_heads divisible by tensor x context parallel size"
                 )
             widths.append(heads * dim)
-        return scatter_heads(x, widths, self.group, self._ends(packed_seq_params, x.shape[0]))
+        ends = self._ends(packed_seq_params, x.shape[0])
+        return scatter_heads(x, widths, self.group, ends, self.memo)
 
     def heads(self, count: int) -> slice:
         """This CP rank's share of ``count`` TP-local heads: ``[r*count/CP, (r+1)*count/CP)``."""
@@ -185,7 +188,7 @@ class GDNContextParallel:
     def to_sequence(self, x: torch.Tensor, packed_seq_params) -> torch.Tensor:
         """``[s, b, Hv/CP * V]`` natural order -> ``[s/CP, b, Hv * V]`` (chunks r, 2CP-1-r)."""
         t_local = x.shape[0] // self.size
-        return gather_heads(x, self.group, self._ends(packed_seq_params, t_local))
+        return gather_heads(x, self.group, self._ends(packed_seq_params, t_local), self.memo)
 
     def _ends(self, packed_seq_params, t_local: int):
         """The local padded ends of a packed (thd) batch, None for sbhd."""

@@ -110,6 +110,10 @@ class NPUGatedDeltaNet(MegatronModule):
         super().__init__(config)
         self.layer_number, self.bias, self.conv_bias = layer_number, bias, conv_bias
         self.conv_init, self.A_init_range = conv_init, tuple(A_init_range)
+        if kernel is not None:
+            from mcore_npu.ops.registry import check_kernel
+
+            check_kernel(kernel, op="chunk_gated_delta_rule")
         self.use_qk_l2norm, self.naive_l2norm, self.kernel = use_qk_l2norm, naive_l2norm, kernel
         self.pg_collection = _process_groups(pg_collection)
         self.tp_size = self.pg_collection.tp.size()

@@ -114,3 +114,11 @@ class CpuPlatform(PlatformBase):
 
     def cudart(self):
         return None
+
+
+def active() -> bool:
+    """Whether the CPU runtime's ``activate`` has run in this process (this platform is
+    registered)."""
+    from verl.plugin.platform import PlatformRegistry
+
+    return PlatformRegistry.get(NAME) is CpuPlatform

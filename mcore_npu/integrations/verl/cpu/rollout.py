@@ -285,9 +285,9 @@ def register() -> None:
 
 def _register_if_active() -> None:
     """The end of this module's import: register when the switch ran while it was half built."""
-    from . import runtime
+    from . import platform
 
-    if runtime.active():
+    if platform.active():
         register()
 
 

@@ -62,13 +62,6 @@ def activate() -> None:
     _register_rollout()
 
 
-def active() -> bool:
-    """Whether :func:`activate` has run in this process (the platform is registered)."""
-    from verl.plugin.platform import PlatformRegistry
-
-    return PlatformRegistry.get(cpu_platform.NAME) is cpu_platform.CpuPlatform
-
-
 def _register_rollout() -> None:
     """Register ``hf_cpu``, unless :mod:`.rollout` is being imported right now.
 

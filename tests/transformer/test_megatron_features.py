@@ -1,15 +1,20 @@
-"""``mcore_npu.transformer.megatron_fields``: the table that names, in a refusal, the
-megatron-core version that has a ``TransformerConfig`` field the installed one lacks. Checked
-against the installed megatron-core (``make test-compat`` runs this on every admitted version):
-a field listed from version V on exists exactly when the installed version is V or newer."""
+"""``mcore_npu.transformer.megatron_features``, against the installed megatron-core (``make
+test-compat`` runs this on every admitted version; the version string is read here, in the
+test, and nowhere in the package):
+
+- every feature of ``FEATURES`` is present exactly in the releases its table entry names;
+- a field listed from version V on exists exactly when the installed version is V or newer.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from mcore_npu.transformer.megatron_fields import (
+from mcore_npu.transformer import megatron_features
+from mcore_npu.transformer.megatron_features import (
     FIELDS_SINCE,
     REMOVED_AFTER,
     install_hint,
@@ -57,3 +62,29 @@ def test_the_words_name_the_version():
         hint
         == "megatron-core 0.16+ has batch_invariant_mode: install that version, or remove the key"
     )
+
+
+@pytest.mark.parametrize("name", sorted(megatron_features.FEATURES))
+def test_a_feature_is_present_exactly_in_its_releases(name):
+    feature = megatron_features.FEATURES[name]
+    installed, _ = _installed()
+    after_start = feature.since is None or installed >= _minor(feature.since)
+    before_end = feature.until is None or installed <= _minor(feature.until)
+    assert megatron_features.has(name) == (after_start and before_end), (installed, feature)
+
+
+def test_an_unknown_feature_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="feature: 'router' is not one of router_slot"):
+        megatron_features.has("router")
+
+
+def test_no_module_of_the_package_reads_the_megatron_version():
+    """Features are read from the installed objects: nothing outside doctor (its supported-range
+    line) reads the megatron-core version."""
+    package = Path(megatron_features.__file__).resolve().parents[1]
+    readers = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if any(s in text for s in ('version("megatron', "package_info", "core.__version__")):
+            readers.append(str(path.relative_to(package)))
+    assert readers == ["tools/doctor.py"]

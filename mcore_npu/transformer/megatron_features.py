@@ -1,15 +1,21 @@
-"""The ``TransformerConfig`` fields megatron-core added after 0.15, by the first admitted minor
-line that has them, so that a refusal of a field the installed Megatron lacks can name the
-version that has it.
+"""What the installed megatron-core has: every feature this package reads from it, in one place.
 
-Whether a field exists is always read from the installed class (``dataclasses.fields``); this
-table only words the message. It lists the fields of the 0.16.1, 0.17.1, 0.18.2 and 0.19.2 wheels
-(``make test-compat`` installs them) that the previous one lacks; ``REMOVED_AFTER`` the 0.16.1
-fields 0.17.1 lacks. ``tests/transformer/test_megatron_fields.py`` checks it against the installed
-megatron-core.
+:data:`FEATURES` names each difference between the admitted releases (0.15 to 0.19) that the
+plugin reads, with the releases that have it; :func:`has` answers from the installed objects (a
+field, a signature, an attribute), never from a version string. :data:`FIELDS_SINCE` and
+:data:`REMOVED_AFTER` word a refusal of a ``TransformerConfig`` field the installed release
+lacks. ``tests/transformer/test_megatron_features.py`` checks both against the installed release
+(``make test-compat`` runs it on every admitted one).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 FIELDS_SINCE: dict[str, tuple[str, ...]] = {
     "0.16": (
@@ -152,3 +158,128 @@ def install_hint(field: str) -> str | None:
     if where is None:
         return None
     return f"{where} has {field}: install that version, or remove the key"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A difference between admitted releases: ``since`` the first that has it (None: 0.15
+    has it), ``until`` the last (None: the newest still does); ``probe`` reads it."""
+
+    what: str
+    probe: Callable[[], bool]
+    since: str | None = None
+    until: str | None = None
+
+
+def _attribute(module: str, name: str) -> object:
+    return getattr(importlib.import_module(module), name, None)
+
+
+def _parameters(module: str, name: str) -> set[str]:
+    function = _attribute(module, name)
+    return set(inspect.signature(function).parameters) if function is not None else set()
+
+
+def _router_slot() -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    return "router" in {f.name for f in dataclasses.fields(MoESubmodules)}
+
+
+def _mla_returns_latents() -> bool:
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return "q_compressed" in MultiLatentAttention.forward.__code__.co_varnames
+
+
+def _mla_te_stand_in() -> bool:
+    module = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    linear = getattr(module, "TELinear", None)
+    return bool(getattr(module, "HAVE_TE", False)) and not isinstance(linear, type)
+
+
+def _experts_builder() -> bool:
+    from megatron.core.models.backends import BackendSpecProvider
+
+    legacy = "moe_use_legacy_grouped_gemm"
+    return legacy not in inspect.signature(BackendSpecProvider.grouped_mlp_modules).parameters
+
+
+_MOE = "megatron.core.transformer.moe"
+
+
+def _router_expert_bias() -> bool:
+    return hasattr(_attribute(f"{_MOE}.router", "TopKRouter"), "_apply_expert_bias")
+
+
+def _grouped_mlp() -> bool:
+    return isinstance(_attribute(f"{_MOE}.experts", "GroupedMLP"), type)
+
+
+def _mlp_takes_name() -> bool:
+    return "name" in _parameters("megatron.core.transformer.mlp", "MLP")
+
+
+def _shared_expert_overlap_state() -> bool:
+    return _attribute(f"{_MOE}.shared_experts", "overlap_state_check") is not None
+
+
+def _checkpoint_common_file() -> bool:
+    return "common_strategy" in _parameters("megatron.core.dist_checkpointing", "save")
+
+
+FEATURES: dict[str, Feature] = {
+    "router_slot": Feature(
+        "MoESubmodules has a router slot (before, MoELayer builds its TopKRouter)",
+        _router_slot,
+        since="0.16",
+    ),
+    "router_expert_bias": Feature(
+        "TopKRouter._apply_expert_bias (before, routing adds the bias inline)",
+        _router_expert_bias,
+        since="0.16",
+    ),
+    "mla_returns_latents": Feature(
+        "MLA's get_query_key_value_tensors also returns q_compressed and kv_compressed",
+        _mla_returns_latents,
+        since="0.16",
+    ),
+    "mla_te_stand_in": Feature(
+        "without TE, MLA's module says HAVE_TE with a MagicMock TELinear (isinstance raises)",
+        _mla_te_stand_in,
+        until="0.16",
+    ),
+    "experts_builder": Feature(
+        "BackendSpecProvider.grouped_mlp_modules returns an experts builder",
+        _experts_builder,
+        since="0.17",
+    ),
+    "grouped_mlp": Feature("the legacy GroupedMLP experts class", _grouped_mlp, until="0.16"),
+    "mlp_takes_name": Feature("MLP.__init__ takes name", _mlp_takes_name, since="0.18"),
+    "shared_expert_overlap_state": Feature(
+        "shared_experts.overlap_state_check and SharedExpertState",
+        _shared_expert_overlap_state,
+        since="0.18",
+    ),
+    "checkpoint_common_file": Feature(
+        "dist_checkpointing.save writes common.pt (after, the .distcp files hold common_state)",
+        _checkpoint_common_file,
+        until="0.18",
+    ),
+}
+
+
+@functools.cache
+def has(feature: str) -> bool:
+    """Whether the installed megatron-core has ``feature`` (a key of :data:`FEATURES`)."""
+    if feature not in FEATURES:
+        raise ValueError(f"feature: {feature!r} is not one of {', '.join(FEATURES)}")
+    return bool(FEATURES[feature].probe())
+
+
+@functools.cache
+def config_fields() -> frozenset[str]:
+    """The installed ``TransformerConfig``'s field names."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))

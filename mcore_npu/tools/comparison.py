@@ -1,0 +1,78 @@
+"""One case's outcome in ``mcore-npu verify``: a :class:`Comparison` per quantity (the largest
+error where it counts, against the case's bound) and the :class:`CaseResult` of the case."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_npu.tools.cases import Tolerance
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One quantity of one case: the largest error over the compared elements and its bound."""
+
+    name: str
+    max_error: float
+    bound: float
+    compared: int
+
+    @property
+    def passed(self) -> bool:
+        """NaN or inf errors fail (``nan <= bound`` is False)."""
+        return self.max_error <= self.bound
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """The outcome of one case: its comparisons and any other problem found."""
+
+    case_id: str
+    comparisons: tuple[Comparison, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and all(c.passed for c in self.comparisons)
+
+    def error(self, name: str) -> float | None:
+        """The max error of quantity ``name``, or None if it was not compared."""
+        return next((c.max_error for c in self.comparisons if c.name == name), None)
+
+
+def compare(
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    valid: torch.Tensor | None,
+    tolerance: Tolerance,
+) -> Comparison:
+    """Compare ``got`` with ``want`` on the elements where ``valid`` is True.
+
+    Args:
+        name: what is compared (``"forward"``, ``"dq"``, ...), for the report.
+        got: the tensor under test, any dtype and device.
+        want: the trusted answer, same shape.
+        valid: bool of the same shape, True = compare this element; None = compare everything.
+            Invalid (fully masked) rows are False here and so never count.
+        tolerance: the case's tolerance; the bound is ``atol + rtol * max|want[valid]|``.
+
+    Returns:
+        A :class:`Comparison`; ``max_error`` is NaN if a compared element of ``got`` is NaN.
+    """
+    if got.shape != want.shape:
+        raise ValueError(
+            f"{name}: shape {list(got.shape)} of the result differs from the expected "
+            f"{list(want.shape)}"
+        )
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    if valid is not None:
+        valid = valid.cpu()
+        got, want = got[valid], want[valid]
+    if want.numel() == 0:
+        return Comparison(name, 0.0, tolerance.bound(0.0), 0)
+    error = (got - want).abs().max().item()  # torch's max propagates NaN
+    bound = tolerance.bound(want.abs().max().item())
+    return Comparison(name, error, bound, want.numel())
