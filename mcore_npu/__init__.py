@@ -1,26 +1,10 @@
-"""mcore_npu: Megatron-Core on Ascend NPUs.
+"""mcore_npu: Megatron-Core on Ascend NPUs, a plugin (not a fork).
 
-The package is a plugin, not a fork: it gives Megatron-Core a transformer-layer spec whose core
-attention calls ``torch_npu.npu_fusion_attention``, masks that cost nothing per step, and a worker
-mixin that turns on the allocator's expandable segments at start-up. Everything also runs on
-machines without an NPU through a pure-PyTorch reference of the operator.
-
-Importing this package is cheap: it imports neither torch, megatron-core, torch_npu nor
-transformer-engine. The public names below are resolved on first use.
-
-Rooms, bottom up (each imports only the rooms below it; ``tests/test_layering.py`` checks)::
-
-    ops/           the operators: contracts, validation, references, kernel dispatch
-    allocator/     accelerator detection, expandable segments, the worker mixin
-    masks/         the compressed-mask cache, mask descriptions, per-step memos, helpers
-    transformer/   NPUFusionAttention, norms and the layer-spec builders (Megatron's slots)
-    training/      the demo trainer behind ``mcore-npu train``
-    tools/         doctor, verify, bench
-    integrations/  adapters for other frameworks, imported only on demand
-    cli            the ``mcore-npu`` command; ``python -m mcore_npu.train`` for torchrun
-
-The plugin a Megatron user needs is ops, masks, transformer and allocator; the names below are
-its public face.
+A layer spec whose core attention calls ``torch_npu.npu_fusion_attention``, masks that cost
+nothing per step, and expandable segments at start-up; a pure-PyTorch reference of the operator
+elsewhere. Importing this package imports neither torch, megatron-core, torch_npu nor
+transformer-engine: the public names below are resolved on first use. The rooms and their
+layering: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The one place that imports the Ascend packages (``torch_npu``, ``fla_npu``, ``fla``): at call
-time, never at import of the plugin. Everything else asks here (the operator registry for
-kernels, the allocator for device detection)."""
+"""The one place that imports the Ascend packages (``torch_npu``, ``fla_npu``, ``fla``), at call
+time, never at import of the plugin."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The ``mcore-npu`` command: argument parsing and exit codes only.
-
-Every subcommand is a thin shell around a library function, imported when the subcommand runs,
-so ``mcore-npu --help`` stays fast and works without megatron-core installed.
-"""
+"""The ``mcore-npu`` command: argument parsing and exit codes only; each subcommand's module is
+imported when it runs, so ``mcore-npu --help`` works without megatron-core."""
 
 from __future__ import annotations
 
@@ -51,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help()
         return 0
-    # Parse the command name first, then let its module describe its own arguments.
+    # the command name first, then its module describes its own arguments
     if argv[0] in _SUBCOMMANDS:
         hide_known_harmless_warnings()
         module = importlib.import_module(_SUBCOMMANDS[argv[0]][0])

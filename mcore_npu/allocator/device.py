@@ -1,25 +1,10 @@
-"""Accelerator detection and the allocator's expandable-segments switch.
+"""Accelerator detection and the allocator's expandable segments (docs/expandable_segments.md).
 
-Everything here is decided when a function is *called*, never when this module is imported:
-importing ``mcore_npu.allocator.device`` imports neither torch nor torch_npu, so a launcher can import it
-before it sets ``PYTORCH_NPU_ALLOC_CONF`` or picks a device.
-
-Detection (:func:`current_accelerator`) prefers an Ascend NPU, then CUDA, then the CPU. An NPU
-counts when ``torch.npu`` exists (torch_npu was imported by the user or launcher, or is installed
-and imports cleanly now) and ``torch.npu.is_available()`` is true. An installed torch_npu that
-cannot load (CANN not sourced, wrong torch build) makes detection say ``"cpu"``; the captured
-error is kept for diagnostics (:func:`npu_import_error`).
-
-Expandable segments (:func:`set_expandable_segments`, :func:`expandable_segments`) let the
-caching allocator grow one virtual-address segment instead of reserving a new segment per
-request size. The flag only decides where *new* segments come from: memory reserved before the
-switch stays in the segments it is in. Turn it on before the model, the optimizer state and the
-first activations are allocated; turn it off around tensors that travel through IPC (weight
-export to an inference engine), which cannot live in expandable segments.
-
-Module state: one owned object, ``_STATE`` (:class:`_DeviceState`), holds the value this module
-last put in effect per accelerator (for the context manager), the warn-once registry and the
-torch_npu import error. Nothing else in this module is mutable.
+Decided when a function is *called*: importing this module imports neither torch nor torch_npu.
+Detection prefers an Ascend NPU (``torch.npu`` present or importable now, and available), then
+CUDA, then the CPU; a torch_npu that cannot load means ``"cpu"`` (:func:`npu_import_error` says
+why). The switch only decides where *new* segments come from. The one mutable object is
+``_STATE``: the value last put in effect per accelerator and the torch_npu import error.
 """
 
 from __future__ import annotations
@@ -62,9 +47,8 @@ NPU_ALLOC_CONF = "PYTORCH_NPU_ALLOC_CONF"
 CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 GENERIC_ALLOC_CONF = "PYTORCH_ALLOC_CONF"
 
-# Allocator-configuration variables consulted per accelerator, in the order they are read when
-# guessing the current value. Released torch_npu reads only PYTORCH_NPU_ALLOC_CONF; its unreleased
-# master also reads PYTORCH_ALLOC_CONF, so both are checked for conflicts.
+# Allocator-configuration variables per accelerator, in the order they are read (released
+# torch_npu reads only the first; its master also PYTORCH_ALLOC_CONF).
 ALLOCATOR_CONF_VARS: dict[str, tuple[str, ...]] = {
     "npu": (NPU_ALLOC_CONF, GENERIC_ALLOC_CONF),
     "cuda": (CUDA_ALLOC_CONF, GENERIC_ALLOC_CONF),
@@ -72,37 +56,23 @@ ALLOCATOR_CONF_VARS: dict[str, tuple[str, ...]] = {
 }
 
 _KEY = "expandable_segments"
-# Options the allocator refuses to combine with expandable_segments:True (torch_npu raises when
-# both are given in PYTORCH_NPU_ALLOC_CONF; vllm-ascend guards against it too).
+# Options the allocator refuses to combine with expandable_segments:True
 CONFLICTING_OPTIONS = ("max_split_size_mb", "garbage_collection_threshold")
 
-# First releases whose torch.npu.memory has _set_allocator_settings (Ascend Extension for
-# PyTorch 7.3.0). Detected by attribute, never by comparing versions.
+# First torch-npu releases with torch.npu.memory._set_allocator_settings (detected by attribute)
 NPU_SETTER_RELEASES = "2.6.0.post5, 2.7.1.post2, 2.8.0.post2, 2.9.0 or later"
 
 
 class ExpandableSegmentsWarning(UserWarning):
-    """Expandable segments could not be set as asked, or the allocator configuration conflicts.
-
-    Each distinct warning is emitted once per process. Turn them into errors with
-    ``warnings.simplefilter("error", ExpandableSegmentsWarning)`` or pass ``strict=True``.
-    """
+    """Expandable segments could not be set as asked, or the allocator configuration conflicts
+    (each distinct warning once per process)."""
 
 
 @dataclass
 class _DeviceState:
-    """The only mutable state of this module (one instance: ``_STATE``).
-
-    Attributes:
-        last_set: accelerator -> the value this module last put in effect there (only calls that
-            returned True are recorded). :func:`expandable_segments` restores from it. It cannot
-            see changes made by other code (torch's setter called directly, another library), or
-            a driver that silently refuses expandable segments.
-        npu_import_error: ``"ExceptionType: message"`` of the failed ``import torch_npu``, or
-            None. A failed import is not retried in this process: a half-loaded C extension
-            cannot be re-imported reliably, and the usual causes (CANN environment not sourced,
-            a torch build torch_npu does not match) only go away with a new process.
-    """
+    """The only mutable state of this module (``_STATE``): ``last_set`` (accelerator -> the value
+    last put in effect, which :func:`expandable_segments` restores) and ``npu_import_error`` (never
+    retried: a half-loaded C extension cannot be re-imported reliably)."""
 
     last_set: dict[str, bool] = field(default_factory=dict)
     npu_import_error: str | None = None
@@ -114,11 +84,6 @@ class _DeviceState:
 
 
 _STATE = _DeviceState()
-
-
-# --------------------------------------------------------------------------------------------
-# detection
-# --------------------------------------------------------------------------------------------
 
 
 def _torch() -> types.ModuleType:
@@ -142,12 +107,7 @@ def _record_npu_error(exc: BaseException) -> None:
 
 
 def _npu_module() -> types.ModuleType | None:
-    """Return ``torch.npu`` if torch_npu is loaded or loads now, else None. Never raises.
-
-    torch_npu is imported here only if it is installed, not yet imported, and no earlier attempt
-    in this process failed. ImportError (CANN libraries missing), OSError and RuntimeError (torch
-    build mismatch) all occur and are recorded for :func:`npu_import_error`.
-    """
+    """``torch.npu`` if torch_npu is loaded or loads now (installed, not failed before), or None."""
     try:
         torch = _torch()
     except Exception as exc:  # torch's backend autoload of a broken torch_npu fails `import torch`
@@ -169,12 +129,8 @@ def _npu_module() -> types.ModuleType | None:
 
 
 def is_npu_available() -> bool:
-    """Whether an Ascend NPU is usable in this process, decided now. Never raises.
-
-    True when ``torch.npu`` exists (torch_npu already imported, or installed and importable now;
-    importing it is the only side effect) and ``torch.npu.is_available()`` returns true. Any
-    exception along the way means False.
-    """
+    """Whether an Ascend NPU is usable in this process, decided now (importing torch_npu is the
+    only side effect). Never raises."""
     npu = _npu_module()
     if npu is None:
         return False
@@ -194,18 +150,8 @@ def _cuda_available() -> bool:
 
 
 def current_accelerator() -> Accelerator:
-    """Return ``"npu"``, ``"cuda"`` or ``"cpu"``: the accelerator this process would use now.
-
-    Not cached: every call asks torch again, so a process that imports torch_npu or changes
-    ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` before initialisation gets a fresh
-    answer. An NPU wins over CUDA (torch_npu cannot share a process with a CUDA build of torch
-    anyway). Never raises; anything unexpected means ``"cpu"``.
-
-    Example::
-
-        >>> current_accelerator()   # on a laptop
-        'cpu'
-    """
+    """``"npu"``, ``"cuda"`` or ``"cpu"``: the accelerator this process would use now (not cached;
+    an NPU wins over CUDA). Never raises."""
     if is_npu_available():
         return "npu"
     if _cuda_available():
@@ -214,22 +160,15 @@ def current_accelerator() -> Accelerator:
 
 
 def npu_import_error() -> str | None:
-    """Why torch_npu could not be imported (``"ExceptionType: message"``), or None.
-
-    Runs detection first, so the answer is current. None means torch_npu is not installed, or
-    it is imported (whether or not an NPU is visible).
-    """
+    """Why torch_npu could not be imported (``"ExceptionType: message"``), or None (not
+    installed, or imported). Runs detection first."""
     _npu_module()
     return _STATE.npu_import_error
 
 
 def current_device() -> torch.device:
-    """The device new tensors should go to: ``npu:<i>``, ``cuda:<i>`` or ``cpu``.
-
-    ``<i>`` is the accelerator's current device index (``torch.npu.current_device()`` /
-    ``torch.cuda.current_device()``). Calling it on an accelerator initialises that
-    accelerator's runtime, like any query of the current device.
-    """
+    """The device new tensors should go to: ``npu:<i>``, ``cuda:<i>`` (the current index; this
+    initialises the accelerator's runtime) or ``cpu``."""
     torch = _torch()
     accelerator = current_accelerator()
     if accelerator == "npu":
@@ -239,18 +178,8 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-# --------------------------------------------------------------------------------------------
-# allocator configuration strings ("key:value,key:value")
-# --------------------------------------------------------------------------------------------
-
-
 def _split_entries(conf: str) -> list[str]:
-    """Split an allocator configuration at top-level commas, keeping each entry's text.
-
-    Commas inside brackets belong to one value:
-    ``"max_split_size_mb:64,roundup_power2_divisions:[256:1,>:8]"`` ->
-    ``["max_split_size_mb:64", "roundup_power2_divisions:[256:1,>:8]"]``.
-    """
+    """Split an allocator configuration at top-level commas (not inside ``[...]``)."""
     entries: list[str] = []
     depth = 0
     current: list[str] = []
@@ -282,12 +211,8 @@ def parse_alloc_conf(conf: str | None) -> dict[str, str]:
 
 
 def _merge_conf(conf: str | None, key: str, value: str) -> str:
-    """Set ``key:value`` in an allocator configuration, keeping every other entry as written.
-
-    An existing entry for ``key`` is replaced in place; further duplicates of it are dropped;
-    a missing key is appended. ``_merge_conf("max_split_size_mb:64", "expandable_segments",
-    "False")`` -> ``"max_split_size_mb:64,expandable_segments:False"``.
-    """
+    """Set ``key:value`` in an allocator configuration, keeping every other entry as written
+    (the first ``key`` entry replaced in place, later ones dropped; appended if missing)."""
     merged: list[str] = []
     replaced = False
     for entry in _split_entries(conf or ""):
@@ -319,11 +244,6 @@ def _previous_value(accelerator: str) -> bool:
     if accelerator in _STATE.last_set:
         return _STATE.last_set[accelerator]
     return bool(_value_from_env(accelerator))
-
-
-# --------------------------------------------------------------------------------------------
-# warnings, errors, argument checks
-# --------------------------------------------------------------------------------------------
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -366,12 +286,7 @@ def require_bool(where: str, name: str, value: object) -> None:
 
 
 def _warn_about_reset(accelerator: str) -> None:
-    """Warn once that the runtime setter resets options set through the configuration vars.
-
-    The setter re-applies defaults for every option it is not given, so ``max_split_size_mb``,
-    ``garbage_collection_threshold``, ``roundup_power2_divisions``... from the environment stop
-    applying. The first two also conflict with expandable segments, which the message says.
-    """
+    """Warn once that the runtime setter resets the options of the configuration variables."""
     for var in ALLOCATOR_CONF_VARS[accelerator]:
         options = sorted(key for key in parse_alloc_conf(os.environ.get(var)) if key != _KEY)
         if not options:
@@ -389,11 +304,6 @@ def _warn_about_reset(accelerator: str) -> None:
             f"{conflict_note} Fix: remove them from {var}, or, if this process needs them, do "
             f"not change expandable segments at run time in it.",
         )
-
-
-# --------------------------------------------------------------------------------------------
-# setting the flag
-# --------------------------------------------------------------------------------------------
 
 
 def _call_setter(
@@ -418,14 +328,8 @@ def _call_setter(
 
 
 def _npu_allocator_initialized(npu: types.ModuleType) -> bool:
-    """Whether the NPU allocator may already have read ``PYTORCH_NPU_ALLOC_CONF``.
-
-    Probe: ``torch.npu.is_initialized()`` (torch_npu sets it in ``_lazy_init``, which runs on the
-    first allocation, ``set_device`` or memory query). It does not initialise anything itself.
-    ``torch.npu.memory_reserved()`` is not used: it can initialise the device and so read the
-    configuration before we write it. If the probe is missing or raises, the answer is "yes",
-    so an env-var write is never trusted when it might be too late.
-    """
+    """Whether the NPU allocator may already have read ``PYTORCH_NPU_ALLOC_CONF``: probed with
+    ``torch.npu.is_initialized()`` (initialises nothing); "yes" if that is missing or raises."""
     probe = getattr(npu, "is_initialized", None)
     if not callable(probe):
         return True
@@ -508,46 +412,9 @@ def _set_on_cuda(enable: bool, strict: bool) -> bool:
 def set_expandable_segments(enable: bool, *, strict: bool = False) -> bool:
     """Turn the caching allocator's expandable segments on or off for *new* allocations.
 
-    What happens, by accelerator (decided now by :func:`current_accelerator`):
-
-    * **NPU, torch-npu with the runtime setter** (7.3.0 release: 2.6.0.post5 / 2.7.1.post2 /
-      2.8.0.post2 / 2.9.0 and later): ``torch.npu.memory._set_allocator_settings(
-      "expandable_segments:True|False")``. The call drains the NPU task queue (do not toggle in
-      hot loops) and resets every other allocator option to its default.
-    * **NPU, older torch-npu, allocator not initialised yet** (``torch.npu.is_initialized()`` is
-      false): ``expandable_segments:<enable>`` is merged into ``PYTORCH_NPU_ALLOC_CONF`` (other
-      entries kept, an existing expandable_segments entry replaced). The allocator reads it at
-      initialisation; child processes inherit it. Enabling is refused when the variable sets
-      ``max_split_size_mb`` or ``garbage_collection_threshold`` (torch-npu rejects the pair).
-    * **NPU, older torch-npu, allocator initialised**: nothing can change it. Returns True if
-      the configuration already says ``enable``, else warns once naming the torch-npu version
-      needed and returns False.
-    * **CUDA**: ``torch._C._accelerator_setAllocatorSettings`` where torch has it, else
-      ``torch.cuda.memory._set_allocator_settings`` (same reset of other options).
-    * **CPU**: nothing to configure; logs at debug level and returns False. ``strict`` does not
-      apply (there is no accelerator whose setting could fail).
-
-    Whenever a runtime setter is used and ``PYTORCH_NPU_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``
-    / ``PYTORCH_ALLOC_CONF`` hold other options, a warning (once) says they were reset; for
-    ``max_split_size_mb`` and ``garbage_collection_threshold`` it also says they conflict with
-    expandable segments.
-
-    Args:
-        enable: True to put new allocations in expandable segments, False for classic segments.
-        strict: raise instead of warning when the setting cannot take effect on an accelerator.
-
-    Returns:
-        True if new allocations on this process's accelerator will follow ``enable`` (the setter
-        accepted it, or the environment variable was written before the allocator read it).
-        False on CPU and whenever it could not be applied (a warning says why). True does not
-        prove the driver supports it: an NPU without virtual-memory support makes torch-npu warn
-        "expandable_segments setting failure, now change to False" and keep it off.
-
-    Raises:
-        TypeError: ``enable`` or ``strict`` is not a bool.
-        RuntimeError: ``strict=True`` and the setting cannot take effect; the message names the
-            cause and the fix, and chains the setter's own exception if there was one.
-    """
+    Returns whether new allocations on this accelerator follow ``enable`` (CPU: False); if not, it
+    warns once, or raises ``RuntimeError`` with ``strict=True``. Per accelerator and torch-npu
+    version: docs/expandable_segments.md#what-the-return-value-means."""
     require_bool("set_expandable_segments", "enable", enable)
     require_bool("set_expandable_segments", "strict", strict)
     accelerator = current_accelerator()
@@ -561,33 +428,9 @@ def set_expandable_segments(enable: bool, *, strict: bool = False) -> bool:
 
 @contextlib.contextmanager
 def expandable_segments(enable: bool, *, strict: bool = False) -> Iterator[bool]:
-    """Set expandable segments for the duration of a ``with`` block, then restore the old value.
-
-    Typical use: tensors that go through IPC (weight export to an inference engine) must not
-    live in expandable segments, so allocate them inside ``with expandable_segments(False):``.
-    Only memory allocated *inside* the block is affected; segments reserved earlier stay as
-    they are.
-
-    The value restored on exit is the one this module last put in effect on the current
-    accelerator (see ``_DeviceState.last_set``), else the ``expandable_segments`` entry of the
-    allocator configuration variables, else False (the allocator default). Limitation: changes
-    made without this module (torch's setter called directly, another library) are invisible,
-    so the restored value can be wrong after them. Nothing is restored when entering did not
-    take effect or did not change the value. The restore runs on exceptions too; while an
-    exception propagates, a failed restore only warns, so it cannot hide the original error.
-
-    Args:
-        enable: the value to use inside the block.
-        strict: as for :func:`set_expandable_segments`, for both the change and the restore.
-
-    Yields:
-        The return value of ``set_expandable_segments(enable, strict=strict)``.
-
-    Example::
-
-        with expandable_segments(False):
-            buffers = export_weights(model)   # IPC-safe, classic segments
-    """
+    """Set expandable segments for a ``with`` block (e.g. off around IPC exports), then restore the
+    value this module last put in effect (else the configuration variable's, else False); yields
+    what ``set_expandable_segments`` returned. A failed restore during an exception only warns."""
     require_bool("expandable_segments", "enable", enable)
     require_bool("expandable_segments", "strict", strict)
     previous = _previous_value(current_accelerator())

@@ -1,9 +1,7 @@
 """The CPU runtime: Megatron-Core and verl on a machine without an accelerator (gloo).
 
-It serves the demo trainer, verl's dry run and the tests. What it replaces is one table,
-:data:`PATCHES` (``mcore_npu.cpu.patches``; listed in docs/architecture.md); ``apply()`` installs
-it and ``revert()`` puts back every original, the same objects. It refuses to run next to an
-accelerator: the NPU path replaces nothing.
+What it replaces is one table, :data:`PATCHES` (docs/architecture.md); ``apply()`` installs it,
+``revert()`` puts every original object back. It refuses to run next to an accelerator.
 """
 
 from __future__ import annotations
@@ -15,8 +13,17 @@ from dataclasses import dataclass, field
 from mcore_npu.allocator.device import current_accelerator
 from mcore_npu.cpu.patches import FUNCTION_MODE, PATCHES, Patch
 
-__all__ = ["FUNCTION_MODE", "PATCHES", "Patch", "applied", "apply", "apply_in_new_threads",
-           "revert", "seed_cpu_streams", "seed_if_applied"]  # fmt: skip
+__all__ = [
+    "FUNCTION_MODE",
+    "PATCHES",
+    "Patch",
+    "applied",
+    "apply",
+    "apply_in_new_threads",
+    "revert",
+    "seed_cpu_streams",
+    "seed_if_applied",
+]
 
 
 @dataclass
@@ -35,11 +42,8 @@ def applied() -> bool:
 
 
 def apply() -> None:
-    """Install :data:`PATCHES` and enter :data:`FUNCTION_MODE` (idempotent).
-
-    Raises:
-        RuntimeError: this machine has an accelerator.
-    """
+    """Install :data:`PATCHES` and enter :data:`FUNCTION_MODE` (idempotent; ``RuntimeError``
+    on a machine with an accelerator)."""
     if applied():
         return
     accelerator = current_accelerator()
@@ -74,9 +78,8 @@ def revert() -> None:
 
 
 def apply_in_new_threads() -> None:
-    """Enter :data:`FUNCTION_MODE` in every thread started from now on (a torch function mode is
-    thread-local; a Ray actor runs its tasks in threads it starts later). ``revert()`` stops it.
-    """
+    """Enter :data:`FUNCTION_MODE` in every thread started from now on (the mode is
+    thread-local; a Ray actor runs its tasks in later threads). ``revert()`` stops it."""
     if not applied():
         raise RuntimeError("mcore_npu.cpu.apply_in_new_threads(): call apply() first")
     threading.setprofile(_enter_mode_in_thread)
@@ -92,8 +95,7 @@ def _enter_mode_in_thread(frame, event, arg) -> None:
 
 def seed_if_applied(seed: int) -> bool:
     """Where the runtime is applied, :func:`seed_cpu_streams` with this process's Megatron ranks
-    (parallel state must exist); returns whether it seeded. Megatron seeds its tracker only on
-    a device (``model_parallel_cuda_manual_seed``), so engines built on a CPU call this."""
+    (Megatron seeds its tracker only on a device); returns whether it seeded."""
     if not applied():
         return False
     from megatron.core import parallel_state as mpu

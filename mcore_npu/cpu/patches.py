@@ -1,8 +1,6 @@
 """What the CPU runtime replaces, as data: one :class:`Patch` per replaced attribute.
 
-``mcore_npu.cpu.apply()`` installs every entry of :data:`PATCHES` and enters
-:data:`FUNCTION_MODE`; ``revert()`` puts each original back (the same object). Nothing else of
-torch, Megatron or verl is changed, and nothing at all on a machine with an accelerator.
+Nothing else of torch, Megatron or verl is changed, and nothing at all next to an accelerator.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """What the CPU runtime puts in place of CUDA-only code: the replacements named in
-:data:`mcore_npu.cpu.patches.PATCHES`, and the torch function modes.
-
-Each replacement is a plain object or a factory of one, with no state of its own beyond the
-original it wraps; :mod:`mcore_npu.cpu` installs and removes them.
-"""
+:data:`mcore_npu.cpu.patches.PATCHES`, and the torch function modes. They hold no state."""
 
 from __future__ import annotations
 
@@ -39,10 +35,8 @@ _CUDA_TYPE_NAMES = {
 
 
 class CudaTypeNames(TorchFunctionMode):
-    """``Tensor.type()`` without an argument answers ``'torch.cuda.<Name>Tensor'`` for a CPU
-    tensor of dtype float32 / float16 / bfloat16: Megatron's mixed-precision optimizers sort
-    parameters by comparing ``param.type()`` with CUDA type names. Active only while those
-    constructors run (:func:`with_cuda_type_names`)."""
+    """``Tensor.type()`` answers ``'torch.cuda.<Name>Tensor'`` for a float32 / float16 /
+    bfloat16 CPU tensor, while Megatron's mixed-precision optimizers sort their parameters."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,8 +97,7 @@ def collect_nothing() -> None:
 
 
 class CpuStream:
-    """``torch.cuda.Stream`` on the CPU, where every operation is synchronous: waiting,
-    recording events and synchronising are no-ops."""
+    """``torch.cuda.Stream`` on the CPU, where every operation is synchronous: all no-ops."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -194,12 +187,8 @@ def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 
 class UnevenGatherOnGloo:
-    """Megatron's ``mappings._gather_along_first_dim`` that also gathers unequal row counts.
-
-    The alltoall dispatcher under EP x TP gathers ``[n_r, ...]`` rows of unequal ``n_r``, which
-    gloo's list ``all_gather`` refuses: each rank's rows are padded to the longest, gathered
-    evenly, and the padding dropped. Every other call goes to Megatron's function.
-    """
+    """Megatron's ``mappings._gather_along_first_dim`` that also gathers unequal row counts
+    (the alltoall dispatcher under EP x TP), which gloo refuses: padded, gathered, unpadded."""
 
     def __init__(self, original) -> None:
         self.original = original

@@ -1,73 +1,14 @@
-"""The plugin's Hugging Face bridge for the Gated DeltaNet hybrids: Qwen3.5 and Qwen3-Next.
+"""The plugin's mbridge bridge for the Gated DeltaNet hybrids: Qwen3.5 and Qwen3-Next.
 
-mbridge 0.15.1 has no bridge for these models (Megatron-Bridge's need Python >= 3.12 and
-Transformer Engine). :class:`Qwen3_5Bridge` is a subclass of mbridge's ``LLMBridge``,
-registered with mbridge's own ``register_model`` for the model types in :data:`MODEL_TYPES`,
-so ``mbridge.AutoBridge.from_config`` finds it once this module is imported
-(``mcore_npu.integrations.hf.bridge_from_config`` imports it). It builds Megatron's
-``TransformerConfig`` of the hybrid (``experimental_attention_variant="gated_delta_net"``,
-``linear_attention_freq`` from ``layer_types``) and maps the weights onto the names of
-Megatron 0.16.1's TE spec, which the NPU spec has in ``param_layout="te"``.
-
-Contents:
-1. The weight map (Hugging Face -> Megatron, ``decoder.layers.{i}.`` / ``{P}layers.{i}.``)
-2. Precision and inverse
-3. Tensor parallelism
-4. Hub checkpoints
-
-1. The weight map (P = ``model.`` or, for the hub form, ``model.language_model.``):
-
-================================================  =============================================
-Megatron (TE names)                               Hugging Face
-================================================  =============================================
-``self_attention.in_proj.weight``                 Qwen3.5: ``linear_attn.in_proj_qkv`` (q heads,
-  rows ``[q | k | v | z | beta | alpha]``         k heads, v heads), ``in_proj_z``,
-                                                  ``in_proj_b``, ``in_proj_a`` (concatenated);
-                                                  Qwen3-Next: ``in_proj_qkvz`` / ``in_proj_ba``,
-                                                  grouped per key head, de-interleaved
-``self_attention.in_proj.layer_norm_weight``      ``input_layernorm.weight``
-``self_attention.conv1d.weight`` / ``A_log`` /     ``linear_attn.conv1d.weight`` / ``A_log`` /
-``dt_bias`` / ``out_proj.weight``                 ``dt_bias`` / ``out_proj.weight``
-``self_attention.out_norm.weight``                ``linear_attn.norm.weight`` (see 2.)
-``self_attention.linear_qkv.weight``, per query   ``self_attn.q_proj`` (per head ``[q_h |
-  group ``[q heads | gate heads | k | v]``         gate_h]``), ``k_proj``, ``v_proj``
-``self_attention.linear_qkv.layer_norm_weight``   ``input_layernorm.weight``
-``self_attention.{q,k}_layernorm.weight``         ``self_attn.{q,k}_norm.weight``
-``self_attention.linear_proj.weight``             ``self_attn.o_proj.weight``
-``mlp.linear_fc1.{weight,layer_norm_weight}``     ``mlp.{gate,up}_proj``, ``post_attention_
-                                                  layernorm`` (dense layers)
-``pre_mlp_layernorm.weight``                      ``post_attention_layernorm.weight`` (MoE)
-``mlp.router.weight``                             ``mlp.gate.weight``
-``mlp.experts.linear_fc1.weight{e}``              ``mlp.experts.{e}.{gate,up}_proj.weight``, or
-                                                  ``mlp.experts.gate_up_proj[e]`` (fused
-                                                  ``[E, 2I, H]``, gate first)
-``mlp.experts.linear_fc2.weight{e}``              ``mlp.experts.{e}.down_proj.weight``, or
-                                                  ``mlp.experts.down_proj[e]`` (``[E, H, I]``)
-``mlp.shared_experts.linear_fc{1,2}.weight``      ``mlp.shared_expert.{gate,up,down}_proj``
-``mlp.shared_experts.gate_weight``                ``mlp.shared_expert_gate.weight``
-================================================  =============================================
-
-Which expert form a checkpoint has is read from its tensor names when it loads; export
-writes the form that was loaded (per expert, what ``save_pretrained`` of transformers 5.10.4
-writes, when nothing was loaded).
-
-2. Precision and inverse. ``Qwen3_5RMSNormGated`` multiplies by ``w`` (starts at 1). The NPU
-layer's ``out_norm`` (``mcore_npu.transformer.gated_delta_net.out_norm``) does too, whatever
-``layernorm_zero_centered_gamma`` says, so the tensor is moved as it is. Megatron 0.16.1's TE
-spec builds ``out_norm`` from ``TENorm``, zero-centred (``1 + w``) under that flag, and
-Megatron-Bridge stores ``w - 1`` there; the bridge reads which kind the model's ``out_norm`` is
-(a module with ``zero_centered_gamma=True`` gets ``w - 1``, exported ``+ 1``: exact for ``w`` in
-[0.5, 2], Sterbenz). Every other tensor is moved, never changed, so export is bit-exact.
-
-3. Tensor parallelism: Megatron's ``in_proj`` holds ``[q | k | v | z | beta | alpha]`` *per
-rank* and ``conv1d`` ``[q | k | v]`` per rank (heads split over TP); the bridge splits and
-merges them section by section. The gated ``linear_qkv`` is per query group, so mbridge's
-chunking by groups applies.
-
-4. Hub checkpoints (``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``:
-model types ``qwen3_5`` / ``qwen3_5_moe``) keep the text model under ``model.language_model.``;
-the bridge builds and trains the language model only and says so in one log line
-(``model.visual.*`` and ``mtp.*`` are neither loaded nor exported).
+mbridge 0.15.1 has none. :class:`Qwen3_5Bridge`, an ``LLMBridge`` registered with mbridge's
+``register_model`` for :data:`MODEL_TYPES`, builds the hybrid's ``GDNTransformerConfig`` and maps
+the Hugging Face weights onto the TE spec's names (``param_layout="te"``). Every tensor is moved,
+never changed (the GDN ``out_norm`` gets ``w - 1`` only on a zero-centred module), so export is
+bit-exact. Megatron's ``in_proj`` rows are ``[q | k | v | z | beta | alpha]`` and ``conv1d``'s
+``[q | k | v]``, both per TP rank; the gated ``linear_qkv`` is per query group
+``[q heads | gate heads | k | v]``. Experts load per expert or fused (``[E, 2I, H]`` /
+``[E, H, I]``) and export in the form loaded. The hub form (``model.language_model.``) builds the
+language model only. The weight map: docs/gdn_hf.md.
 """
 
 from __future__ import annotations
@@ -114,8 +55,7 @@ def linear_attention_pattern(text) -> list[int]:
 
 
 def moe_layer_pattern(text) -> list[int]:
-    """Megatron's ``moe_layer_freq`` list: Qwen3-Next's ``mlp_only_layers`` and
-    ``decoder_sparse_step`` (Qwen3.5: every layer is MoE)."""
+    """Megatron's ``moe_layer_freq`` list from ``mlp_only_layers`` / ``decoder_sparse_step``."""
     step = int(getattr(text, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(text, "mlp_only_layers", None) or ())
     return [int(i not in dense and (i + 1) % step == 0) for i in range(text.num_hidden_layers)]
@@ -124,9 +64,8 @@ def moe_layer_pattern(text) -> list[int]:
 def rope_keywords(text) -> dict:
     """``rotary_base`` and ``rotary_percent`` (GPTModel arguments) from ``rope_parameters``.
 
-    Raises:
-        ValueError: a RoPE type other than the default (mRoPE sections are fine: with one
-            position per token, as in text, all three sections rotate by the same angles).
+    Raises ``ValueError`` for a RoPE type other than the default (mRoPE sections are fine: with
+    one position per token, as in text, all three rotate by the same angles).
     """
     rope = dict(getattr(text, "rope_parameters", None) or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -141,11 +80,8 @@ def rope_keywords(text) -> dict:
 
 
 def config_keywords(hf_config) -> dict:
-    """The ``TransformerConfig`` keywords of a Qwen3.5 / Qwen3-Next Hugging Face config.
-
-    Raises:
-        ValueError: settings Megatron's layers cannot reproduce (attention biases).
-    """
+    """The ``TransformerConfig`` keywords of a Qwen3.5 / Qwen3-Next Hugging Face config
+    (``ValueError`` for attention biases, which Megatron's gated attention cannot hold)."""
     text = text_config(hf_config)
     if getattr(text, "attention_bias", False):
         raise ValueError(
@@ -153,8 +89,11 @@ def config_keywords(hf_config) -> dict:
             "q/k/v bias layout for it; use a checkpoint with attention_bias false"
         )
     keywords = dict(
-        add_bias_linear=False, qk_layernorm=True, layernorm_zero_centered_gamma=True,
-        attention_output_gate=True, kv_channels=text.head_dim,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        layernorm_zero_centered_gamma=True,
+        attention_output_gate=True,
+        kv_channels=text.head_dim,
         experimental_attention_variant="gated_delta_net",
         linear_attention_freq=linear_attention_pattern(text),
         linear_conv_kernel_dim=text.linear_conv_kernel_dim,
@@ -163,7 +102,7 @@ def config_keywords(hf_config) -> dict:
         linear_num_key_heads=text.linear_num_key_heads,
         linear_num_value_heads=text.linear_num_value_heads,
         ffn_hidden_size=getattr(text, "intermediate_size", None),
-    )  # fmt: skip
+    )
     if getattr(text, "num_experts", 0):
         keywords.update(_moe_keywords(text))
     return keywords
@@ -172,14 +111,17 @@ def config_keywords(hf_config) -> dict:
 def _moe_keywords(text) -> dict:
     pattern = moe_layer_pattern(text)
     keywords = dict(
-        num_moe_experts=text.num_experts, moe_router_topk=text.num_experts_per_tok,
+        num_moe_experts=text.num_experts,
+        moe_router_topk=text.num_experts_per_tok,
         moe_ffn_hidden_size=text.moe_intermediate_size,
         moe_layer_freq=pattern if 0 in pattern else 1,
-        moe_router_score_function="softmax", moe_router_dtype="fp32",
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
         moe_router_pre_softmax=not getattr(text, "norm_topk_prob", True),
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=text.router_aux_loss_coef,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=text.router_aux_loss_coef,
         moe_grouped_gemm=True,
-    )  # fmt: skip
+    )
     shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
     if shared:
         keywords.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
@@ -187,8 +129,7 @@ def _moe_keywords(text) -> dict:
 
 
 def out_norm_offset(models) -> float:
-    """1.0 when the models' GDN ``out_norm`` is zero-centred (a ``zero_centered_gamma``
-    attribute that is True), else 0.0 (the NPU layer's ``GatedRMSNorm``)."""
+    """1.0 when the models' GDN ``out_norm`` has ``zero_centered_gamma=True``, else 0.0."""
     for model in models if isinstance(models, list | tuple) else [models]:
         for name, module in model.named_modules():
             if name.endswith("self_attention.out_norm"):
@@ -211,8 +152,7 @@ class SlicingSafeTensorIO(SafeTensorIO):
 
 @register_model(list(MODEL_TYPES))
 class Qwen3_5Bridge(LLMBridge):
-    """mbridge bridge for ``qwen3_5`` / ``qwen3_5_moe`` (and ``_text``) and ``qwen3_next``
-    (see the module docstring for the weight map)."""
+    """mbridge bridge for ``qwen3_5`` / ``qwen3_5_moe`` (and ``_text``) and ``qwen3_next``."""
 
     TransformerConfigClass = GDNTransformerConfig  # GDN under context parallelism too
     _CONFIG_MAPPING = {**LLMBridge._CONFIG_MAPPING, "ffn_hidden_size": ("intermediate_size", None)}
@@ -225,13 +165,12 @@ class Qwen3_5Bridge(LLMBridge):
         self._expert_buffer: dict[str, dict[int, torch.Tensor]] = {}
         super().__init__(hf_config, *args, **kwargs)
         if is_hub_form(hf_config):
-            logger.warning(
+            message = (
                 "%s: the hub checkpoint's language model (%s*) is built and trained; the vision "
-                "tower (model.visual.*) and the MTP layers (mtp.*) are not",
-                hf_config.model_type, HUB_PREFIX,
-            )  # fmt: skip
+                "tower (model.visual.*) and the MTP layers (mtp.*) are not"
+            )
+            logger.warning(message, hf_config.model_type, HUB_PREFIX)
 
-    # -- config ---------------------------------------------------------------------------
     def _build_config(self):
         key = "text_config" if is_hub_form(self.hf_config) else None
         return self._build_base_config(text_config_key=key, **config_keywords(self.hf_config))
@@ -253,7 +192,6 @@ class Qwen3_5Bridge(LLMBridge):
         heads = text.linear_num_value_heads
         return (qk, qk, v, v, heads, heads)
 
-    # -- reading and writing ----------------------------------------------------------------
     def load_weights(self, models, weights_path: str, memory_efficient: bool = False) -> None:
         self.out_norm_offset = out_norm_offset(models)
         super().load_weights(models, weights_path, memory_efficient=memory_efficient)
@@ -272,13 +210,13 @@ class Qwen3_5Bridge(LLMBridge):
                 break
         return io
 
-    # -- names ------------------------------------------------------------------------------
     def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
-        """Hugging Face names of one Megatron (global) name; raises ``ValueError`` for names
-        the bridge has no place for."""
-        top = {"embedding.word_embeddings.weight": f"{self.prefix}embed_tokens.weight",
-               "decoder.final_layernorm.weight": f"{self.prefix}norm.weight",
-               "output_layer.weight": "lm_head.weight"}  # fmt: skip
+        """Hugging Face names of one Megatron (global) name (``ValueError`` if none)."""
+        top = {
+            "embedding.word_embeddings.weight": f"{self.prefix}embed_tokens.weight",
+            "decoder.final_layernorm.weight": f"{self.prefix}norm.weight",
+            "output_layer.weight": "lm_head.weight",
+        }
         if mcore_weights_name in top:
             return [top[mcore_weights_name]]
         match = _LAYER.match(mcore_weights_name)
@@ -307,7 +245,6 @@ class Qwen3_5Bridge(LLMBridge):
             return [f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
         return _LAYER_MAP.get(rest)
 
-    # -- values -----------------------------------------------------------------------------
     def _weight_to_mcore_format(self, mcore_weights_name: str, hf_weights: list[torch.Tensor]):
         """Hugging Face tensors -> the Megatron tensor (whole model, before the TP split)."""
         if self.dtype is not None:
@@ -347,8 +284,8 @@ class Qwen3_5Bridge(LLMBridge):
         return [q + k + v, z, b, a]
 
     def _fused_expert(self, name: str, e: int, weight: torch.Tensor):
-        """Collect expert ``e`` of a fused tensor; the stacked ``[E, ...]`` tensor once all are
-        there (mbridge exports experts one at a time)."""
+        """Collect expert ``e`` of a fused tensor (mbridge exports one expert at a time); the
+        stacked ``[E, ...]`` tensor once all are there."""
         experts = self._expert_buffer.setdefault(name, {})
         experts[e] = weight
         if len(experts) < self.config.num_moe_experts:
@@ -379,8 +316,7 @@ class Qwen3_5Bridge(LLMBridge):
             [query.reshape(groups, per, dim, hidden), gate.reshape(groups, per, dim, hidden)],
             dim=2,
         )  # [ng, np/ng, 2, hn, H]
-        return (q_gate.reshape(-1, hidden).contiguous(), key.reshape(-1, hidden).contiguous(),
-                value.reshape(-1, hidden).contiguous())  # fmt: skip
+        return tuple(t.reshape(-1, hidden).contiguous() for t in (q_gate, key, value))
 
     def _qwen3_next_groups(self):
         text = self.text
@@ -404,13 +340,12 @@ class Qwen3_5Bridge(LLMBridge):
         """The inverse of :meth:`_deinterleave_qwen3_next`: ``(in_proj_qkvz, in_proj_ba)``."""
         groups, dk, dv, ratio = self._qwen3_next_groups()
         hidden = in_proj.shape[-1]
-        q, k, v, z, b, a = (part.reshape(groups, -1, hidden)
-                            for part in torch.split(in_proj, list(self._gdn_sections), dim=0))  # fmt: skip
+        sections = torch.split(in_proj, list(self._gdn_sections), dim=0)
+        q, k, v, z, b, a = (part.reshape(groups, -1, hidden) for part in sections)
         qkvz = torch.cat([q, k, v, z], dim=1).reshape(-1, hidden).contiguous()
         ba = torch.cat([b, a], dim=1).reshape(-1, hidden).contiguous()
         return qkvz, ba
 
-    # -- tensor parallelism ----------------------------------------------------------------
     def _sections(self, mcore_weights_name: str) -> tuple[int, ...] | None:
         """Row sections that each TP rank holds a slice of (``in_proj``, ``conv1d``)."""
         if mcore_weights_name.endswith("self_attention.in_proj.weight"):
@@ -461,7 +396,9 @@ _LAYER_MAP = {
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
     "mlp.router.weight": ["mlp.gate.weight"],
     "mlp.shared_experts.linear_fc1.weight": [
-        "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
+        "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight",
+    ],
     "mlp.shared_experts.linear_fc2.weight": ["mlp.shared_expert.down_proj.weight"],
     "mlp.shared_experts.gate_weight": ["mlp.shared_expert_gate.weight"],
-}  # fmt: skip
+}

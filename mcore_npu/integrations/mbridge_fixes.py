@@ -1,47 +1,19 @@
 """mbridge bridges whose Megatron config this stack cannot build as they stand: the plugin's
-subclasses, which fix the keywords the bridge's constructor gives its config class (and, for
-DeepSeek-V3, how the weights are read: fix 5).
+subclasses, which fix the keywords the bridge's constructor gives its config class.
 
-mbridge 0.15.1 builds a bridge's ``TransformerConfig`` inside the bridge's constructor
-(``Bridge.__init__`` -> ``_build_config`` -> ``LLMBridge._build_base_config(**keywords)`` ->
-``TransformerConfigClass(**keywords, **extra_args)``), so there is no bridge object to fix before
-the config exists. For ``deepseek_v3`` (``mbridge/models/deepseek_v3.py``,
-``DeepseekV3Bridge._build_config``) with transformers 5 and megatron-core 0.16.1:
+mbridge 0.15.1 builds the config inside the bridge's constructor, so the fixes live in subclasses
+of mbridge's classes (``isinstance`` holds, the weight maps are the same, mbridge is unchanged).
+For ``deepseek_v3`` with transformers 5 and megatron-core 0.16.1:
 
-1. ``rotary_base=hf_config.rope_theta``: transformers 5 keeps ``rope_theta`` in
-   ``rope_parameters`` only (``AttributeError``). Not here: ``hf.expose_hf_config_fields``
-   writes it onto the config object before the bridge is built.
-2. ``max_position_embeddings=...``: megatron-core 0.16.1's ``MLATransformerConfig`` calls the
-   field ``original_max_position_embeddings`` (``TypeError: unexpected keyword``). Renamed here
-   when the config class has the new name and lacks the old one.
-3. The RoPE scaling: mbridge reads it only ``if "rope_scaling" in hf_config``, which a
-   transformers 5 config answers False (it keeps ``rope_parameters``; ``rope_scaling`` is a
-   property), and takes the type from the key ``"type"``, which transformers 5 spells
-   ``"rope_type"``. A yarn checkpoint silently became plain RoPE with mbridge's defaults
-   (factor 1, original length 4096). Here every yarn value present in ``rope_parameters``
-   (``factor``, ``mscale``, ``mscale_all_dim``, ``original_max_position_embeddings``,
-   ``beta_fast``, ``beta_slow``) replaces mbridge's, and the type is taken from
-   ``rope_type`` / ``type`` (``default`` -> ``rope``, ``yarn`` -> ``yarn``; others refused).
-4. Group-limited routing: mbridge passes neither ``n_group`` nor ``topk_group``; mapped here to
-   ``moe_router_num_groups`` / ``moe_router_group_topk`` when the groups limit anything.
+1. ``rope_theta`` lives in ``rope_parameters`` (fixed before, by ``hf.expose_hf_config_fields``);
+2. ``max_position_embeddings`` -> MLA's ``original_max_position_embeddings``;
+3. the yarn values and the RoPE type are read from ``rope_parameters`` (mbridge silently built
+   plain RoPE); types other than default / yarn are refused;
+4. ``n_group`` / ``topk_group`` -> ``moe_router_num_groups`` / ``moe_router_group_topk``;
+5. a checkpoint without FP8 weights is read by mbridge's plain ``SafeTensorIO``, in any dtype.
 
-5. Reading the weights: ``DeepseekV3Bridge._get_safetensor_io`` returns mbridge's FP8 reader
-   (``DequantFP8SafeTensorIO``: it imports triton, opens the files on ``device="cuda"`` and
-   needs a ``model.safetensors.index.json``) for bf16, and for any other dtype raises
-   ``TypeError`` (``raise NotImplemented(...)``). On a CPU or an NPU without triton no DeepSeek-V3
-   checkpoint loads, fp32 nowhere. Here a checkpoint without FP8 weights (no ``*_scale_inv``
-   tensor: Moonlight, Kimi, any bf16 / fp32 export) is read by mbridge's plain ``SafeTensorIO``,
-   the reader every other bridge uses, in any dtype; FP8 checkpoints (DeepSeek-V3's own release)
-   still go to mbridge's FP8 reader.
-
-Routings that Megatron's sigmoid router cannot compute are refused (``ValueError``): top-k
-weights not renormalised (``norm_topk_prob: false``, or top-1 with it), and group scores other
-than the two best experts' sum (Megatron sums the best ``topk // group_topk``).
-
-Keywords the caller gives through ``bridge.set_extra_args`` (verl's
-``override_transformer_config``) still win: ``_build_base_config`` applies ``extra_args`` after
-these keywords. The subclasses derive from mbridge's classes (``isinstance`` holds, the weight
-maps are the same); mbridge's modules and classes are not changed.
+Routings Megatron's sigmoid router cannot compute raise ``ValueError``; keywords given through
+``bridge.set_extra_args`` still win. See docs/hf_weights.md.
 """
 
 from __future__ import annotations
@@ -59,10 +31,14 @@ FP8_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales (DeepSeek-V3's F
 _RENAMED_KEYWORDS = {"max_position_embeddings": "original_max_position_embeddings"}
 _MLA_ROPE_TYPES = {"default": "rope", "rope": "rope", "yarn": "yarn"}
 # Hugging Face rope_parameters key -> MLATransformerConfig field (as mbridge maps them)
-_ROPE_KEYWORDS = {"factor": "rotary_scaling_factor", "mscale": "mscale",
-                  "mscale_all_dim": "mscale_all_dim", "beta_fast": "beta_fast",
-                  "beta_slow": "beta_slow",
-                  "original_max_position_embeddings": "original_max_position_embeddings"}  # fmt: skip
+_ROPE_KEYWORDS = {
+    "factor": "rotary_scaling_factor",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+}
 
 
 def needs_fixed_bridge(hf_config) -> bool:
@@ -97,8 +73,7 @@ class _ConfigKeywordFixes:
 
 
 class _UnquantisedSafetensors:
-    """Mixin for mbridge's ``DeepseekV3Bridge``: checkpoints without FP8 weights are read by
-    mbridge's plain ``SafeTensorIO`` in any dtype (fix 5 of the module docstring)."""
+    """Mixin for mbridge's ``DeepseekV3Bridge``: fix 5 of the module docstring."""
 
     def _get_safetensor_io(self, weights_path: str):
         from mbridge.core.safetensor_io import SafeTensorIO
@@ -115,12 +90,8 @@ def has_fp8_weights(names) -> bool:
 
 
 def deepseek_v3_keywords(hf_config, config_class: type, keywords: dict) -> dict:
-    """The keywords of ``DeepseekV3Bridge._build_config`` with fixes 2-4 applied (a new dict).
-
-    Raises:
-        ValueError: a routing or RoPE type of the Hugging Face config that Megatron cannot
-            compute (the field, its value, what to do).
-    """
+    """The keywords of ``DeepseekV3Bridge._build_config`` with fixes 2-4 applied (a new dict);
+    ``ValueError`` for a routing or RoPE type Megatron cannot compute."""
     keywords = _renamed_for(config_class, keywords)
     keywords.update(_rope_scaling(hf_config, keywords))
     keywords.update(_group_limited_routing(hf_config, keywords))
@@ -149,8 +120,8 @@ def _rope_parameters(hf_config) -> dict:
 def _rope_scaling(hf_config, keywords: dict) -> dict:
     """The RoPE keywords from ``rope_parameters`` (those the bridge passes; see fix 3)."""
     rope = _rope_parameters(hf_config)
-    fixed = {field: rope[key] for key, field in _ROPE_KEYWORDS.items()
-             if key in rope and field in keywords}  # fmt: skip
+    passed = {key: field for key, field in _ROPE_KEYWORDS.items() if field in keywords}
+    fixed = {field: rope[key] for key, field in passed.items() if key in rope}
     kind = rope.get("type", rope.get("rope_type"))
     if kind is None or "rope_type" not in keywords:
         return fixed

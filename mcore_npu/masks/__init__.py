@@ -1,13 +1,7 @@
-"""Masks for ``npu_fusion_attention`` that cost nothing per step.
+"""Masks for ``npu_fusion_attention`` that cost nothing per step (docs/masks.md).
 
 Polarity everywhere: a **mask** is True where the score is **masked out** (the operator's and
 Megatron's convention, the opposite of SDPA's boolean ``attn_mask``).
-
-- ``compressed``: the fixed 2048x2048 (and 3072x2048) masks, built lazily, cached per device.
-- ``descriptions``: frozen descriptions (causal, window, explicit, packed) -> operator arguments.
-- ``seqlens``: cu_seqlens (leading 0) -> ``actual_seq_qlen`` (no leading 0), memoised per tensor.
-- ``dense``: ``build_npu_attention_mask``, a lean drop-in for verl's dense ``[B, 1, S, S]`` mask.
-- ``packing``: padded batch <-> packed batch, so padding needs no dense mask.
 """
 
 from mcore_npu.masks.compressed import (

@@ -1,22 +1,9 @@
 """The compressed masks of ``npu_fusion_attention``, built once per device and cached.
 
-The operator's causal and band modes (2, 3, 4, 7, 8) take a fixed ``[2048, 2048]`` bool mask
-whose strict upper triangle is True (True = masked out); mode 6 takes a fixed ``[3072, 2048]``
-one. Their content never depends on the sequence length, so one tensor per device serves every
-layer, micro-batch and sequence length: 4 MiB (6 MiB for the prefix mask), built on first use.
-
-``COMPRESSED_MASKS`` is the package's only cache of tensors. (The other module-level state is
-host bookkeeping: the warn-once registry, what ``device`` last set, what ``cpu_support``
-replaced.) It never holds a mask whose size depends on S: Megatron-Core removed its per-length
-causal-mask cache after it ran out of memory at long sequence lengths.
-
-Example (the top-left corner of the causal mask; 1 = masked out)::
-
-    >>> compressed_causal_mask()[:4, :4].int()
-    tensor([[0, 1, 1, 1],
-            [0, 0, 1, 1],
-            [0, 0, 0, 1],
-            [0, 0, 0, 0]], dtype=torch.int32)
+Modes 2, 3, 4, 7 and 8 take a fixed ``[2048, 2048]`` bool mask whose strict upper triangle is
+True (True = masked out); mode 6 a fixed ``[3072, 2048]`` one. One tensor per device serves every
+layer and sequence length (4 MiB; 6 MiB for the prefix mask). ``COMPRESSED_MASKS`` is the
+package's only cache of tensors, and never holds a mask whose size depends on S.
 """
 
 from __future__ import annotations
@@ -30,10 +17,8 @@ PREFIX = "prefix"
 
 
 def normalize_device(device: torch.device | str | int | None = None) -> torch.device:
-    """A device with its index filled in, so that ``"npu"`` and ``"npu:0"`` are one cache key.
-
-    ``None`` means the current accelerator's current device, or the CPU when there is none.
-    """
+    """A device with its index filled in, so ``"npu"`` and ``"npu:0"`` are one cache key (None:
+    the current accelerator's current device, or the CPU)."""
     if device is None:
         accelerator = _current_accelerator()
         if accelerator is None:
@@ -108,11 +93,8 @@ COMPRESSED_MASKS = CompressedMaskCache()
 
 
 def compressed_causal_mask(device: torch.device | str | int | None = None) -> torch.Tensor:
-    """The operator's ``[2048, 2048]`` bool mask (True = masked, strict upper triangle).
-
-    Built on first use per device and cached; later calls return the very same tensor object.
-    Pass it with ``sparse_mode`` 2, 3, 4, 7 or 8, whatever the sequence length.
-    """
+    """The operator's ``[2048, 2048]`` bool mask (True = masked, strict upper triangle), for
+    ``sparse_mode`` 2, 3, 4, 7, 8; cached per device (later calls return the same object)."""
     return COMPRESSED_MASKS.get(CAUSAL, device)
 
 

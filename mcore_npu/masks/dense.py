@@ -1,10 +1,5 @@
-"""Dense ``[B, 1, S, S]`` masks, for callers that must have one.
-
-Prefer a mask description (``TopLeftCausalMask``, ``Packed``): they cost nothing per step. When a
-dense padding + causal mask is unavoidable (verl's bshd path), ``build_npu_attention_mask`` builds
-it with a peak of the output plus O(B*S), where the usual construction peaks at several B x S x S
-temporaries.
-"""
+"""Dense ``[B, 1, S, S]`` masks, for callers that must have one (verl's bshd path); prefer a
+mask description (``TopLeftCausalMask``, ``Packed``), which costs nothing per step."""
 
 from __future__ import annotations
 
@@ -14,32 +9,10 @@ import torch
 def build_npu_attention_mask(keep_mask: torch.Tensor) -> torch.Tensor:
     """Padding + causal mask in the operator's polarity, filled in place.
 
-    A drop-in for verl's ``_build_npu_attn_mask``: the same values, without its S x S and
-    B x S x S temporaries. Masked out = a padded query, a padded key, or a key after the query::
-
-        out[b, 0, i, j] = not (j <= i and keep_mask[b, i] and keep_mask[b, j])
-
-    Accepts verl's keep masks as they come (``attention_mask`` is bool or int64 depending on the
-    path): an integer entry counts as a real token when it is non-zero, as ``.bool()`` reads it.
-    The diagonal is ``out[b, 0, i, i] = not keep_mask[b, i]``, so verl's
-    ``postprocess_bshd_engine`` (``~mask.diagonal(dim1=-2, dim2=-1)``) reads the keep mask back.
-
-    Args:
-        keep_mask: ``[B, S]`` bool or integer, True/non-zero = real token, False/0 = padding.
-
-    Returns:
-        ``[B, 1, S, S]`` bool, **True = masked out**. Peak allocation: the output plus O(B*S).
-
-    Raises:
-        ValueError: ``keep_mask`` is not a 2-D tensor.
-        TypeError: its dtype is floating point, complex or otherwise not bool / integer.
-
-    Example (one row, the last token padded; 1 = masked)::
-
-        >>> build_npu_attention_mask(torch.tensor([[1, 1, 0]]))[0, 0].int()
-        tensor([[0, 1, 1],
-                [0, 0, 1],
-                [1, 1, 1]], dtype=torch.int32)
+    ``keep_mask`` ``[B, S]`` bool or integer (non-zero = real token) -> ``[B, 1, S, S]`` bool,
+    **True = masked out**: ``out[b, 0, i, j] = not (j <= i and keep[b, i] and keep[b, j])``.
+    The values of verl's ``_build_npu_attn_mask`` (its diagonal gives the keep mask back), at a
+    peak of the output plus O(B*S).
     """
     if not isinstance(keep_mask, torch.Tensor) or keep_mask.dim() != 2:
         raise ValueError(

@@ -1,35 +1,11 @@
 """Mask descriptions: small frozen objects that answer the operator's mask arguments.
 
 A description holds host-side metadata only (a window, segment boundaries), never an S x S
-tensor. ``operator_args(device)`` turns it into ``atten_mask``, ``sparse_mode``,
-``pre_tockens``, ``next_tockens`` and, for packed batches, ``actual_seq_qlen/kvlen``. The only
-tensors involved are the cached compressed mask and, for ``ExplicitMask``, the caller's own mask,
-passed through without a copy. ``to_dense`` materialises the mask for tests and debugging only.
-
-Polarity everywhere in this module: a *mask* is True where the score is **masked out** (the
-operator's and Megatron's convention); ``draw`` prints kept positions as 1. The one exception
-enters ``describe_mask`` from verl: a ``[B, Skv]`` key-padding mask, True = real token.
-
-Which description Megatron's arguments become (``describe_mask``)::
-
-    packed_seq_params.qkv_format   attn_mask_type                 attention_mask  window   result
-    sbhd / None                    any                            None            (l, r)   SlidingWindow
-                                   (causal types: r must be 0; (-1, 0) is plain causal; a dense mask
-                                   together with a window is refused)
-    sbhd / None                    any but no_mask                tensor          None     ExplicitMask
-                                   (a [B,1,1,Skv] padding mask with Sq > 1: its rows expanded to
-                                   [B,1,Sq,Skv] once per mask tensor through the memo, as Megatron's
-                                   local attention broadcasts it; it replaces causal there too)
-    sbhd / None                    causal types                   [B, Skv] keep   any      as with None (below)
-                                   (verl's key-padding mask, True = real token, right-padded:
-                                   mcore_npu.masks.key_padding; refused on other layers)
-    sbhd / None                    causal, padding_causal         None            None     TopLeftCausalMask (Sq == Skv)
-                                                                                            BottomRightCausalMask (Sq != Skv)
-    sbhd / None                    causal_bottom_right            None            None     BottomRightCausalMask
-    sbhd / None                    no_mask, padding               None            None     FullAttention
-    thd                            causal, padding_causal, c_b_r  None            None     Packed(BottomRightCausalMask)
-    thd                            no_mask, padding               None            None     Packed(FullAttention)
-    thd                            any                            None            (l, r)   Packed(SlidingWindow)
+tensor; ``operator_args(device)`` gives ``atten_mask``, ``sparse_mode``, ``pre/next_tockens``
+and, packed, ``actual_seq_qlen/kvlen``. ``to_dense`` and ``draw`` are for tests and bug reports.
+Polarity: a mask is True where the score is **masked out**; ``draw`` prints kept positions as 1.
+The exception is verl's ``[B, Skv]`` key-padding mask, True = real token (``key_padding``).
+``describe_mask`` maps Megatron's arguments to a description (table: docs/masks.md).
 """
 
 from __future__ import annotations
@@ -48,7 +24,7 @@ from mcore_npu.ops.sparse_modes import band_keep, causal_keep
 
 @dataclass(frozen=True, eq=False)
 class OperatorMaskArgs:
-    """The mask keyword arguments of one ``fusion_attention`` call (``atten_mask`` True = masked)."""
+    """Mask keyword arguments of one ``fusion_attention`` call (``atten_mask``: True = masked)."""
 
     atten_mask: torch.Tensor | None
     sparse_mode: int
@@ -77,13 +53,7 @@ class OperatorMaskArgs:
 
 @dataclass(frozen=True)
 class FullAttention:
-    """Every query attends to every key. No mask tensor at all (0 bytes).
-
-    ::
-
-        1 1 1
-        1 1 1      (1 = kept)
-    """
+    """Every query attends to every key. No mask tensor at all (0 bytes)."""
 
     def operator_args(self, device=None) -> OperatorMaskArgs:
         return OperatorMaskArgs(atten_mask=None, sparse_mode=0)
@@ -94,14 +64,7 @@ class FullAttention:
 
 @dataclass(frozen=True)
 class TopLeftCausalMask:
-    """Causal, diagonal from the top-left corner: keep ``j <= i``. Mode 2, compressed mask.
-
-    Costs nothing per step: the cached 4 MiB compressed mask serves every length. Sq = 3, Skv = 4::
-
-        1 0 0 0
-        1 1 0 0
-        1 1 1 0    (1 = kept)
-    """
+    """Causal from the top-left corner: keep ``j <= i``. Mode 2, the cached compressed mask."""
 
     def operator_args(self, device=None) -> OperatorMaskArgs:
         return OperatorMaskArgs(atten_mask=compressed_causal_mask(device), sparse_mode=2)
@@ -112,15 +75,8 @@ class TopLeftCausalMask:
 
 @dataclass(frozen=True)
 class BottomRightCausalMask:
-    """Causal, diagonal ending in the bottom-right corner: keep ``j <= i + Skv - Sq``. Mode 3.
-
-    FlashAttention's ``causal=True``; for Sq == Skv the same as ``TopLeftCausalMask``. Costs
-    nothing per step (compressed mask). Sq = 3, Skv = 4::
-
-        1 1 0 0
-        1 1 1 0
-        1 1 1 1    (1 = kept)
-    """
+    """Causal to the bottom-right corner: keep ``j <= i + Skv - Sq`` (FlashAttention's
+    ``causal=True``). Mode 3, the cached compressed mask."""
 
     def operator_args(self, device=None) -> OperatorMaskArgs:
         return OperatorMaskArgs(atten_mask=compressed_causal_mask(device), sparse_mode=3)
@@ -132,17 +88,7 @@ class BottomRightCausalMask:
 @dataclass(frozen=True)
 class SlidingWindow:
     """Keep ``-left <= (j - i) - (Skv - Sq) <= right``: Megatron's ``window_size=(left, right)``.
-
-    Mode 4 with ``pre_tockens=left`` and ``next_tockens=right``; ``-1`` means unbounded (as in
-    Megatron/TE) and becomes 2147483647. Costs nothing per step (compressed mask).
-    ``SlidingWindow(2, 0)`` at Sq = Skv = 5, a causal window of 3 keys::
-
-        1 0 0 0 0
-        1 1 0 0 0
-        1 1 1 0 0
-        0 1 1 1 0
-        0 0 1 1 1   (1 = kept)
-    """
+    Mode 4 with ``pre_tockens=left``, ``next_tockens=right`` (-1, unbounded, becomes INT32_MAX)."""
 
     left: int
     right: int = 0
@@ -172,22 +118,14 @@ class SlidingWindow:
         )
 
     def to_dense(self, seq_q: int, seq_kv: int, device=None) -> torch.Tensor:
-        keep = band_keep(
-            seq_q, seq_kv, self.pre_tockens, self.next_tockens, offset=seq_kv - seq_q,
-            device=device,
-        )  # fmt: skip
-        return ~keep
+        tockens = (self.pre_tockens, self.next_tockens)
+        return ~band_keep(seq_q, seq_kv, *tockens, offset=seq_kv - seq_q, device=device)
 
 
 @dataclass(frozen=True, eq=False)
 class ExplicitMask:
-    """A dense bool mask from the caller (True = masked), passed through as is: mode 0.
-
-    ``to_dense`` returns it in its own shape (any of the accepted ones), whatever sizes are asked.
-
-    Accepted shapes: ``[B, 1, Sq, Skv]``, ``[1, 1, Sq, Skv]``, ``[B, N, Sq, Skv]``, ``[Sq, Skv]``.
-    Costs whatever the caller already allocated; this object neither copies nor converts it.
-    """
+    """A dense bool mask from the caller (True = masked), passed through uncopied: mode 0. Shapes
+    ``[B|1, 1|N, Sq, Skv]`` or ``[Sq, Skv]``; ``to_dense`` returns it in its own shape."""
 
     mask: torch.Tensor
     seq_q: int | None = None  # Sq of the call, when known: a [B,1,1,Skv] mask is fine at Sq = 1
@@ -204,19 +142,8 @@ class ExplicitMask:
 
 @dataclass(frozen=True)
 class Packed:
-    """A packed (THD) batch: each segment attends only to itself, under ``within``.
-
-    Layout TND, ``actual_seq_qlen/kvlen`` from ``lengths`` (host tuples, no leading 0). Modes:
-    ``within=BottomRightCausalMask()`` -> 3 per segment; ``FullAttention()`` -> no mask;
-    ``SlidingWindow`` -> 4 per segment. Costs nothing per step beyond the one conversion of
-    cu_seqlens (memoised per tensor). Segments of lengths 2 and 3, causal::
-
-        1 0 0 0 0
-        1 1 0 0 0
-        0 0 1 0 0
-        0 0 1 1 0
-        0 0 1 1 1   (1 = kept)
-    """
+    """A packed (THD) batch: each segment attends only to itself, under ``within`` (its mode);
+    layout TND, ``actual_seq_qlen/kvlen`` from ``lengths`` (host tuples, no leading 0)."""
 
     lengths: SeqLengths
     within: FullAttention | BottomRightCausalMask | SlidingWindow = field(
@@ -255,10 +182,8 @@ MaskDescription = (
 
 
 def check_explicit_mask(mask, seq_q: int | None = None) -> None:
-    """Refuse, with the fix, dense masks the operator would refuse (True = masked out).
-
-    A ``[B, 1, 1, Skv]`` mask is a padding mask (refused) unless ``seq_q == 1`` (decoding).
-    """
+    """Refuse, with the fix, dense masks the operator would refuse (True = masked out); a
+    ``[B, 1, 1, Skv]`` padding mask is refused unless ``seq_q == 1`` (decoding)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a bool tensor, got {type(mask).__name__}")
     if mask.dtype not in (torch.bool, torch.uint8):
@@ -291,12 +216,8 @@ _FULL_TYPES = frozenset({"no_mask", "padding"})
 
 
 def layer_window(kind: str, window_size: tuple[int, int] | None) -> SlidingWindow | None:
-    """The window a layer really applies, or None when it restricts nothing.
-
-    On causal layers no query may see a later key (Transformer Engine forces ``right = 0``
-    there too): ``right > 0`` is refused rather than silently dropped, ``right = -1`` means 0,
-    and ``left = -1`` (unbounded) is plain causal attention. ``(-1, -1)`` is no window at all.
-    """
+    """The window a layer really applies, or None when it restricts nothing. Causal layers refuse
+    ``right > 0``; ``right = -1`` means 0, ``left = -1`` plain causal; ``(-1, -1)`` is no window."""
     if window_size is None:
         return None
     left, right = window_size
@@ -321,20 +242,11 @@ def describe_mask(
     window_size: tuple[int, int] | None = None,
     memo: SeqLengthsMemo | None = None,
 ) -> MaskDescription:
-    """Translate Megatron's core-attention inputs into a mask description (table above).
+    """Translate Megatron's core-attention inputs into a mask description.
 
-    Args:
-        attn_mask_type: Megatron's ``AttnMaskType`` (or its name).
-        attention_mask: bool, True = masked out, or None; or verl's ``[B, Skv]`` key-padding
-            mask, **True = real token** (``mcore_npu.masks.key_padding``).
-        seq_q, seq_kv: Sq and Skv of this call (dense layouts).
-        batch: B of this call (dense layouts; None for packed ones): tells a ``[B, Skv]``
-            key-padding mask from a ``[Sq, Skv]`` dense one.
-        packed_seq_params: Megatron's ``PackedSeqParams``; ``qkv_format == "thd"`` -> ``Packed``.
-        window_size: this layer's ``(left, right)`` window, or None.
-        memo: converts cu_seqlens to host offsets, expands ``[B, 1, 1, Skv]`` masks and reads
-            a key-padding mask's rows once per tensor; a throw-away one if None.
-    """
+    ``attention_mask``: bool, True = masked out, or None; or verl's ``[B, Skv]`` key-padding mask,
+    **True = real token**, told from ``[Sq, Skv]`` by ``batch`` (None when packed). ``memo``: the
+    per-tensor conversions (a throw-away one if None)."""
     kind = getattr(attn_mask_type, "name", attn_mask_type)
     memo = memo if memo is not None else SeqLengthsMemo()
     if kind != "no_mask" and is_key_padding(
@@ -367,8 +279,7 @@ def describe_mask(
         return window
     if attention_mask is not None and kind != "no_mask":
         if _is_padding_rows_mask(attention_mask) and seq_q > 1:
-            # Megatron's [B, 1, 1, Skv] padding mask broadcasts over the query rows (and, as in
-            # the local spec, replaces the causal mask); the operator wants the rows spelt out
+            # [B,1,1,Skv] broadcasts over the query rows and replaces causal (as the local spec)
             attention_mask = memo.rows_expanded(attention_mask, seq_q)
         return ExplicitMask(attention_mask, seq_q)
     if kind in _CAUSAL_TYPES:
@@ -384,8 +295,7 @@ def describe_mask(
 
 
 def _is_padding_rows_mask(mask) -> bool:
-    """A bool ``[B|1, 1, 1, Skv]`` (True = masked out): one key mask per batch entry. Other
-    dtypes are left to ``ExplicitMask``, which refuses them with the fix."""
+    """A bool ``[B|1, 1, 1, Skv]`` (True = masked out): one key mask per batch entry."""
     return (
         isinstance(mask, torch.Tensor)
         and mask.dtype in (torch.bool, torch.uint8)
@@ -395,11 +305,8 @@ def _is_padding_rows_mask(mask) -> bool:
 
 
 def _packed_lengths(params, memo: SeqLengthsMemo) -> SeqLengths:
-    """Segment boundaries from PackedSeqParams (each cu_seqlens tensor converted once per memo).
-
-    With the ``_padded`` variants set, a slot holds real tokens then padding: the padding tail
-    becomes a segment of its own (``SeqLengths.with_padding``), so real tokens never see it.
-    """
+    """Segment boundaries from PackedSeqParams; a ``_padded`` slot's padding tail becomes a
+    segment of its own (``SeqLengths.with_padding``), so real tokens never see it."""
     if params.cu_seqlens_q is None and getattr(params, "cu_seqlens_q_padded", None) is None:
         raise ValueError("packed_seq_params: qkv_format='thd' needs cu_seqlens_q (leading 0)")
     real_q, slot_q = _side(params, "q", memo)

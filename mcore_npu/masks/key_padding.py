@@ -1,23 +1,9 @@
-"""verl's ``[B, S]`` key-padding mask in Megatron's attention-mask slot.
+"""verl's ``[B, S]`` key-padding mask in Megatron's attention-mask slot (docs/masks.md).
 
-**Polarity: True = real token** (verl's, the opposite of every other mask in this package). verl
-hands the model this mask wherever its bshd forwards build one off the NPU:
-``preprocess_bshd_engine`` (the text bshd forward) and ``build_vlm_attn_mask_bshd`` (the
-vision-language one); both right-pad every row. Under causal attention right padding needs no
-mask at all: a real query ``i`` sees keys ``j <= i``, all real, and the padded query rows see real
-keys too (their outputs are dropped). So the mask becomes the layer's own causal (or causal
-window) description, the cached compressed mask: no ``[B, 1, S, S]`` tensor is built.
-
-Which 2-D masks are read this way (``B``: the call's batch, ``Sq = Skv = S``)::
-
-    shape     right-padded keep form   read as
-    [B, S]    yes                      key padding (this module)
-    [B, S]    no (left / interior)     refused: pack the batch (masks.padding_to_packed)
-    [S, S]    -                        a dense mask, True = masked out (Megatron's, the operator's)
-
-When ``B == S`` both shapes match; the rows decide: a keep mask starts every row with a real
-token and is a prefix, while a dense causal mask (True = masked) that did so would mask key 0
-from query 0, which then attends nothing, a row the operator cannot compute.
+**Polarity: True = real token** (verl's, the opposite of every other mask in this package).
+Right-padded under causal attention it needs no mask at all: it becomes the layer's own causal
+(or causal window) description. Left or interior padding and non-causal layers are refused; a
+``[S, S]`` mask stays a dense one (True = masked out). When ``B == S`` the rows decide.
 """
 
 from __future__ import annotations
@@ -29,8 +15,9 @@ from mcore_npu.masks.seqlens import SeqLengthsMemo
 _CAUSAL = frozenset({"causal", "padding_causal", "causal_bottom_right"})
 
 
-def is_key_padding(mask, *, batch: int | None, seq_q: int, seq_kv: int,
-                   memo: SeqLengthsMemo) -> bool:  # fmt: skip
+def is_key_padding(
+    mask, *, batch: int | None, seq_q: int, seq_kv: int, memo: SeqLengthsMemo
+) -> bool:
     """Whether ``mask`` is verl's ``[B, Skv]`` key-padding mask (True = real token)."""
     if batch is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
@@ -42,14 +29,11 @@ def is_key_padding(mask, *, batch: int | None, seq_q: int, seq_kv: int,
     return right_padded and no_empty_row
 
 
-def check_key_padding(mask: torch.Tensor, kind: str, *, seq_q: int, seq_kv: int,
-                      memo: SeqLengthsMemo) -> None:  # fmt: skip
-    """Refuse, with the fix, a key-padding mask the causal description would not honour.
-
-    Raises:
-        ValueError: a layer that is not causal (padded keys would be attended), Sq != Skv, or
-            padding that is not at the right of every row.
-    """
+def check_key_padding(
+    mask: torch.Tensor, kind: str, *, seq_q: int, seq_kv: int, memo: SeqLengthsMemo
+) -> None:
+    """Refuse, with the fix, a key-padding mask the causal description would not honour: on a
+    layer that is not causal, with Sq != Skv, or with padding not at the right of every row."""
     shape = list(mask.shape)
     if kind not in _CAUSAL:
         raise ValueError(

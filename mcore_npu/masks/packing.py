@@ -1,13 +1,8 @@
 """Padded batch <-> packed (TND) batch, so padding costs no dense mask.
 
-A right- or left-padded batch ``[B, S]`` with a keep mask (True = real token) becomes one packed
-sequence of the T real tokens plus segment boundaries. Attention then runs as layout TND with the
-compressed causal mask (``Packed(BottomRightCausalMask())``): no ``[B, 1, S, S]`` mask at all.
-
-When is no padding mask needed at all? A **right-padded** batch under **causal** attention: the
-real tokens of each row form a prefix, so a real query i only sees keys j <= i, all real. Only
-the padded query rows see padding, and their outputs are dropped by the loss mask. Such a batch
-can run with ``TopLeftCausalMask()`` directly; ``is_right_padded`` tells whether a batch is one.
+A padded ``[B, S]`` batch with a keep mask (True = real token) becomes one packed sequence of its
+T real tokens plus segment boundaries (``Packed(BottomRightCausalMask())``). A right-padded batch
+under causal attention needs no padding mask at all (``is_right_padded``).
 """
 
 from __future__ import annotations
@@ -21,17 +16,9 @@ from mcore_npu.masks.seqlens import SeqLengths, SeqLengthsMemo
 
 @dataclass(frozen=True, eq=False)
 class PackedBatch:
-    """Where the real tokens of a padded ``[B, S]`` batch sit once packed.
-
-    Attributes:
-        indices: ``[T]`` int64 positions of the real tokens in the flattened ``[B * S]`` batch.
-        cu_seqlens: ``[B + 1]`` int32 on the batch's device, **with** the leading 0 (Megatron's
-            ``PackedSeqParams`` convention).
-        lengths: host-side ends without the leading 0 (the operator's ``actual_seq_qlen``);
-            rows that are all padding have no segment here (they do in ``cu_seqlens``).
-        max_seqlen: the longest row.
-        batch_size, seq_len: B and S of the padded batch.
-    """
+    """Where the real tokens of a padded ``[B, S]`` batch sit once packed: ``indices`` ``[T]`` into
+    the flattened ``[B * S]``, ``cu_seqlens`` int32 ``[B + 1]`` **with** the leading 0, ``lengths``
+    host ends without it (all-padding rows have no segment there)."""
 
     indices: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -51,7 +38,7 @@ class PackedBatch:
         return out.unflatten(0, (self.batch_size, self.seq_len))
 
     def remember_in(self, memo: SeqLengthsMemo) -> None:
-        """Tell a memo the host offsets of ``cu_seqlens`` so attention layers never sync for them."""
+        """Tell a memo the host offsets of ``cu_seqlens`` (no attention layer syncs for them)."""
         memo.remember(self.cu_seqlens, self.lengths.q)
 
     def packed_seq_params(self):
@@ -68,21 +55,8 @@ class PackedBatch:
 
 
 def padding_to_packed(keep_mask: torch.Tensor) -> PackedBatch:
-    """Describe the real tokens of a padded batch as a packed batch (one host sync).
-
-    Args:
-        keep_mask: ``[B, S]`` bool or 0/1, True = real token. Padding may sit anywhere (left,
-            right, or both); tokens keep their order.
-
-    Returns:
-        PackedBatch with ``indices``, ``cu_seqlens`` (leading 0), host ``lengths``.
-
-    Example::
-
-        >>> batch = padding_to_packed(torch.tensor([[1, 1, 0], [1, 1, 1]]))
-        >>> batch.cu_seqlens.tolist(), batch.lengths.q
-        ([0, 2, 5], (2, 5))
-    """
+    """The real tokens of a padded batch (``keep_mask`` ``[B, S]``, True/1 = real token, padding
+    anywhere) as a packed batch, one host sync: ``[[1, 1, 0], [1, 1, 1]]`` -> cu_seqlens 0, 2, 5."""
     if not isinstance(keep_mask, torch.Tensor) or keep_mask.dim() != 2:
         raise ValueError("keep_mask: expected a [B, S] tensor, True/1 = real token")
     keep = keep_mask.bool()
@@ -101,9 +75,7 @@ def padding_to_packed(keep_mask: torch.Tensor) -> PackedBatch:
 
 
 def is_right_padded(keep_mask: torch.Tensor) -> bool:
-    """True when every row's real tokens form a prefix (``1 1 1 0 0``), one host sync.
-
-    Such a batch needs no padding mask under causal attention (see the module docstring).
-    """
+    """True when every row's real tokens form a prefix (``1 1 1 0 0``), one host sync: then
+    causal attention needs no padding mask."""
     keep = keep_mask.bool()
     return bool((keep[:, 1:] <= keep[:, :-1]).all())

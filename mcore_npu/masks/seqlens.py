@@ -1,16 +1,12 @@
 """Packed-sequence lengths: Megatron's ``cu_seqlens`` -> the operator's ``actual_seq_*len``.
 
-Megatron and FlashAttention describe a packed batch by ``cu_seqlens``: an int32 device tensor
-``[S + 1]`` of cumulative offsets **starting with 0**. The operator wants ``actual_seq_qlen``:
-a host list of cumulative **end** offsets **without** the leading 0::
+``cu_seqlens`` is an int32 device tensor ``[S + 1]`` of cumulative offsets **starting with 0**;
+``actual_seq_qlen`` a host list of cumulative **end** offsets **without** it::
 
-    segment lengths   3, 0, 2
-    cu_seqlens        tensor([0, 3, 3, 5], dtype=torch.int32)   (Megatron)
-    actual_seq_qlen   [3, 3, 5]                                 (npu_fusion_attention)
+    segment lengths 3, 0, 2   cu_seqlens tensor([0, 3, 3, 5])   actual_seq_qlen [3, 3, 5]
 
-``actual_seq_lengths`` is the one function that converts; it costs one device-to-host sync.
-``SeqLengthsMemo`` makes that sync happen once per cu_seqlens tensor, however many layers ask
-(and expands a ``[B, 1, 1, S]`` padding mask once per mask tensor, likewise).
+``actual_seq_lengths`` converts (one device-to-host sync); ``SeqLengthsMemo`` does it once per
+tensor however many layers ask.
 """
 
 from __future__ import annotations
@@ -23,18 +19,8 @@ import torch
 
 
 def actual_seq_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """``cu_seqlens`` (leading 0) -> cumulative end offsets without it, as host ints.
-
-    Args:
-        cu_seqlens: 1-D integer tensor ``[S + 1]`` starting with 0 (any device).
-
-    Returns:
-        ``tuple(cu_seqlens[1:])``. One device-to-host copy.
-
-    Raises:
-        TypeError: not a 1-D integer tensor.
-        ValueError: it does not start with 0 (then it is probably already the operator's form).
-    """
+    """``cu_seqlens`` ``[S + 1]`` (leading 0) -> ``tuple(cu_seqlens[1:])`` as host ints (one
+    device-to-host copy)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise TypeError(
             f"cu_seqlens: expected a 1-D integer tensor [S + 1], got {_describe(cu_seqlens)}; "
@@ -72,11 +58,8 @@ def _describe(x) -> str:
 
 @dataclass(frozen=True)
 class SeqLengths:
-    """Host-side segment boundaries of a packed batch (hashable; no tensors).
-
-    ``q`` and ``kv`` are cumulative end offsets without a leading 0, i.e. exactly
-    ``actual_seq_qlen`` / ``actual_seq_kvlen``.
-    """
+    """Host-side segment boundaries of a packed batch: ``q``, ``kv`` are ``actual_seq_qlen`` /
+    ``actual_seq_kvlen`` (end offsets, no leading 0)."""
 
     q: tuple[int, ...]
     kv: tuple[int, ...]
@@ -90,15 +73,8 @@ class SeqLengths:
 
     @classmethod
     def with_padding(cls, real: SeqLengths, padded: SeqLengths) -> SeqLengths:
-        """Segments whose slots hold real tokens followed by padding (Megatron's ``_padded``).
-
-        Slot s spans ``padded``'s segment s; its first ``real`` segment-s tokens are real. Each
-        slot becomes two segments, the real tokens and the padding tail, so real tokens never
-        attend to padding whatever the mask within a segment (the padding attends only itself,
-        and its outputs are dropped)::
-
-            real lengths 4, 9   padded lengths 5, 9   ->   segments 4, 1, 9   (ends 4, 5, 14)
-        """
+        """Slots of real tokens then padding (Megatron's ``_padded``): each slot becomes two
+        segments, so real tokens never see the padding. Real 4, 9 + padded 5, 9 -> 4, 1, 9."""
         q_lengths, kv_lengths = [], []
         for (real_q, real_kv), (slot_q, slot_kv) in zip(real.segments(), padded.segments()):
             q_lengths += [real_q, slot_q - real_q]
@@ -111,8 +87,7 @@ class SeqLengths:
         return [(e - s, ek - sk) for s, e, sk, ek in zip(starts_q, self.q, starts_kv, self.kv)]
 
     def compact(self) -> SeqLengths:
-        """Without segments that are empty on both sides: they attend nothing, and a leading one
-        would read as an unsliced ``cu_seqlens`` (a leading 0) to the operator's validation."""
+        """Without segments empty on both sides (a leading one would read as a leading 0)."""
         kept = [(q, kv) for q, kv in self.segments() if q or kv]
         if not kept or len(kept) == len(self.q):
             return self
@@ -133,31 +108,16 @@ def _version(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 class SeqLengthsMemo:
-    """Per-step values derived from Megatron's batch tensors, computed once per tensor object.
-
-    One memo is shared by every attention layer of a model (the layer spec creates it), so a
-    forward pass over L layers pays once per distinct tensor, not L times:
-
-    - :meth:`actual_seq_lengths`: ``cu_seqlens`` -> host end offsets (one device-to-host sync);
-    - :meth:`rows_expanded`: a ``[B, 1, 1, Skv]`` padding mask (True = masked out) -> the
-      ``[B, 1, Sq, Skv]`` bool mask the operator accepts (one allocation of B·Sq·Skv bytes);
-    - :meth:`keep_prefix_form`: a ``[B, S]`` keep mask (True = real token) -> whether each row's
-      real tokens form a prefix, and a non-empty one (one device-to-host sync);
-    - :meth:`plan`: what context parallelism derives from a packed layout's host ends (index
-      tensors on the device), keyed by those host values.
-
-    Entries are keyed by ``(id(), what)`` and checked through a weak reference, so a new tensor
-    that reuses a freed one's id is derived afresh; a tensor refilled in place (a static buffer,
-    CUDA graphs) is too, since its version counter moves. At most ``capacity`` entries are kept
-    (LRU), so nothing outlives the step that made it by more than a few steps.
-    """
+    """Per-step values derived from Megatron's batch tensors, once per tensor object, shared by
+    every attention layer. Keyed by ``(id(), what)``, checked by weak reference and version counter
+    (a reused id or an in-place refill is derived afresh); at most ``capacity`` entries (LRU)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self.conversions = 0  # how many cu_seqlens device-to-host syncs this memo has made
-        self.expansions = 0  # how many [B,1,1,S] masks it has expanded
-        self.keep_reads = 0  # how many [B, S] keep masks it has read (one sync each)
-        self.plans_built = 0  # how many plan() values it has built
+        self.conversions = 0  # cu_seqlens device-to-host syncs
+        self.expansions = 0  # [B,1,1,S] masks expanded
+        self.keep_reads = 0  # [B, S] keep masks read (one sync each)
+        self.plans_built = 0
         self._plans: OrderedDict[tuple, object] = OrderedDict()  # host key -> value, LRU
         # (id, what) -> (weak reference, (version, data pointer) when derived, value)
         self._entries: OrderedDict[tuple[int, object], tuple[weakref.ref, tuple, object]] = (
@@ -176,15 +136,8 @@ class SeqLengthsMemo:
     def context_parallel_ends(
         self, cu_seqlens_padded: torch.Tensor, cp_size: int
     ) -> tuple[int, ...]:
-        """One context-parallel rank's local padded ends (no leading 0), once per tensor.
-
-        Under CP every packed sequence is cut into 2·CP chunks and each rank keeps two of them,
-        so local sequence i ends at ``cu_seqlens_padded[i + 1] // cp_size``. Derived from the
-        memoised host offsets (the one sync, or none when :meth:`remember` was told them).
-
-        Raises:
-            ValueError: a padded length does not divide by ``2 * cp_size`` (names the sequence).
-        """
+        """One CP rank's local padded ends ``cu_seqlens_padded[i + 1] // cp_size`` (no leading 0),
+        once per tensor; ``ValueError`` when a padded length does not divide by ``2 * cp_size``."""
         ends = self._lookup(cu_seqlens_padded, ("cp_ends", cp_size))
         if ends is None:
             global_ends = self.actual_seq_lengths(cu_seqlens_padded)
@@ -194,11 +147,8 @@ class SeqLengthsMemo:
         return ends
 
     def rows_expanded(self, mask: torch.Tensor, seq_q: int) -> torch.Tensor:
-        """``[B, 1, 1, Skv]`` -> a contiguous bool ``[B, 1, Sq, Skv]`` (True = masked out).
-
-        Every query row gets the key mask of its batch entry, exactly what Megatron's local
-        attention does by broadcasting. Made once per mask tensor and Sq, shared by all layers.
-        """
+        """``[B, 1, 1, Skv]`` -> a contiguous bool ``[B, 1, Sq, Skv]`` (True = masked out), as
+        Megatron's local attention broadcasts it; once per mask tensor and Sq."""
         expanded = self._lookup(mask, ("rows", seq_q))
         if expanded is None:
             batch, _, _, seq_kv = mask.shape
@@ -208,8 +158,7 @@ class SeqLengthsMemo:
         return expanded
 
     def keep_prefix_form(self, keep: torch.Tensor) -> tuple[bool, bool]:
-        """``(right_padded, no_empty_row)`` of a ``[B, S]`` keep mask (**True = real token**):
-        every row is ``1 .. 1 0 .. 0``, and every row starts with a real token. Once per tensor."""
+        """``(right_padded, no_empty_row)`` of a ``[B, S]`` keep mask (**True = real token**)."""
         form = self._lookup(keep, "keep_prefix")
         if form is None:
             real = keep.bool()
@@ -220,9 +169,8 @@ class SeqLengthsMemo:
         return form
 
     def plan(self, key: tuple, build):
-        """``build()`` once per ``key``, a tuple of host values (a packed layout's ends, the CP
-        size and rank, the device): index tensors every layer of a step shares. The last
-        ``capacity`` keys are kept, and they live as long as the memo (the model's)."""
+        """``build()`` once per ``key`` (host values: a packed layout's ends, CP size and rank,
+        device): index tensors every layer shares; the last ``capacity`` keys are kept."""
         if key in self._plans:
             self._plans.move_to_end(key)
             return self._plans[key]
@@ -255,5 +203,5 @@ class SeqLengthsMemo:
         return len(self._entries)
 
     def __deepcopy__(self, memo) -> SeqLengthsMemo:
-        # Specs get deep-copied (Megatron does it); a copy starts empty rather than sharing ids.
+        # Megatron deep-copies specs; a copy starts empty rather than sharing ids.
         return SeqLengthsMemo(self.capacity)

@@ -41,20 +41,20 @@ def is_real(x) -> bool:
 def check_tensor(op: str, name: str, t, kernel: str, shown=()) -> None:
     """``t`` is a floating tensor of a dtype the chosen kernel takes."""
     if not isinstance(t, torch.Tensor):
-        fail(op, TypeError, name, f"expected a torch.Tensor, got {type(t).__name__}",
-             "pass a tensor", shown)  # fmt: skip
+        problem = f"expected a torch.Tensor, got {type(t).__name__}"
+        fail(op, TypeError, name, problem, "pass a tensor", shown)
     allowed = REAL_DTYPES + ((torch.float64,) if kernel == "reference" else ())
     if t.dtype not in allowed:
         only = " (float64: reference kernel only)" if t.dtype == torch.float64 else ""
         names = ", ".join(str(d).removeprefix("torch.") for d in REAL_DTYPES)
-        fail(op, TypeError, name, f"dtype {t.dtype} is not supported{only}",
-             f"cast it to one of {names}", shown)  # fmt: skip
+        problem = f"dtype {t.dtype} is not supported{only}"
+        fail(op, TypeError, name, problem, f"cast it to one of {names}", shown)
 
 
 def check_finite_nonnegative(op: str, name: str, value) -> None:
     if not is_real(value):
-        fail(op, TypeError, name, f"expected a real number, got {type(value).__name__}",
-             "pass a float such as 1e-6")  # fmt: skip
+        problem = f"expected a real number, got {type(value).__name__}"
+        fail(op, TypeError, name, problem, "pass a float such as 1e-6")
     if not math.isfinite(value) or value < 0:
-        fail(op, ValueError, name, f"must be finite and >= 0, got {value!r}",
-             "pass a small positive float such as 1e-6")  # fmt: skip
+        problem = f"must be finite and >= 0, got {value!r}"
+        fail(op, ValueError, name, problem, "pass a small positive float such as 1e-6")

@@ -1,8 +1,7 @@
-"""The attention operator: ``fusion_attention`` (the output), ``fusion_attention_with_stats``
-(also the softmax statistics, outputs 1 and 2) and ``fusion_attention_grad`` (the explicit
-gradient operator): what ``NPUFusionAttention`` and ring attention call. Each validates the call
-once (``mcore_npu.ops.validation``), then runs the kernel the registry picks
-(``mcore_npu.ops.registry``): ``torch_npu.npu_fusion_attention`` or the reference.
+"""The attention operator as ``NPUFusionAttention`` and ring attention call it:
+``fusion_attention`` (the output), ``fusion_attention_with_stats`` (also the softmax statistics)
+and ``fusion_attention_grad`` (the gradient operator), each validated once, then run on the
+kernel the registry picks: ``torch_npu.npu_fusion_attention`` or the reference.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ def _device(t):
     return getattr(t, "device", torch.device("cpu"))
 
 
-_OP_KEYWORDS = (
-    "pse", "padding_mask", "atten_mask", "scale", "keep_prob", "pre_tockens", "next_tockens",
-    "inner_precise", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode",
-    "gen_mask_parallel", "sync",
-)  # fmt: skip
+_OP_KEYWORDS = ("pse", "padding_mask", "atten_mask", "scale", "keep_prob", "pre_tockens")
+_OP_KEYWORDS += ("next_tockens", "inner_precise", "prefix", "actual_seq_qlen", "actual_seq_kvlen")
+_OP_KEYWORDS += ("sparse_mode", "gen_mask_parallel", "sync")
 
 
 def _check_keywords(op_kwargs: dict) -> None:
@@ -52,24 +49,8 @@ def fusion_attention(
     kernel: str = "auto",
     **op_kwargs,
 ) -> torch.Tensor:
-    """Fused attention with the operator's semantics; returns the output only.
-
-    Args:
-        query, key, value: tensors in ``input_layout`` (see ``npu_fusion_attention``).
-        head_num: query heads on this rank (Nq).
-        input_layout: ``"BSH"``, ``"SBH"``, ``"BSND"``, ``"BNSD"`` or ``"TND"``.
-        kernel: ``"auto"`` (torch_npu on NPU tensors, the reference elsewhere), ``"torch_npu"``
-            or ``"reference"``.
-        **op_kwargs: the operator's keyword arguments (``atten_mask``, ``scale``,
-            ``sparse_mode``, ...). They reach ``torch_npu.npu_fusion_attention`` exactly as given.
-
-    Returns:
-        The attention output in the query's layout with D replaced by Dv.
-
-    Raises:
-        TypeError, ValueError: the call breaks the operator contract (before any kernel runs).
-        ImportError: ``kernel="torch_npu"`` and torch_npu cannot be imported (with the cause).
-    """
+    """Fused attention with the operator's semantics; returns the output only (query layout,
+    D replaced by Dv). ``op_kwargs`` (``atten_mask``, ``scale``, ...) reach the kernel as given."""
     _check_keywords(op_kwargs)
     chosen = registry.resolve("fusion_attention", kernel, _device(query)).kernel
     problem = validate_call(query, key, value, head_num, input_layout, **op_kwargs, kernel=chosen)
@@ -82,12 +63,8 @@ def fusion_attention(
 def fusion_attention_with_stats(
     query, key, value, head_num: int, input_layout: str, *, kernel: str = "auto", **op_kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`fusion_attention`, returning ``(out, softmax_max, softmax_sum)``.
-
-    The statistics are float32 ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``): the row max of the
-    scaled, masked scores and ``sum(exp(score - max))``; fully masked rows give float32 min /
-    float32 max. The output keeps its autograd graph; the statistics are detached.
-    """
+    """As :func:`fusion_attention`, returning ``(out, softmax_max, softmax_sum)``: float32
+    ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``), fully masked rows float32 min / max, detached."""
     _check_keywords(op_kwargs)
     chosen = registry.resolve("fusion_attention", kernel, _device(query)).kernel
     problem = validate_call(query, key, value, head_num, input_layout, **op_kwargs, kernel=chosen)
@@ -98,27 +75,16 @@ def fusion_attention_with_stats(
     return run_reference(problem, query, key, value, _options(op_kwargs), need_stats=True)
 
 
-_GRAD_KEYWORDS = tuple(name for name in _OP_KEYWORDS if name != "scale") + (
-    "scale_value", "softmax_max", "softmax_sum", "softmax_in", "attention_in", "seed", "offset",
-    "numels",
-)  # fmt: skip
+_GRAD_KEYWORDS = tuple(name for name in _OP_KEYWORDS if name != "scale")
+_GRAD_KEYWORDS += ("scale_value", "softmax_max", "softmax_sum", "softmax_in", "attention_in")
+_GRAD_KEYWORDS += ("seed", "offset", "numels")
 
 
 def fusion_attention_grad(
     query, key, value, dy, head_num: int, input_layout: str, *, kernel: str = "auto", **op_kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The gradient operator ``npu_fusion_attention_grad`` through the kernel switch.
-
-    Args:
-        query, key, value, dy, head_num, input_layout: as the operator (dy: the output's shape).
-        kernel: ``"auto"``, ``"torch_npu"`` or ``"reference"`` (as :func:`fusion_attention`).
-        **op_kwargs: the operator's keywords exactly as torch_npu spells them (``scale_value``,
-            ``softmax_max``, ``softmax_sum``, ``attention_in``, ``atten_mask``, ...).
-
-    Returns:
-        ``(dq, dk, dv, dpse)`` in the layouts of query/key/value; dpse is None without ``pse``
-        (some torch_npu releases return more values; only these are kept).
-    """
+    """``npu_fusion_attention_grad`` on the chosen kernel, keywords as torch_npu spells them:
+    ``(dq, dk, dv, dpse)`` in the layouts of query/key/value, dpse None without ``pse``."""
     for name in op_kwargs:
         if name not in _GRAD_KEYWORDS:
             close = difflib.get_close_matches(name, _GRAD_KEYWORDS, n=1)
@@ -132,8 +98,8 @@ def fusion_attention_grad(
         op = registry.ascend("fusion_attention_grad")
         result = op(query, key, value, dy, head_num, input_layout, **op_kwargs)
     else:
-        result = npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout,
-                                           **op_kwargs)  # fmt: skip
+        args = (query, key, value, dy, head_num, input_layout)
+        result = npu_fusion_attention_grad(*args, **op_kwargs)
     dpse = result[3] if op_kwargs.get("pse") is not None else None
     return result[0], result[1], result[2], dpse
 

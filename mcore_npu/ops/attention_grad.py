@@ -1,24 +1,14 @@
-"""A pure-PyTorch reference of ``torch_npu.npu_fusion_attention_grad``.
-
-The explicit gradient operator of ``npu_fusion_attention``, with torch_npu's signature (note
-``scale_value``, where the forward says ``scale``) and return ``(dq, dk, dv, dpse)``. Ring
-attention needs it: each block's call, given the **global** statistics and the **global**
-(merged) output, returns that block's exact contribution to dQ, dK and dV.
-
-With ``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), the statistics
-``lse = softmax_max + log(softmax_sum)``, ``P = exp(s - lse)``, ``O = attention_in`` and
-``dY = dy``::
+"""A pure-PyTorch reference of ``torch_npu.npu_fusion_attention_grad`` (``scale_value`` where
+the forward says ``scale``) -> ``(dq, dk, dv, dpse)``. Given the global statistics and merged
+output, a block's call returns its exact share of the gradients (ring attention). With
+``s = scale * (Q K^T + pse)`` masked (``atten_mask`` True = masked out), ``lse = softmax_max +
+log(softmax_sum)``, ``P = exp(s - lse)``, ``O = attention_in``::
 
     Delta = rowsum(dY * O)        dP = dY V^T        dS = P * (dP - Delta)
     dQ = scale * dS K             dK = scale * dS^T Q    dV = P^T dY    dpse = scale * dS
 
-Without statistics (``softmax_max``/``softmax_sum`` None) the log-sum-exp is recomputed per
-block, and without ``attention_in`` the output comes from the forward reference. Computed in
-float32 (float64 for float64 inputs), in tiles of query rows x ``KEY_BLOCK`` keys of at most
-``GRAD_BLOCK_BYTES`` of scores, updated in place (a causal block skips the tiles above its
-diagonal); GQA gradients of a KV head sum over its query heads. The reference has no
-replayable dropout stream, so ``keep_prob`` must be 1.0.
-"""
+Missing statistics or output are recomputed; float32 (float64 for float64), in tiles of query
+rows x ``KEY_BLOCK`` keys; ``keep_prob`` must be 1.0 (no replayable dropout stream)."""
 
 from __future__ import annotations
 
@@ -29,6 +19,7 @@ from mcore_npu.ops.attention_reference import (
     _from_bnsd,
     _Keep,
     _plan,
+    _segment,
     _segment_plan,
     _to_bnsd,
     run_reference,
@@ -39,8 +30,7 @@ GRAD_BLOCK_BYTES = 2 * 2**20
 """Largest score tile (``[B, Nq, rows, keys]`` in the compute dtype) of one backward step; a
 step holds two (probabilities and score gradients)."""
 KEY_BLOCK = 1024
-"""Keys of one tile: with query rows and keys both tiled, the work space does not grow with
-the sequence, and a causal block skips the tiles above its diagonal."""
+"""Keys of one tile: the work space does not grow with the sequence."""
 
 __all__ = ["npu_fusion_attention_grad"]
 
@@ -75,37 +65,14 @@ def npu_fusion_attention_grad(
     gen_mask_parallel=True,
     sync=False,
 ):
-    """Gradients of ``npu_fusion_attention`` for one call, given the output gradient ``dy``.
-
-    Args:
-        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
-            pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
-            actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync: exactly as given to the
-            forward call of the same block (``atten_mask`` True = masked out).
-        dy: gradient of the output, the output's shape (query layout, D replaced by Dv).
-        softmax_max, softmax_sum: float32 ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``, N-major per
-            segment), the forward's outputs 1 and 2 (in ring attention: the merged ones).
-            Both or neither; neither = the log-sum-exp is recomputed in the compute dtype.
-        softmax_in: reserved (the forward's empty output 3); ignored.
-        attention_in: the forward output (ring attention: the merged output); None = recompute.
-        scale_value: the forward's ``scale``.
-        keep_prob: must be 1.0 for the reference.
-        seed, offset, numels: the forward's dropout outputs; ignored at ``keep_prob == 1``.
-
-    Returns:
-        ``(dq, dk, dv, dpse)``: dq/dk/dv in the layouts, shapes and dtypes of query/key/value;
-        dpse the shape of ``pse`` (an empty tensor without pse).
-
-    Raises:
-        TypeError, ValueError: the call breaks the operator contract (as the forward's), or
-            ``dy`` / ``attention_in`` / the statistics have the wrong shape.
-        NotImplementedError: ``keep_prob < 1`` (the reference cannot replay the NPU's dropout).
-    """
-    problem = validate_call(
-        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
-        keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
-        actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, kernel="reference",
-    )  # fmt: skip
+    """Gradients of one ``npu_fusion_attention`` call given ``dy``, the forward's arguments as
+    given to it; ``softmax_max``/``softmax_sum`` (both or neither) float32 ``[B, Nq, Sq, 8]`` (TND
+    ``[Tq, Nq, 8]``); ``softmax_in``, ``seed``, ``offset``, ``numels`` ignored. Returns
+    ``(dq, dk, dv, dpse)`` shaped like query/key/value and pse (empty without pse)."""
+    args = (query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value)
+    args += (keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen)
+    args += (actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync)
+    problem = validate_call(*args, kernel="reference")
     _check_grad_inputs(problem, query, dy, softmax_max, softmax_sum, attention_in, keep_prob)
     options = AttentionOptions(
         pse, atten_mask, float(scale_value), 1.0, pre_tockens, next_tockens, prefix, sparse_mode
@@ -113,12 +80,10 @@ def npu_fusion_attention_grad(
     if attention_in is None:
         with torch.no_grad():
             attention_in = run_reference(problem, query, key, value, options, False)[0]
+    inputs = (problem, query, key, value, dy, attention_in, softmax_max, softmax_sum, options)
     if problem.layout == "TND":
-        dq, dk, dv = _grad_packed(problem, query, key, value, dy, attention_in, softmax_max,
-                                  softmax_sum, options)  # fmt: skip
-        return dq, dk, dv, query.new_empty(0)
-    return _grad_dense(problem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
-                       options)  # fmt: skip
+        return (*_grad_packed(*inputs), query.new_empty(0))
+    return _grad_dense(*inputs)
 
 
 def _check_grad_inputs(problem, query, dy, softmax_max, softmax_sum, attention_in, keep_prob):
@@ -128,40 +93,37 @@ def _check_grad_inputs(problem, query, dy, softmax_max, softmax_sum, attention_i
             continue
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != out_shape:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"npu_fusion_attention_grad: {name}: expected the forward output's shape "
-                f"{list(out_shape)} ({problem.layout}), got {got}\n"
-                f"  fix: pass the output (gradient) of the forward call of the same block"
-            )
+            message = f"npu_fusion_attention_grad: {name}: expected the forward output's shape "
+            message += f"{list(out_shape)} ({problem.layout}), got {got}\n"
+            message += "  fix: pass the output (gradient) of the forward call of the same block"
+            raise ValueError(message)
     if (softmax_max is None) != (softmax_sum is None):
-        raise ValueError(
-            "npu_fusion_attention_grad: softmax_max / softmax_sum: pass both or neither, got "
-            f"{'softmax_max' if softmax_sum is None else 'softmax_sum'} only\n"
-            "  fix: pass outputs 1 and 2 of the forward call together"
-        )
+        given = "softmax_max" if softmax_sum is None else "softmax_sum"
+        message = "npu_fusion_attention_grad: softmax_max / softmax_sum: pass both or neither, "
+        message += f"got {given} only\n  fix: pass outputs 1 and 2 of the forward call together"
+        raise ValueError(message)
     stats_shape = _stats_shape(problem)
     for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != stats_shape):
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"npu_fusion_attention_grad: {name}: expected float32 {list(stats_shape)} "
-                f"(the forward's statistics), got {got}\n"
-                "  fix: pass outputs 1 and 2 of the forward call unchanged"
-            )
+            message = f"npu_fusion_attention_grad: {name}: expected float32 {list(stats_shape)} "
+            message += f"(the forward's statistics), got {got}\n"
+            message += "  fix: pass outputs 1 and 2 of the forward call unchanged"
+            raise ValueError(message)
     if float(keep_prob) != 1.0:
-        raise NotImplementedError(
+        message = (
             f"npu_fusion_attention_grad: keep_prob: the reference needs 1.0, got {keep_prob}; "
-            "it cannot replay the NPU's dropout stream\n"
-            "  fix: use attention_dropout = 0 on CPU, or the torch_npu kernel on an NPU"
         )
+        message += "it cannot replay the NPU's dropout stream\n"
+        message += "  fix: use attention_dropout = 0 on CPU, or the torch_npu kernel on an NPU"
+        raise NotImplementedError(message)
 
 
 def _output_shape(problem) -> tuple[int, ...]:
     b, n, sq, dv = problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v
-    return {
-        "BSH": (b, sq, n * dv), "SBH": (sq, b, n * dv), "BSND": (b, sq, n, dv),
-        "BNSD": (b, n, sq, dv), "TND": (sq, n, dv),
-    }[problem.layout]  # fmt: skip
+    shapes = {"BSH": (b, sq, n * dv), "SBH": (sq, b, n * dv), "BSND": (b, sq, n, dv)}
+    shapes.update(BNSD=(b, n, sq, dv), TND=(sq, n, dv))
+    return shapes[problem.layout]
 
 
 def _stats_shape(problem) -> tuple[int, ...]:
@@ -171,11 +133,8 @@ def _stats_shape(problem) -> tuple[int, ...]:
 
 
 def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
-    """BSH/SBH/BSND/BNSD: one block of ``[B, N, S, D]`` tensors.
-
-    The gradients are written through ``[B, N, S, D]`` views straight into buffers of the
-    inputs' layouts (no final layout copy) when the inputs already have the compute dtype.
-    """
+    """BSH/SBH/BSND/BNSD: one block of ``[B, N, S, D]`` tensors, the gradients written straight
+    into buffers of the inputs' layouts when the inputs already have the compute dtype."""
     layout = problem.layout
     q = _to_bnsd(query, layout, problem.heads_q)
     k, v = (_to_bnsd(t, layout, problem.heads_kv) for t in (key, value))
@@ -191,8 +150,9 @@ def _grad_dense(problem, query, key, value, dy, out, smax, ssum, options):
         heads = (problem.heads_q, problem.heads_kv, problem.heads_kv)
         targets = [_to_bnsd(t, layout, n) for t, n in zip(grads, heads)]
     with torch.no_grad():
-        dq, dk, dv, dpse = _block_grad(q, k, v, g, o, lse, keep, options.scale, options.pse,
-                                       targets)  # fmt: skip
+        dq, dk, dv, dpse = _block_grad(
+            q, k, v, g, o, lse, keep, options.scale, options.pse, targets
+        )
     dpse = query.new_empty(0) if dpse is None else dpse.to(options.pse.dtype)
     if targets is not None:
         return (*grads, dpse)
@@ -215,20 +175,9 @@ def _lse(smax: torch.Tensor, ssum: torch.Tensor) -> torch.Tensor:
 
 
 def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse, targets=None):
-    """Gradients of one ``[B, N, S, D]`` block in tiles of query rows x keys (two
-    ``[B, Nq, rows, keys]`` score buffers per tile at most; tiles a causal block masks whole
-    are skipped).
-
-    Args:
-        q, g, o: ``[B, Nq, Sq, D|Dv]``; k, v: ``[B, Nkv, Skv, D|Dv]``; lse: ``[B, Nq, Sq]``
-            (+inf on invalid rows, so that ``exp(s - lse) = 0``), or None: computed here in the
-            compute dtype.
-        targets: ``[dq, dk, dv]`` in the compute dtype and the shapes of q, k, v (dk, dv zero),
-            possibly strided views, to write into; None = allocated here.
-
-    Returns:
-        ``(dq, dk, dv, dpse)`` in the compute dtype; dpse reduced to pse's shape, or None.
-    """
+    """``(dq, dk, dv, dpse)`` of one ``[B, N, S, D]`` block in the compute dtype, in tiles of query
+    rows x keys: q, g, o ``[B, Nq, Sq, D|Dv]``; k, v ``[B, Nkv, Skv, D|Dv]``; lse ``[B, Nq, Sq]``
+    (+inf on invalid rows) or None; ``targets`` ``[dq, dk, dv]`` to write into (dk, dv zero)."""
     compute = _compute_dtype(q)
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
@@ -266,8 +215,8 @@ def _block_grad(q, k, v, g, o, lse, keep: _Keep, scale, pse, targets=None):
             dscore = _grouped_matmul(g_r, vc[:, :, k0:k1].mT).sub_(delta).mul_(prob)
             del prob
             dq_r += _grouped_matmul(dscore, kc[:, :, k0:k1])
-            dk[:, :, k0:k1].add_(torch.matmul(dscore.flatten(2, 3).mT, q_r.flatten(2, 3)),
-                                 alpha=scale)  # fmt: skip
+            dk_tile = torch.matmul(dscore.flatten(2, 3).mT, q_r.flatten(2, 3))
+            dk[:, :, k0:k1].add_(dk_tile, alpha=scale)
             if dpse is not None:
                 _add_dpse(dpse, scale * dscore.flatten(1, 2), pse, span)
         dq[:, :, start:stop] = dq_r.mul_(scale).flatten(1, 2)
@@ -321,8 +270,8 @@ def _scores(q_r, kc, mask, scale, pse, span):
     scores = _grouped_matmul(q_r, kc.mT)
     if pse is not None:
         bias = pse[..., start:stop, k0:k1] if pse.shape[-2] != 1 else pse[..., k0:k1]
-        scores += bias.to(scores.dtype).reshape(bias.shape[0], heads_kv, group, bias.shape[-2],
-                                                k1 - k0)  # fmt: skip
+        grouped = (bias.shape[0], heads_kv, group, bias.shape[-2], k1 - k0)
+        scores += bias.to(scores.dtype).reshape(grouped)
     scores.mul_(scale)
     if mask is not None:
         scores.masked_fill_(~_grouped_mask(mask, heads_kv, group), float("-inf"))
@@ -354,7 +303,7 @@ def _add_dpse(dpse, contribution, pse, span) -> None:
 
 
 def _grouped_mask(keep_rows: torch.Tensor, heads_kv: int, group: int) -> torch.Tensor:
-    """A keep mask broadcastable to ``[B, Nq, r, Skv]`` -> broadcastable to ``[B, Nkv, G, r, Skv]``."""
+    """A keep mask broadcastable to ``[B, Nq, r, Skv]`` -> to ``[B, Nkv, G, r, Skv]``."""
     if keep_rows.dim() < 4:
         keep_rows = keep_rows.reshape((1,) * (4 - keep_rows.dim()) + tuple(keep_rows.shape))
     b, n = keep_rows.shape[:2]
@@ -377,10 +326,6 @@ def _grad_packed(problem, query, key, value, dy, out, smax, ssum, options):
         seq_q, seq_kv = q1 - q0, k1 - k0
         if seq_q == 0 or seq_kv == 0:
             continue
-
-        def bnsd(t, a, b):  # [T, N, D] slice -> [1, N, S_s, D]
-            return t[a:b].transpose(0, 1).unsqueeze(0)
-
         stats = slice(q0 * heads_q * 8, q1 * heads_q * 8)
         lse = None
         if smax is not None:
@@ -388,11 +333,10 @@ def _grad_packed(problem, query, key, value, dy, out, smax, ssum, options):
             seg_sum = ssum.reshape(-1)[stats].view(1, heads_q, seq_q, 8)[..., 0]
             lse = _lse(seg_max, seg_sum)
         keep = _segment_plan(options, s, seq_q, seq_kv, band_segment, query.device)
-        grads = _block_grad(
-            bnsd(query, q0, q1), bnsd(key, k0, k1), bnsd(value, k0, k1), bnsd(dy, q0, q1),
-            bnsd(out, q0, q1), lse, keep, options.scale, None,
-        )  # fmt: skip
-        for target, grad, a, b in ((dq, grads[0], q0, q1), (dk, grads[1], k0, k1),
-                                   (dv, grads[2], k0, k1)):  # fmt: skip
+        q, k, v = _segment(query, q0, q1), _segment(key, k0, k1), _segment(value, k0, k1)
+        g, o = _segment(dy, q0, q1), _segment(out, q0, q1)
+        grads = _block_grad(q, k, v, g, o, lse, keep, options.scale, None)
+        spans = ((q0, q1), (k0, k1), (k0, k1))
+        for target, grad, (a, b) in zip((dq, dk, dv), grads, spans):
             target[a:b] += grad[0].transpose(0, 1).to(target.dtype)  # [1, N, S_s, X] -> [S_s, N, X]
     return dq, dk, dv

@@ -1,44 +1,11 @@
-"""A pure-PyTorch reference of ``torch_npu.npu_fusion_attention`` (its torch_npu name, with
-every other operator's reference, is in :mod:`mcore_npu.ops.reference`).
+"""A pure-PyTorch reference of ``torch_npu.npu_fusion_attention`` (also importable from
+:mod:`mcore_npu.ops.reference`): the operator's signature (``pre_tockens`` included), defaults,
+mask polarity (``atten_mask`` True = masked out), 7-tuple return and refusals
+(:func:`mcore_npu.ops.validation.validate_call`), plus float64 for ``gradcheck`` and oracles.
 
-Same signature (spelling included: ``pre_tockens``), defaults, mask polarity (``atten_mask``
-True = masked out) and 7-tuple return as the Ascend operator, and the same refusals: every call
-goes through :func:`mcore_npu.ops.validation.validate_call` first. The one extension is float64
-inputs, which the real kernel refuses; the reference takes them so that ``gradcheck`` and float64
-oracles can run.
-
-Which path each sparse mode takes, and what it costs beyond q/k/v and the output
-(B batch, N query heads, Sq/Skv sequence lengths)::
-
-    mode / situation                        path                                extra memory
-    no mask (modes 0/1), causal (2; 3 and   SDPA, no mask / is_causal           none (fused CPU
-      4 when they reduce to it)                                                  kernel: O(block))
-    3 with Sq != Skv, 4, 5, 6               SDPA + one bool keep mask           Sq*Skv bytes (B*Sq*Skv
-                                                                                 for 5/6), plus SDPA's
-                                                                                 own float copy of it
-    0 / 1 with a dense mask                 SDPA + the negated mask             one bool copy of it
-    any mode with pse                       SDPA + additive float bias          the bias' size, float
-    TND (packed)                            the above, segment by segment       per-segment sizes
-
-No path builds a [B, N, Sq, Skv] float score tensor, except the one the ``pse`` bias itself is.
-GQA never repeats K/V: SDPA runs with ``enable_gqa`` (query head i reads kv head i // (Nq/Nkv)).
-Measured, not assumed: on the CPU by ``mcore-npu bench attention``; on an H200 (torch 2.11,
-``benchmarks/cuda_reference_memory.py``, results in ``docs/cuda/``) a causal GQA call (32 query
-/ 8 kv heads, bf16, S = 8192) allocated exactly what a bare SDPA call does, the output plus 1.5 KiB.
-Rows whose every key is masked ("invalid rows") give output 0, ``softmax_max`` = float32 min,
-``softmax_sum`` = float32 max, and zero gradients.
-
-The softmax statistics (outputs 1 and 2) are returned detached. Full and causal attention
-without ``pse`` or dropout compute output and statistics together in one blocked pass
-(:mod:`mcore_npu.ops.blocked_attention`: the flops of one fused call, score buffers of at most
-``BLOCK_BYTES`` beyond the results), unless autograd records the call: then the fused CPU kernel
-gives the output (differentiable) and the log-sum-exp, and a blocked row-max pass the max. Every
-other case runs SDPA and computes the statistics in row chunks of at most ``STATS_CHUNK_BYTES``
-of scores. :func:`mcore_npu.ops.fusion_attention`, which returns the output only, skips them.
-
-Dropout (``keep_prob < 1``) is ordinary PyTorch dropout, not the NPU's Philox stream; outputs 4
-and 5 (seed, offset) are returned as 0.
-"""
+No path builds a ``[B, N, Sq, Skv]`` float score tensor and GQA never repeats K/V. Rows without
+a kept key give output 0, ``softmax_max`` = float32 min, ``softmax_sum`` = float32 max, zero
+gradients. The paths and their memory: docs/ops.md, "The attention reference"."""
 
 from __future__ import annotations
 
@@ -82,48 +49,17 @@ def npu_fusion_attention(
 ):
     """``Dropout(Softmax(Mask(scale * (pse + Q @ K^T), atten_mask)), keep_prob) @ V``.
 
-    Args:
-        query: BSH ``[B, Sq, Nq*D]``, SBH ``[Sq, B, Nq*D]``, BSND ``[B, Sq, Nq, D]``,
-            BNSD ``[B, Nq, Sq, D]`` or TND ``[Tq, Nq, D]``.
-        key, value: the same layout with Nkv heads and Skv (Tkv) positions; value may have Dv <= D.
-        head_num: Nq, query heads on this rank.
-        input_layout: one of ``"BSH", "SBH", "BSND", "BNSD", "TND"``.
-        pse: additive bias added *before* scaling, ``[B|1, N, Sq|1, Skv]``.
-        padding_mask: unsupported; must be None.
-        atten_mask: bool/uint8, **True = masked out**. Dense forms for modes 0/1/5, the compressed
-            ``[2048, 2048]`` mask for modes 2/3/4/7/8, ``[3072, 2048]`` for mode 6.
-        scale: multiplies ``pse + Q @ K^T``. Default 1.0, not 1/sqrt(D).
-        keep_prob: dropout keep probability in (0, 1].
-        pre_tockens, next_tockens: band widths for modes 0 and 4 (and the band segment of 7/8).
-        inner_precise: 0, 1 or 2; no numeric effect here (invalid rows are always handled).
-        prefix: per-batch prefix lengths, modes 5/6.
-        actual_seq_qlen, actual_seq_kvlen: TND only, cumulative END offsets without a leading 0.
-        sparse_mode: 0..8, see ``specs/npu_fusion_attention.md``.
-        gen_mask_parallel, sync: no numeric effect.
-
-    Returns:
-        tuple: ``(out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: out in the
-        query's layout and dtype with D replaced by Dv; the statistics float32
-        ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``, filled per segment in N-major order);
-        ``softmax_out`` an empty tensor; seed and offset 0; numels the dropout-mask length.
-
-    Example:
-        >>> q = k = v = torch.randn(2, 5, 4 * 8)  # BSH, 4 heads of 8
-        >>> from mcore_npu.masks import compressed_causal_mask
-        >>> out = npu_fusion_attention(q, k, v, 4, "BSH", atten_mask=compressed_causal_mask(),
-        ...                            scale=8**-0.5, sparse_mode=2)[0]
-        >>> out.shape
-        torch.Size([2, 5, 32])
-    """
-    options = AttentionOptions(
-        pse, atten_mask, float(scale), float(keep_prob), pre_tockens, next_tockens, prefix,
-        sparse_mode,
-    )  # fmt: skip
-    problem = validate_call(
-        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
-        keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
-        actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, kernel="reference",
-    )  # fmt: skip
+    Arguments and layouts as the operator's (specs/npu_fusion_attention.md): ``atten_mask``
+    True = masked out, ``scale`` 1.0 by default (not 1/sqrt(D)). Returns ``(out, softmax_max,
+    softmax_sum, softmax_out, seed, offset, numels)``: out in the query's layout and dtype with D
+    replaced by Dv; the statistics float32 ``[B, Nq, Sq, 8]`` (TND ``[Tq, Nq, 8]``, N-major per
+    segment), detached; ``softmax_out`` empty; seed and offset 0 (dropout is PyTorch's)."""
+    first = (pse, atten_mask, float(scale), float(keep_prob))
+    options = AttentionOptions(*first, pre_tockens, next_tockens, prefix, sparse_mode)
+    args = (query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale)
+    args += (keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen)
+    args += (actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync)
+    problem = validate_call(*args, kernel="reference")
     out, softmax_max, softmax_sum = run_reference(problem, query, key, value, options, True)
     empty = query.new_empty(0)
     return out, softmax_max, softmax_sum, empty, 0, 0, problem.dropout_mask_numel()
@@ -145,13 +81,10 @@ class AttentionOptions:
 
 @dataclass(frozen=True)
 class _Keep:
-    """Which scores one attention block keeps. Polarity: True = kept (SDPA's, not the op's).
-
-    Neither ``causal`` nor ``mask``: full attention. ``causal``: causal attention, row i keeps
-    keys ``j <= i + offset``: ``offset`` 0 is top-left (left to SDPA's ``is_causal``), ``offset
-    = Skv - Sq > 0`` bottom-right (mode 3 of a wide block, computed without a mask). ``mask``: an
-    explicit keep mask broadcastable to ``[B, N, Sq, Skv]``.
-    """
+    """Which scores one attention block keeps (True = kept, SDPA's polarity): all (neither
+    ``causal`` nor ``mask``); ``causal``: row i keeps keys ``j <= i + offset`` (0: top-left,
+    ``Skv - Sq > 0``: a wide block's bottom-right); or the keep ``mask`` (broadcastable to
+    ``[B, N, Sq, Skv]``)."""
 
     causal: bool = False
     mask: torch.Tensor | None = None
@@ -162,8 +95,8 @@ class _Keep:
         if self.mask is not None:
             return self.mask[..., start:stop, :]
         if self.causal:
-            return band_keep(stop, seq_kv, C.INT32_MAX, 0, offset=self.offset, rows=(start, stop),
-                             device=device)  # fmt: skip
+            offset, rows = self.offset, (start, stop)
+            return band_keep(stop, seq_kv, C.INT32_MAX, 0, offset=offset, rows=rows, device=device)
         return None
 
     def dense(self, seq_q: int, seq_kv: int, device) -> torch.Tensor | None:
@@ -178,10 +111,8 @@ def run_reference(
     options: AttentionOptions,
     need_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Attention for an already validated call: ``(out, softmax_max, softmax_sum)``.
-
-    The statistics are None unless ``need_stats``.
-    """
+    """Attention for a validated call: ``(out, softmax_max, softmax_sum)``, the statistics
+    None unless ``need_stats``."""
     if problem.layout == "TND":
         return _run_packed(problem, query, key, value, options, need_stats)
     q, k, v = (_to_bnsd(t, problem.layout, n) for t, n in _with_heads(problem, query, key, value))
@@ -247,21 +178,16 @@ def _plan(options, seq_q, seq_kv, dense_keep, prefix, device, mode=None) -> _Kee
 
 
 def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
-    """SDPA on ``[B, N, S, D]`` tensors with invalid rows zeroed; optional statistics.
-
-    Returns:
-        ``(out [B, Nq, Sq, Dv], softmax_max, softmax_sum)``, the statistics
-        ``[B, Nq, Sq, 8]`` float32 or None.
-    """
+    """SDPA on ``[B, N, S, D]`` tensors with invalid rows zeroed: ``(out [B, Nq, Sq, Dv],
+    softmax_max, softmax_sum)``, the statistics float32 ``[B, Nq, Sq, 8]`` or None."""
     seq_q, seq_kv = q.shape[-2], k.shape[-2]
     if seq_kv == 0:  # no key at all: every row is invalid
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         return (out, *_invalid_statistics(q)) if need_stats else (out, None, None)
     if keep.offset and pse is None:
         out = _attend_bottom_right(q, k, v, keep.offset, options)
-        return (
-            (out, *_statistics(q, k, keep, options.scale, pse)) if need_stats else (out, None, None)
-        )
+        stats = _statistics(q, k, keep, options.scale, pse) if need_stats else (None, None)
+        return (out, *stats)
     if need_stats and _blocked_statistics_apply(q, k, v, keep, options, pse):
         return attention_with_statistics(q, k, v, keep.causal, options.scale)
     if need_stats and _fast_statistics_apply(q, keep, options, pse):
@@ -281,14 +207,7 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
         attn_mask = pse * options.scale
         if mask is not None:
             attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q, k, v,
-        attn_mask=attn_mask,
-        dropout_p=1.0 - options.keep_prob,
-        is_causal=keep.causal and pse is None,
-        scale=options.scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+    out = _sdpa(q, k, v, options, attn_mask, keep.causal and pse is None)
     if valid_rows is not None:
         out = out.masked_fill(~valid_rows, 0.0)
     if not need_stats:
@@ -296,43 +215,29 @@ def _attend(q, k, v, keep: _Keep, options, pse, need_stats):
     return (out, *_statistics(q, k, keep, options.scale, pse))
 
 
+def _sdpa(q, k, v, options, attn_mask=None, is_causal=False) -> torch.Tensor:
+    """SDPA with the call's dropout and scale, GQA native."""
+    dropout, gqa = 1.0 - options.keep_prob, q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask, dropout, is_causal, scale=options.scale, enable_gqa=gqa
+    )
+
+
 def _attend_bottom_right(q, k, v, offset: int, options) -> torch.Tensor:
-    """Bottom-right causal attention of a wide block (``offset = Skv - Sq > 0``: row i keeps keys
-    ``j <= i + offset``) without an Sq x Skv mask (which SDPA would also expand to float).
-
-    On the CPU without dropout: :class:`_BottomRightCausal` (two fused calls, nothing padded).
-    Elsewhere: SDPA's top-left causal over the queries preceded by ``offset`` zero rows, whose
-    outputs are dropped (the kept rows see exactly their keys; the dropped rows take no
-    gradient), at the cost of ``[B, N, Skv, D]`` queries.
-
-    q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D|Dv]`` -> ``[B, Nq, Sq, Dv]``.
-    """
+    """Bottom-right causal attention of a wide block (``offset = Skv - Sq > 0``), no Sq x Skv mask:
+    :class:`_BottomRightCausal` on the CPU without dropout, else SDPA's top-left causal over the
+    queries preceded by ``offset`` zero rows whose outputs are dropped. -> ``[B, Nq, Sq, Dv]``."""
     if _BottomRightCausal.applies(q, v, options):
         return _BottomRightCausal.apply(q, k, v, offset, options.scale)
     padded = torch.cat([q.new_zeros(*q.shape[:2], offset, q.shape[-1]), q], dim=2)
-    out = F.scaled_dot_product_attention(
-        padded, k, v,
-        dropout_p=1.0 - options.keep_prob,
-        is_causal=True,
-        scale=options.scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
-    return out[:, :, offset:]
+    return _sdpa(padded, k, v, options, is_causal=True)[:, :, offset:]
 
 
 class _BottomRightCausal(torch.autograd.Function):
-    """Bottom-right causal attention of a wide block on the CPU, exact and unpadded.
-
-    Keys ``[0, offset)`` are seen by every row: one full fused call; keys ``[offset, Skv)`` form
-    a top-left causal square: one causal fused call. PyTorch's CPU flash kernel returns each
-    part's output and log-sum-exp (GQA native), and the parts merge as ring attention merges
-    blocks: ``lse = logaddexp(lse_1, lse_2)``, ``out = sum_p out_p exp(lse_p - lse)``. The
-    backward runs the fused backward of each part with the merged output and log-sum-exp,
-    which returns exactly that part's share of dQ, dK and dV.
-
-    q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D]`` -> ``[B, Nq, Sq, D]``; saves q, k, v, the
-    output and the log-sum-exp ``[B, Nq, Sq]``.
-    """
+    """Bottom-right causal attention of a wide block on the CPU, exact and unpadded: keys
+    ``[0, offset)`` (seen by every row) in one full fused call, keys ``[offset, Skv)`` in one causal
+    call, merged by their log-sum-exps (as ring attention merges blocks); each part's fused backward
+    returns its share of the gradients. q ``[B, Nq, Sq, D]``, k/v ``[B, Nkv, Skv, D]``."""
 
     @staticmethod
     def applies(q, v, options) -> bool:
@@ -390,10 +295,8 @@ def _blocked_statistics_apply(q, k, v, keep: _Keep, options, pse) -> bool:
 
 
 def _fast_statistics_apply(q, keep: _Keep, options, pse) -> bool:
-    """The fused CPU kernel returns the log-sum-exp: full or causal, no bias, no dropout.
-
-    Reached when autograd records the call (the blocked kernel has no backward).
-    """
+    """The fused CPU kernel returns the log-sum-exp: full or causal, no bias, no dropout
+    (reached when autograd records the call: the blocked kernel has no backward)."""
     return (
         q.device.type == "cpu"
         and keep.mask is None
@@ -406,13 +309,8 @@ def _fast_statistics_apply(q, keep: _Keep, options, pse) -> bool:
 
 
 def _attend_with_statistics(q, k, v, keep: _Keep, scale):
-    """The statistics path for full and causal blocks: one fused call plus a row-max pass.
-
-    PyTorch's CPU flash kernel returns the output and the log-sum-exp ``lse`` (GQA native, with
-    autograd). The contract wants the max and the sum separately, so the row max is computed
-    by :func:`_row_max` (matmul + amax, no exp, in small blocks) and the sum follows exactly:
-    ``softmax_sum = exp(lse - softmax_max)``.
-    """
+    """Full and causal blocks with statistics: the CPU flash kernel's output and log-sum-exp
+    (with autograd), the row max from :func:`_row_max`, ``softmax_sum = exp(lse - max)``."""
     if v.shape[-1] != q.shape[-1]:  # the fused kernel wants Dv == D
         return (*_attend_plain(q, k, v, keep, scale), *_statistics(q, k, keep, scale, None))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -442,18 +340,8 @@ ROW_MAX_BYTES = 4 * 2**20
 
 
 def _row_max(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """``max_j scale * q_i . k_j`` over the kept keys (top-left causal or all), float32.
-
-    The scale is applied to the max, not to every score: for scale > 0 rounding is monotonic, so
-    ``max(fl(scale * x)) == fl(scale * max(x))`` exactly. Causal blocks multiply only the keys a
-    row block can see (``:stop``) and mask the diagonal square.
-
-    Args:
-        q: ``[B, Nq, Sq, D]``; k: ``[B, Nkv, Skv, D]`` (Nq % Nkv == 0, head i reads i // G).
-
-    Returns:
-        ``[B, Nq, Sq]`` float32.
-    """
+    """``max_j scale * q_i . k_j`` over the kept keys (top-left causal or all), float32
+    ``[B, Nq, Sq]``; the scale is applied to the max (exact for scale > 0)."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -496,12 +384,9 @@ def _invalid_statistics(q):
 
 @torch.no_grad()
 def _statistics(q, k, keep: _Keep, scale, pse):
-    """Row max and row sum of ``exp(score - max)`` of the scaled, masked scores, chunked by rows.
-
-    Returns:
-        ``(softmax_max, softmax_sum)``, float32 ``[B, Nq, Sq, 8]`` each (the value repeated 8
-        times, as the operator stores it). Invalid rows: float32 min / float32 max.
-    """
+    """Row max and row sum of ``exp(score - max)`` of the scaled, masked scores, chunked by
+    rows: float32 ``[B, Nq, Sq, 8]`` each (repeated 8 times, as the operator stores them);
+    invalid rows float32 min / float32 max."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[-2]
     group = heads_q // heads_kv
@@ -554,9 +439,7 @@ def _run_packed(problem, query, key, value, options, need_stats):
                 maxes.append(torch.full((heads * seq_q * 8,), _F32.min, device=query.device))
                 sums.append(torch.full((heads * seq_q * 8,), _F32.max, device=query.device))
             continue
-        # [T, N, D] slice -> [1, N, S_s, D]
-        q, k, v = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in
-                   ((query, q0, q1), (key, k0, k1), (value, k0, k1)))  # fmt: skip
+        q, k, v = _segment(query, q0, q1), _segment(key, k0, k1), _segment(value, k0, k1)
         keep = _segment_plan(options, s, seq_q, seq_kv, band_segment, query.device)
         out, smax, ssum = _attend(q, k, v, keep, options, None, need_stats)
         outs.append(out[0].transpose(0, 1))  # [1, N, S_s, Dv] -> [S_s, N, Dv]
@@ -572,6 +455,11 @@ def _run_packed(problem, query, key, value, options, need_stats):
     return out, smax, ssum
 
 
+def _segment(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """TND ``[T, N, D]`` rows ``start:stop`` -> ``[1, N, S_s, D]``."""
+    return t[start:stop].transpose(0, 1).unsqueeze(0)
+
+
 def _segment_plan(options, s, seq_q, seq_kv, band_segment, device) -> _Keep:
     mode = options.sparse_mode
     if mode in (7, 8):
@@ -581,10 +469,11 @@ def _segment_plan(options, s, seq_q, seq_kv, band_segment, device) -> _Keep:
         # The 2-D [maxSq, maxSkv] mask applies to each segment from its top-left corner.
         dense_keep = torch.logical_not(options.atten_mask[:seq_q, :seq_kv])
         if not bool(dense_keep.any(-1).all()):
-            raise ValueError(
-                f"npu_fusion_attention: atten_mask: segment {s} ({seq_q} x {seq_kv}) has a fully "
-                "masked query row; TND masks must not contain padding rows\n"
-                "  fix: drop padded tokens from the packed batch (mcore_npu.masks.padding_to_packed)"
+            message = f"npu_fusion_attention: atten_mask: segment {s} ({seq_q} x {seq_kv}) has a "
+            message += "fully masked query row; TND masks must not contain padding rows\n  fix: "
+            message += (
+                "drop padded tokens from the packed batch (mcore_npu.masks.padding_to_packed)"
             )
+            raise ValueError(message)
     prefix = None if options.prefix is None else [options.prefix[s]]
     return _plan(options, seq_q, seq_kv, dense_keep, prefix, device, mode=mode)

@@ -1,35 +1,17 @@
-"""Exact attention and its softmax statistics in one blocked pass: the statistics path.
+"""Exact attention and its softmax statistics (``softmax_max``, ``softmax_sum``) in one blocked
+pass, with the flops of one fused call: what ring attention needs per block pair. Per block of
+query rows::
 
-Ring attention (context parallelism) needs, per block pair, the output **and** the operator's
-outputs 1 and 2: ``softmax_max`` (row max of the scaled, masked scores) and ``softmax_sum``
-(``sum exp(score - max)``). PyTorch's fused CPU kernel gives the output and the log-sum-exp but
-not the max, and recomputing the max costs another ``Q @ K^T``. This module computes all three
-from one score block per group of query rows, with the flops of the fused kernel:
-
-    scores = scale * Q_blk @ K^T      one GEMM (scale applied to the product, as the operator)
-    diagonal square masked (causal)   key j > row i -> -inf; blocks above the diagonal skipped
+    scores = scale * Q_blk @ K^T      one GEMM; causal: key j > row i -> -inf, blocks above skipped
     softmax_max = rowmax(scores)
     P = softmax(scores)               in place, in the score buffer
     softmax_sum = 1 / rowmax(P)       P at the argmax is exp(0) / sum
     out = P @ V                       one GEMM
 
-Blocks are ``BLOCK_ROWS`` query rows of as many KV heads (with their GQA query heads) as fit the
-score budget (``BLOCK_BYTES``, at most half the output's size); score buffers are reused by every
-block, so the memory beyond the output and the statistics is that budget. The output is
-allocated in the query's memory order, so turning it back into the call's layout (SBH, BSH, ...)
-is a view, not a copy.
-
-On the CPU, large problems share their blocks among ``torch.get_num_threads()`` worker threads,
-each running single-threaded operators with its own buffers (the budget split among them). One
-fused kernel waits at one barrier per call; a few hundred small multi-threaded operators wait at
-a few hundred, and on a machine shared with other processes each barrier can cost a scheduler
-time slice: measured on the 2-core machine under load, 4-13x SDPA's time inline, about 1.3x with
-the workers.
-
-Covers full attention and top-left causal attention (sparse modes 0/1 without a mask, 2, and 3/4
-where they reduce to it), without ``pse`` and without dropout, for any layout, GQA, Dv <= D, on
-any device. Computed under ``no_grad`` in float32 (float64 for float64 inputs); the reference
-takes another path when autograd must record the output.
+Blocks are ``BLOCK_ROWS`` rows of as many KV heads as fit ``BLOCK_BYTES`` (the only memory
+beyond the results); large CPU problems share them among worker threads. Full or top-left
+causal attention, no ``pse``, no dropout, any layout, GQA, Dv <= D; under ``no_grad`` in float32
+(float64 for float64 inputs). Design and measurements: docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -51,19 +33,9 @@ PARALLEL_MIN_SCORES = 2**20
 
 @torch.no_grad()
 def attention_with_statistics(q, k, v, causal: bool, scale: float):
-    """Softmax attention with the operator's statistics; no row may be without keys (Skv > 0).
-
-    Args:
-        q: ``[B, Nq, Sq, D]`` (any strides, e.g. a view of an SBH tensor).
-        k: ``[B, Nkv, Skv, D]``, v: ``[B, Nkv, Skv, Dv]``; Nq % Nkv == 0 (query head i reads
-            KV head i // (Nq/Nkv)).
-        causal: top-left causal (query i sees keys j <= i), else full attention.
-        scale: multiplies ``Q @ K^T``.
-
-    Returns:
-        ``(out, softmax_max, softmax_sum)``: out ``[B, Nq, Sq, Dv]`` in q's dtype (memory in q's
-        dimension order); the statistics float32 ``[B, Nq, Sq, 8]`` (the value repeated 8 times).
-    """
+    """Softmax attention with the operator's statistics (Skv > 0; ``causal`` top-left): q
+    ``[B, Nq, Sq, D]`` (any strides), k/v ``[B, Nkv, Skv, D|Dv]`` -> ``(out [B, Nq, Sq, Dv]`` in q's
+    dtype and dimension order, ``softmax_max, softmax_sum)`` float32 ``[B, Nq, Sq, 8]``."""
     batch, heads_q, seq_q, _ = q.shape
     heads_kv, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = heads_q // heads_kv
@@ -76,26 +48,27 @@ def attention_with_statistics(q, k, v, causal: bool, scale: float):
     heads, rows = _block_shape(heads_kv, group, seq_q, width, compute.itemsize, budget // workers)
     row_max = q.new_empty(batch, heads_kv, group, seq_q)
     inv_sum = torch.empty_like(row_max)
-    task = _Task(q, k, v, causal, scale, (heads, rows, width),
-                 (out.view(batch, heads_kv, group, seq_q, head_dim_v), row_max, inv_sum))  # fmt: skip
-    blocks = [(b, h0, min(heads_kv, h0 + heads), start)  # the widest (causal: last) rows first
-              for b in range(batch) for h0 in range(0, heads_kv, heads)
-              for start in reversed(range(0, seq_q, rows))]  # fmt: skip
+    outs = (out.view(batch, heads_kv, group, seq_q, head_dim_v), row_max, inv_sum)
+    task = _Task(q, k, v, causal, scale, (heads, rows, width), outs)
+    starts = list(reversed(range(0, seq_q, rows)))  # the widest (causal: last) rows first
+    heads_ranges = [(h0, min(heads_kv, h0 + heads)) for h0 in range(0, heads_kv, heads)]
+    blocks = [
+        (b, h0, h1, start) for b in range(batch) for h0, h1 in heads_ranges for start in starts
+    ]
     _run_blocks(task, blocks, [task.workspace() for _ in range(max(1, min(workers, len(blocks))))])
     expand = (batch, heads_q, seq_q, 8)
+    softmax_max = row_max.view(batch, heads_q, seq_q).float()
+    softmax_sum = inv_sum.reciprocal_().view(batch, heads_q, seq_q).float()
     return (
         out,
-        row_max.view(batch, heads_q, seq_q).float().unsqueeze(-1).expand(expand).contiguous(),
-        inv_sum.reciprocal_().view(batch, heads_q, seq_q).float().unsqueeze(-1).expand(expand)
-        .contiguous(),
-    )  # fmt: skip
+        softmax_max.unsqueeze(-1).expand(expand).contiguous(),
+        softmax_sum.unsqueeze(-1).expand(expand).contiguous(),
+    )
 
 
 class _Task:
-    """One call: inputs in the compute dtype, the block shape ``(kv heads, rows, widest row)``,
-    and the results ``outs = (out [B, Nkv, G, Sq, Dv], max [B, Nkv, G, Sq], 1/sum [B, Nkv, G,
-    Sq])``, which the workers fill in disjoint blocks.
-    """
+    """One call: inputs in the compute dtype, the block shape ``(kv heads, rows, widest row)`` and
+    the results ``outs`` (out, max, 1/sum, ``[B, Nkv, G, Sq, ...]``) filled in disjoint blocks."""
 
     def __init__(self, q, k, v, causal, scale, shape, outs):
         self.q, self.k, self.v, self.causal, self.scale, self.outs = q, k, v, causal, scale, outs
@@ -126,9 +99,8 @@ class _Task:
 
     def _group_views(self, b, h0, h1):
         """q ``[h*G, Sq, D]``, k / v ``[h, Skv, D|Dv]`` and the results of KV heads h0:h1."""
-        g = self.group
-        return (self.q[b, h0 * g : h1 * g], self.k[b, h0:h1], self.v[b, h0:h1],
-                *(x[b, h0:h1] for x in self.outs))  # fmt: skip
+        g, results = self.group, (x[b, h0:h1] for x in self.outs)
+        return (self.q[b, h0 * g : h1 * g], self.k[b, h0:h1], self.v[b, h0:h1], *results)
 
 
 def _workers(q: torch.Tensor, scores: int) -> int:
@@ -139,14 +111,9 @@ def _workers(q: torch.Tensor, scores: int) -> int:
 
 
 def _run_blocks(task: _Task, blocks: list, workspaces: list) -> None:
-    """Run the blocks on one thread per workspace, each taking the next block when it is free.
-
-    Each worker runs single-threaded operators (``torch.set_num_threads(1)`` in that thread,
-    the caller's count restored when it ends), so no operator waits at a barrier for a thread
-    that the OS has descheduled: the blocks are many small operators, and on a loaded machine
-    such barriers cost more than the work; a worker that gets less CPU simply takes fewer
-    blocks. Grad mode is thread-local: each worker disables it. One workspace: inline.
-    """
+    """Run the blocks on one thread per workspace (one: inline), each taking the next block.
+    Workers run single-threaded operators (no barrier waits for a descheduled thread, the caller's
+    count restored after) and disable grad mode (thread-local)."""
     if len(workspaces) <= 1:
         task.run(blocks, workspaces[0])
         return
@@ -175,10 +142,8 @@ def _run_blocks(task: _Task, blocks: list, workspaces: list) -> None:
 
 
 def _attend_block(task, q_block, keys_h, values_h, start, workspace, outs) -> None:
-    """One block: ``outs = (out [h, G, r, Dv], max [h, G, r], 1 / sum [h, G, r])`` filled.
-
-    q_block ``[h*G, r, D]``, keys_h / values_h ``[h, Skv, D|Dv]`` (compute dtype).
-    """
+    """One block: q_block ``[h*G, r, D]``, keys_h / values_h ``[h, Skv, D|Dv]`` -> ``outs =
+    (out [h, G, r, Dv], max [h, G, r], 1 / sum [h, G, r])``."""
     out, max_out, inv_sum_out = outs
     scores_buf, q_buf, o_buf = workspace
     heads, group, rows = keys_h.shape[0], task.group, q_block.shape[1]
@@ -209,10 +174,8 @@ def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _block_shape(heads_kv: int, group: int, seq_q: int, width: int, itemsize: int, cap: int):
-    """``(kv heads, rows)`` per block: BLOCK_ROWS rows of as many heads as fit ``cap`` bytes.
-
-    Where one KV head's BLOCK_ROWS rows do not fit, fewer rows (at least one).
-    """
+    """``(kv heads, rows)`` per block: BLOCK_ROWS rows of as many heads as fit ``cap`` bytes (fewer
+    rows, at least one, where one head's do not fit)."""
     rows = max(1, min(seq_q, BLOCK_ROWS))
     per_head = group * rows * max(width, 1) * itemsize
     if per_head > cap:

@@ -5,8 +5,9 @@ Everything here restates ``specs/npu_fusion_attention.md``; nothing here compute
 Shape legend used across ``mcore_npu.ops``::
 
     B   batch            Sq / Skv  query / key sequence lengths (TND: Tq / Tkv, total tokens)
-    Nq  query heads      Nkv       key/value heads (Nq % Nkv == 0; head i reads kv head i // (Nq/Nkv))
+    Nq  query heads      Nkv       key/value heads (Nq % Nkv == 0)
     D   q/k head dim     Dv        value head dim (Dv <= D)
+    G   Nq / Nkv         query head i reads kv head i // G (GQA)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ SPARSE_MODES_DENSE_LAYOUTS = frozenset({0, 1, 2, 3, 4, 5, 6})
 SPARSE_MODES_TND = frozenset({0, 1, 2, 3, 4, 6, 7, 8})
 MODES_WITH_COMPRESSED_MASK = frozenset({2, 3, 4, 7, 8})
 MODES_WITH_BAND = frozenset({0, 4})
-"""Modes whose ``pre_tockens`` / ``next_tockens`` describe the kept band (7/8: last/first segment)."""
+"""Modes whose ``pre_tockens`` / ``next_tockens`` bound the kept band (7/8: one segment's)."""
 
 SPARSE_MODE_NAMES = {
     0: "defaultMask (dense mask, band from pre/next, top-left origin)",
@@ -57,12 +58,9 @@ ALIBI_COMPRESSED_ROWS = 1024
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    """The validated, normalised geometry of one call (host metadata only).
-
-    For TND, ``batch`` is the number of segments, ``seq_q``/``seq_kv`` are the token totals
-    Tq/Tkv, and ``segments_q``/``segments_kv`` hold ``[0] + actual_seq_*len`` (start offsets
-    followed by the cumulative ends), so segment s spans ``segments_q[s]:segments_q[s + 1]``.
-    """
+    """The validated geometry of one call (host metadata). TND: ``batch`` = segments,
+    ``seq_q``/``seq_kv`` = token totals, ``segments_*`` = ``[0] + actual_seq_*len`` (segment s spans
+    ``segments_q[s]:segments_q[s + 1]``)."""
 
     layout: str
     batch: int

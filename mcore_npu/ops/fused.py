@@ -1,12 +1,10 @@
-"""Dispatch of the fused operators beyond attention: ``kernel = auto | torch_npu | reference``.
+"""The fused operators beyond attention on the kernel the registry picks (``kernel = auto |
+torch_npu | reference``), each call validated first:
 
 - :func:`rms_norm` -> ``torch_npu.npu_rms_norm`` or :func:`mcore_npu.ops.npu_rms_norm.npu_rms_norm`
 - :func:`swiglu` -> ``torch_npu.npu_swiglu`` or :func:`mcore_npu.ops.npu_swiglu.npu_swiglu`
-- :func:`grouped_linear` -> ``npu_grouped_matmul`` three times per projection (forward, dX, dW),
-  MindSpeed's backward scheme, through :class:`GroupedLinear` (per-expert biases optional)
-
-Every call is validated first (the same checks for both kernels), then reaches the kernel the
-registry picks (``mcore_npu.ops.registry``) with exactly the documented arguments.
+- :func:`grouped_linear` -> ``npu_grouped_matmul`` three times per projection (forward, dX, dW)
+  through :class:`GroupedLinear` (per-expert biases optional)
 """
 
 from __future__ import annotations
@@ -48,19 +46,17 @@ def swiglu(x: torch.Tensor, dim: int = -1, *, kernel="auto") -> torch.Tensor:
 
 
 def grouped_matmul(x, weight, *, kernel="auto", **op_kwargs) -> list[torch.Tensor]:
-    """One ``npu_grouped_matmul(x, weight, **op_kwargs)`` call on the chosen kernel.
-
-    Keywords that the installed torch_npu does not take (older releases stop at ``group_list``,
-    ``split_item``, ``output_dtype``) are a reason the kernel cannot run the call (the registry's
-    policy: raised for ``kernel="torch_npu"``, the reference with a warning for ``"auto"``).
-    """
+    """One ``npu_grouped_matmul(x, weight, **op_kwargs)`` call on the chosen kernel; keywords the
+    installed torch_npu does not take are a reason its kernel cannot run it."""
     first = x[0] if isinstance(x, (list, tuple)) and x else x
     unknown = set(op_kwargs) - set(inspect.signature(gmm.npu_grouped_matmul).parameters)
     if unknown:
-        raise TypeError(f"grouped_matmul: unknown operator keyword(s) {sorted(unknown)}; "
-                        "see mcore_npu.ops.npu_grouped_matmul for the operator's keywords")  # fmt: skip
-    chosen = registry.resolve("grouped_matmul", kernel, _device(first),
-                              keywords=tuple(op_kwargs)).kernel  # fmt: skip
+        raise TypeError(
+            f"grouped_matmul: unknown operator keyword(s) {sorted(unknown)}; "
+            "see mcore_npu.ops.npu_grouped_matmul for the operator's keywords"
+        )
+    keywords = tuple(op_kwargs)
+    chosen = registry.resolve("grouped_matmul", kernel, _device(first), keywords=keywords).kernel
     if chosen != "torch_npu":
         gmm.validate_grouped_matmul(x, weight, kernel=chosen, **op_kwargs)
         return gmm.npu_grouped_matmul(x, weight, **op_kwargs)
@@ -73,15 +69,9 @@ def grouped_matmul(x, weight, *, kernel="auto", **op_kwargs) -> list[torch.Tenso
 
 
 class GroupedLinear(torch.autograd.Function):
-    """``y[rows of e] = x[rows of e] @ W_e.T (+ b_e)`` with one grouped matmul per pass.
-
-    Weights keep Megatron's linear layout ``[N, K]`` (out, in); the operator sees ``W_e.T``.
-    Forward: ``(x=[X], weight=[W_e.T], bias=[b_e] or None, group_list, split_item=2,
-    group_type=0)``. Backward: dX with ``weight=[W_e]`` and the same group list; dW with
-    ``x=[X.T], weight=[dY], split_item=3, group_type=2`` -> ``[E, K, N]``, dW_e = its e-th slice
-    transposed; db_e = the column sums of expert e's rows of dY (one ``index_add_``, no host
-    sync). A torch_npu without ``group_type`` (older releases) gets dW from one ``mm`` per expert.
-    """
+    """``y[rows of e] = x[rows of e] @ W_e.T (+ b_e)``, one grouped matmul per pass: weights in
+    Megatron's ``[N, K]`` layout, dX with ``weight=[W_e]``, dW one ``group_type=2`` call
+    (``[E, K, N]``; one ``mm`` per expert without ``group_type``), db_e the column sums of dY."""
 
     @staticmethod
     def forward(ctx, x, counts, kernel, num_biases, *params):
@@ -89,24 +79,24 @@ class GroupedLinear(torch.autograd.Function):
         ctx.kernel, ctx.counts, ctx.num_biases = kernel, counts, num_biases
         ctx.save_for_backward(x, *weights)
         ctx.bias_dtypes = [b.dtype for b in biases]
-        return _call(kernel, [x], [w.t() for w in weights], counts, split_item=2, group_type=0,
-                     bias=list(biases) if biases else None)[0]  # fmt: skip
+        bias = list(biases) if biases else None
+        weights_t = [w.t() for w in weights]
+        return _call(kernel, [x], weights_t, counts, split_item=2, group_type=0, bias=bias)[0]
 
     @staticmethod
     def backward(ctx, grad_y):
         x, *weights = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        grad_x = _call(ctx.kernel, [grad_y], list(weights), ctx.counts, split_item=2,
-                       group_type=0)[0]  # fmt: skip
-        if _supports(ctx.kernel, "group_type"):
-            stacked = _call(ctx.kernel, [x.t()], [grad_y], ctx.counts, split_item=3,
-                            group_type=2)[0]  # [E, K, N]  # fmt: skip
-            grads_w = [g.t() for g in stacked.unbind(0)]
+        kernel, counts = ctx.kernel, ctx.counts
+        grad_x = _call(kernel, [grad_y], list(weights), counts, split_item=2, group_type=0)[0]
+        if _supports(kernel, "group_type"):
+            stacked = _call(kernel, [x.t()], [grad_y], counts, split_item=3, group_type=2)[0]
+            grads_w = [g.t() for g in stacked.unbind(0)]  # stacked: [E, K, N]
         else:
-            ends = torch.cumsum(ctx.counts.cpu(), 0).tolist()
+            ends = torch.cumsum(counts.cpu(), 0).tolist()
             starts = [0, *ends[:-1]]
             grads_w = [grad_y[s:e].t() @ x[s:e] for s, e in zip(starts, ends)]
-        grads_b = _bias_grads(grad_y, ctx.counts, ctx.bias_dtypes) if ctx.num_biases else []
+        grads_b = _bias_grads(grad_y, counts, ctx.bias_dtypes) if ctx.num_biases else []
         return (grad_x, None, None, None, *grads_w, *grads_b)
 
 
@@ -122,18 +112,17 @@ def _bias_grads(grad_y: torch.Tensor, counts: torch.Tensor, dtypes) -> list[torc
 
 
 def grouped_linear(x: torch.Tensor, weights, tokens_per_expert, *, biases=None, kernel="auto"):
-    """Expert projection: x [T, K] (rows sorted by expert), weights E x [N, K] -> y [T, N].
-
-    ``tokens_per_expert`` [E] (int tensor or list) gives the rows per expert; zeros allowed.
-    ``biases``: None or E x [N], added to each expert's rows inside the operator (``bias=``).
-    """
+    """Expert projection: x [T, K] (rows sorted by expert), weights E x [N, K], rows per expert
+    ``tokens_per_expert`` [E] (zeros allowed), ``biases`` None or E x [N] -> y [T, N]."""
     chosen = registry.resolve("grouped_matmul", kernel, _device(x)).kernel
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64)
     counts = counts.to(x.device) if chosen == "torch_npu" else counts.cpu()
     biases = list(biases or [])
     if biases and len(biases) != len(weights):
-        raise ValueError(f"biases: {len(biases)} biases for {len(weights)} weights; pass one "
-                         "[N] bias per expert or biases=None")  # fmt: skip
+        raise ValueError(
+            f"biases: {len(biases)} biases for {len(weights)} weights; pass one "
+            "[N] bias per expert or biases=None"
+        )
     return GroupedLinear.apply(x, counts, chosen, len(biases), *weights, *biases)
 
 
@@ -145,8 +134,8 @@ def _supports(kernel: str, keyword: str) -> bool:
 
 def _call(kernel, x, weight, counts, *, split_item, group_type, bias=None):
     """One operator call with the group list as counts (cumulative where counts are unknown)."""
-    kwargs = dict(group_list=counts, split_item=split_item, group_type=group_type,
-                  group_list_type=1)  # fmt: skip
+    kwargs = dict(group_list=counts, split_item=split_item, group_type=group_type)
+    kwargs["group_list_type"] = 1
     if bias is not None:
         kwargs["bias"] = bias
     if not _supports(kernel, "group_list_type"):

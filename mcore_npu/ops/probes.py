@@ -36,11 +36,11 @@ def rotary_mul(op, *, rotary_mode="half", head_dim=None, **_facts) -> str | None
     if rotary_mul_takes_mode(op):
         return None
     if rotary_mode != "half":
-        return (f"rotary_mode {rotary_mode!r} needs an npu_rotary_mul that takes rotary_mode; "
-                "the installed one does not (a 6.0.x release): upgrade torch-npu")  # fmt: skip
+        need = f"rotary_mode {rotary_mode!r} needs an npu_rotary_mul that takes rotary_mode; "
+        return need + "the installed one does not (a 6.0.x release): upgrade torch-npu"
     if head_dim is not None and head_dim != ROTARY_OLD_HEAD_DIM:
-        return (f"the installed npu_rotary_mul (no rotary_mode: a 6.0.x release) needs D = 128, "
-                f"got D = {head_dim}: upgrade torch-npu")  # fmt: skip
+        old = "the installed npu_rotary_mul (no rotary_mode: a 6.0.x release) needs D = 128, "
+        return old + f"got D = {head_dim}: upgrade torch-npu"
     return None
 
 
@@ -70,8 +70,9 @@ def gated_delta_torch_npu(_op, *, grad=False, q=None, v=None, **_facts) -> str |
     return None if q is None else kernels.torch_npu_unsupported(q, v)
 
 
-def gated_delta_fla_npu(blocks, *, q=None, v=None, initial_state=None, output_final_state=False,
-                        **_facts) -> str | None:  # fmt: skip
+def gated_delta_fla_npu(
+    blocks, *, q=None, v=None, initial_state=None, output_final_state=False, **_facts
+) -> str | None:
     """fla_npu's Ascend C chain: every building block present; fp16/bf16, K = 128, V in
     128/256, no gradient through the states."""
     from mcore_npu.ops.gated_delta import fla_npu_chain

@@ -1,14 +1,7 @@
-"""Every operator of ``mcore_npu.ops`` and which kernel runs a call of it: one table, one policy.
-
-The policy (docs/ops.md), the same for every operator:
-
-1. a kernel asked for by name that cannot run the call raises, naming the reason;
-2. ``auto`` on NPU tensors picks the operator's first Ascend kernel that can run the call;
-3. where none can (none installed, or none takes the call), ``auto`` falls back to the reference,
-   with one warning per process naming the operator and the reasons.
-
-Off an NPU ``auto`` is the reference: the implementation for CPU (and CUDA) tensors, no warning.
-This module imports no torch: probes are named by path and imported when a call asks.
+"""Every operator of ``mcore_npu.ops`` and which kernel runs a call of it: one table, one policy
+(docs/ops.md). A kernel named by ``kernel=`` that cannot run the call raises; ``auto`` on NPU
+tensors takes the first Ascend kernel that can, else the reference with one warning per process;
+off an NPU ``auto`` is the reference. Imports no torch: probes are named by path.
 """
 
 from __future__ import annotations
@@ -25,10 +18,8 @@ REFERENCE = "reference"
 
 @dataclass(frozen=True)
 class Kernel:
-    """An Ascend kernel: ``module`` (``torch_npu``, ``fla_npu.ops.ascendc``, ...) holding every
-    one of ``attributes``; ``probe`` (``"module:function"``) says why it cannot take a call:
-    ``probe(kernel, **facts) -> str | None``, given the first attribute (the module when there
-    is none)."""
+    """An Ascend kernel: ``module`` holding every one of ``attributes``; ``probe``
+    (``"module:function"``, called ``probe(kernel, **facts)``) returns why it cannot take a call."""
 
     name: str
     module: str
@@ -142,11 +133,8 @@ def operator(name: str) -> Operator:
 
 
 def check_kernel(kernel, *, op: str | None = None, what: str = "kernel", off: bool = False):
-    """``kernel`` itself, or ValueError naming ``what``, the value and the accepted ones.
-
-    ``op``: the operator whose kernels count (default: torch_npu's ones); ``off``: ``"off"`` (a
-    spec's "Megatron's own module") is accepted too.
-    """
+    """``kernel`` itself, or ValueError naming ``what``, the value and the accepted ones: ``op``'s
+    kernels (default: torch_npu's ones), and ``"off"`` (Megatron's own module) where ``off``."""
     accepted = operator(op).kernel_names if op else KERNELS
     if kernel in accepted or (off and kernel == "off"):
         return kernel
@@ -158,18 +146,9 @@ def check_kernel(kernel, *, op: str | None = None, what: str = "kernel", off: bo
 
 
 def resolve(op: str, kernel: str = "auto", device=None, **facts) -> Resolution:
-    """The kernel that runs a call of ``op`` (see the module docstring for the policy).
-
-    Args:
-        op: a key of :data:`OPERATORS`.
-        kernel: ``"auto"``, ``"reference"`` or one of the operator's Ascend kernels.
-        device: the call's device (a ``torch.device`` or its type name); ``auto`` looks at it.
-        **facts: what the kernels' probes read (the tensors, ``grad``, keyword names, ...).
-
-    Raises:
-        ValueError: an unknown operator or kernel.
-        ImportError, ValueError: a kernel asked for by name that cannot run the call.
-    """
+    """The kernel that runs a call of ``op`` on ``device`` (a ``torch.device`` or its type name),
+    ``facts`` being what the kernels' probes read. ValueError for an unknown operator or kernel;
+    ImportError or ValueError for a kernel asked for by name that cannot run the call."""
     spec = operator(op)
     check_kernel(kernel, op=op)
     if kernel == REFERENCE:
@@ -190,8 +169,8 @@ def resolve(op: str, kernel: str = "auto", device=None, **facts) -> Resolution:
         reasons.append(f"{candidate.name}: {reason}")
     if not reasons:
         reasons.append("no Ascend kernel is registered for it")
-    warn_once(f"registry-fallback:{op}:{reasons}",
-              f"{op}: using the PyTorch reference on the NPU ({'; '.join(reasons)})")  # fmt: skip
+    message = f"{op}: using the PyTorch reference on the NPU ({'; '.join(reasons)})"
+    warn_once(f"registry-fallback:{op}:{reasons}", message)
     return Resolution(REFERENCE, tuple(reasons))
 
 

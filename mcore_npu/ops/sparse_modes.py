@@ -1,24 +1,15 @@
-"""Every sparse mode as a keep-condition on query index i and key index j.
+"""Every sparse mode as a keep-condition on query index i and key index j (the table and worked
+examples: specs/npu_fusion_attention.md).
 
-These functions return **keep** masks: ``True`` = the score is kept (attended to). That is the
-polarity of ``torch.nn.functional.scaled_dot_product_attention`` and the *negation* of the
-operator's ``atten_mask`` (True = masked out). They are built from two ``arange`` vectors with
-broadcasting comparisons, so the only allocation of size Sq x Skv is the bool result itself.
-
-With ``d = Skv - Sq`` (the bottom-right offset)::
+These functions return **keep** masks: ``True`` = the score is kept (attended to), the polarity
+of SDPA and the *negation* of the operator's ``atten_mask`` (True = masked out). The only
+Sq x Skv allocation is the bool result. With ``d = Skv - Sq``::
 
     mode 0   keep iff -pre <= j - i <= next              (and the caller's dense mask keeps it)
     mode 2   keep iff j <= i                             (top-left causal)
     mode 3   keep iff j <= i + d                         (bottom-right causal)
     mode 4   keep iff -pre <= (j - i) - d <= next        (band, bottom-right origin)
     mode 5/6 keep iff j <= i + d  or  j < prefix[b]
-
-Example, Sq = 3, Skv = 4 (1 = kept)::
-
-    causal_keep(3, 4, bottom_right=False)   causal_keep(3, 4, bottom_right=True)
-        1 0 0 0                                 1 1 0 0
-        1 1 0 0                                 1 1 1 0
-        1 1 1 0                                 1 1 1 1
 """
 
 from __future__ import annotations
@@ -38,17 +29,8 @@ def band_keep(
     rows: tuple[int, int] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Keep mask of the band ``-pre <= (j - i) - offset <= next``.
-
-    Args:
-        seq_q, seq_kv: Sq and Skv.
-        pre_tokens, next_tokens: band widths left / right of the (shifted) diagonal.
-        offset: 0 for a top-left origin (mode 0), ``Skv - Sq`` for bottom-right (modes 3, 4).
-        rows: optional ``(start, stop)`` of query rows to build (for row-chunked statistics).
-
-    Returns:
-        bool ``[stop - start, Skv]`` (``[Sq, Skv]`` without ``rows``), True = kept.
-    """
+    """Keep mask of the band ``-pre <= (j - i) - offset <= next`` (offset 0: top-left, ``Skv - Sq``:
+    bottom-right): bool ``[stop - start, Skv]`` for ``rows = (start, stop)`` (default all)."""
     start, stop = rows if rows is not None else (0, seq_q)
     i = torch.arange(start, stop, device=device).unsqueeze(1)  # [rows, 1]
     j = torch.arange(seq_kv, device=device)  # [Skv]
@@ -79,11 +61,8 @@ def prefix_keep(
     rows: tuple[int, int] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Keep mask of modes 5/6: bottom-right causal or within the first ``prefix[b]`` keys.
-
-    Returns:
-        bool ``[B, 1, rows, Skv]``, True = kept.
-    """
+    """Keep mask of modes 5/6, bottom-right causal or within the first ``prefix[b]`` keys: bool
+    ``[B, 1, rows, Skv]``, True = kept."""
     keep = causal_keep(seq_q, seq_kv, bottom_right=True, rows=rows, device=device)
     j = torch.arange(seq_kv, device=device)
     limits = torch.tensor(list(prefix), device=device).view(-1, 1, 1, 1)  # [B, 1, 1, 1]

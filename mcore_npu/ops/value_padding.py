@@ -1,29 +1,10 @@
 """A value head dim smaller than the query's (Dv < D, Multi-Latent Attention): padded or not.
 
-MLA's core attention gets q and k with ``D = qk_head_dim + qk_pos_emb_head_dim`` (192 in
-DeepSeek-V3) and v with ``Dv = v_head_dim`` (128). torch_npu documents ``Dq = Dk >= Dv``, and
-recent releases return the output with Dv (MindSpeed-LLM passes SBH with v at 128 under
-``--mla-fa-without-pad`` and recommends CANN >= 8.2.RC1 for it); older op-plugin releases
-allocate the output like the query, D wide. The padded path works everywhere: v is padded with
-zeros to D, and the output sliced back to Dv. It is exact: the zero columns of v only produce
-zero output columns, the scores and the softmax do not see v, and the slice's gradient is zero
-there, so dQ, dK and dV[..., :Dv] are the unpadded ones. It costs ``(D - Dv) / Dv`` more value
-memory and traffic (50 % for DeepSeek-V3).
-
-The switch ``mla_value_padding`` (:data:`MODES`):
-
-========  ===================================================================================
-``off``   never pad (the unpadded call; on an older torch_npu it fails, or its output is D wide,
-          which the caller refuses)
-``on``    always pad, whatever the kernel
-``auto``  pad when the call runs ``torch_npu`` and :func:`takes_smaller_value` says the
-          installed torch_npu does not return a Dv-wide output; the reference never needs it
-========  ===================================================================================
-
-:func:`takes_smaller_value` is a probe, not a version check: one tiny call of the installed
-operator (SBH, one head, D = 16, Dv = 8, one key, so that the output must equal v), once per
-torch_npu module and device (a weak-keyed cache: a fact about the installed stack, like the one
-compressed mask per device).
+The padded path works on every torch_npu: v gets zero columns up to D and the output is sliced
+back to Dv (exact; docs/mla.md). The switch ``mla_value_padding`` (:data:`MODES`): ``off`` never
+pads, ``on`` always pads, ``auto`` pads when the call runs ``torch_npu`` and
+:func:`takes_smaller_value` says the installed operator does not return a Dv-wide output (a
+probe, not a version check: one tiny call, cached per torch_npu module and device).
 """
 
 from __future__ import annotations
@@ -49,13 +30,8 @@ def check_mode(mode: str, name: str = "mla_value_padding") -> str:
 
 
 def pads(mode: str, kernel: str, device: torch.device) -> bool:
-    """Whether a call with Dv < D on ``device`` takes the padded path.
-
-    Args:
-        mode: ``"auto"`` | ``"on"`` | ``"off"``.
-        kernel: the resolved kernel (``"torch_npu"`` or ``"reference"``, after ``auto``).
-        device: where the call runs (the probe runs there).
-    """
+    """Whether a call with Dv < D on ``device`` takes the padded path; ``kernel`` is the
+    resolved one (``"torch_npu"`` or ``"reference"``)."""
     check_mode(mode)
     if mode != "auto":
         return mode == "on"
@@ -67,12 +43,8 @@ def pads(mode: str, kernel: str, device: torch.device) -> bool:
 
 
 def takes_smaller_value(op, device: torch.device | str) -> bool:
-    """Whether ``op`` (torch_npu's ``npu_fusion_attention``) returns a Dv-wide output for
-    Dv < D (SBH).
-
-    One call on ``device``: q/k ``[1, 1, 16]``, v ``[1, 1, 8]`` (one head, one key: the output
-    must be v). An exception, a D-wide output or a wrong value all read as "no".
-    """
+    """Whether ``op`` (torch_npu's ``npu_fusion_attention``) returns a Dv-wide output for Dv < D:
+    one SBH call on ``device`` with one key (the output must be v); any failure reads as "no"."""
     owner = getattr(op, "__self__", None) or op  # a method's (the module's) object is stable
     known = _PROBED.setdefault(owner, {})
     key = str(device)

@@ -1,11 +1,5 @@
-"""The optimizer room: Adam state in reduced precision and in host memory, without TE.
-
-- :mod:`.settings`: Megatron's precision and offload keys, checked once (:class:`AdamSettings`);
-- :mod:`.remainders`: an fp32 master as a bf16 parameter plus an int16 remainder;
-- :mod:`.host_offload`: which parameters' state lives on the host, and the copies;
-- :mod:`.adam`: :class:`PrecisionAwareAdam`, the Adam with TE ``FusedAdam``'s state API;
-- :mod:`.build`: Megatron's ``get_megatron_optimizer`` with that Adam inside.
-"""
+"""The optimizer room: Adam state in reduced precision and in host memory, without TE
+(docs/optimizer.md)."""
 
 from .adam import PrecisionAwareAdam
 from .build import OPTIMIZER_KEYS, get_megatron_optimizer, optimizer_members, plugin_adams

@@ -1,29 +1,12 @@
 """A precision-aware, offloadable Adam in pure PyTorch: what TE's ``FusedAdam`` gives Megatron.
 
-Megatron's distributed optimizer, with ``use_precision_aware_optimizer``, hands its inner Adam the
-model's own (bf16) parameter shards and the gradients as ``param.decoupled_grad``, and expects the
-Adam to keep the fp32 master weights and to write the parameters itself. It reads and writes that
-state through three methods of TE's ``FusedAdam``: ``initialize_state(p)``,
-``get_unscaled_state(p, key)`` and ``set_scaled_state(p, key, value)`` (its checkpoint formats
-go through them). :class:`PrecisionAwareAdam` offers the same, with no Transformer Engine:
-
-- ``state["master_param"]``: the master weights, in ``main_params_dtype`` (fp32 or fp16), or, for
-  a bf16 parameter with an fp32 master and ``store_param_remainders``, only its int16 low half
-  (:mod:`.remainders`);
-- ``state["exp_avg"]`` / ``state["exp_avg_sq"]``: Adam's moments, in ``exp_avg_dtype`` /
-  ``exp_avg_sq_dtype`` (fp32, bf16, fp16);
-- ``state["step"]``: a float32 scalar per parameter on the host, as torch's Adam keeps it (and
-  Megatron's distributed optimizer reads it without TE).
-
-Every update is computed in fp32 by torch's own Adam kernel (``torch.optim.adam.adam``), one
-parameter at a time, on upcast copies of whatever is kept in lower precision. With every dtype
-fp32 the arithmetic is torch's Adam's on the same tensors, so the results are identical bit for
-bit to Megatron's distributed Adam over ``torch.optim.AdamW``.
-
-Without ``precision_aware`` it is a plain Adam over Megatron's fp32 main parameters (state in
-torch's format, ``param.grad``), which is what the CPU offload alone needs. With ``cpu_offload``,
-the state of the first ``offload_fraction`` of the parameters lives in host memory and is updated
-there (:mod:`.host_offload`); the on-device rest is updated by the same code where it lives.
+:class:`PrecisionAwareAdam` has ``FusedAdam``'s state API (``initialize_state``,
+``get_unscaled_state``, ``set_scaled_state``) and keeps per parameter ``master_param``
+(``main_params_dtype``, or the int16 remainder of :mod:`.remainders`), ``exp_avg`` /
+``exp_avg_sq`` (fp32, bf16, fp16) and a float32 host ``step``. Every update runs torch's Adam
+kernel in fp32 (bit for bit Megatron's Adam when every dtype is fp32). Without
+``precision_aware`` it is a plain Adam over fp32 main parameters (the CPU offload alone); the
+offloaded state lives in host memory (:mod:`.host_offload`).
 """
 
 from __future__ import annotations
@@ -46,14 +29,8 @@ def step_tensor(value: float = 0.0) -> torch.Tensor:
 
 
 class PrecisionAwareAdam(torch.optim.Adam):
-    """Adam / AdamW whose state dtypes and placement follow :class:`AdamSettings`.
-
-    Args:
-        params: parameters or param groups (Megatron's, with their extra keys).
-        settings: dtypes, remainders and CPU offload.
-        lr, betas, eps, weight_decay, decoupled_weight_decay: as ``torch.optim.Adam``
-            (``decoupled_weight_decay=True`` is AdamW, Megatron's default).
-    """
+    """Adam / AdamW (``decoupled_weight_decay=True``, Megatron's default) whose state dtypes and
+    placement follow :class:`AdamSettings`."""
 
     def __init__(
         self,
@@ -81,12 +58,9 @@ class PrecisionAwareAdam(torch.optim.Adam):
 
     @classmethod
     def replacing(cls, inner: torch.optim.Adam, settings: AdamSettings) -> PrecisionAwareAdam:
-        """An Adam over ``inner``'s param groups (the same dict objects) and hyper-parameters.
-
-        The groups are adopted as Megatron's distributed optimizer gives its own Adam its shard
-        groups (``distrib_optimizer.py:607``: ``optimizer.param_groups = ...``): they may hold
-        views of model parameters, which ``Optimizer.add_param_group`` refuses as non-leaves.
-        """
+        """An Adam with ``settings`` over ``inner``'s hyper-parameters and param groups (the same
+        dicts, assigned as Megatron's distributed optimizer does: ``add_param_group`` refuses
+        views)."""
         d = inner.defaults
         adam = cls(
             [torch.zeros(0, requires_grad=True)],  # replaced below
@@ -109,8 +83,6 @@ class PrecisionAwareAdam(torch.optim.Adam):
         fraction = self.settings.offload_fraction if self.settings.cpu_offload else 0.0
         self.offload = HostOffload(self._all_params(), fraction, self.settings.overlap_copies)
 
-    # -- state ------------------------------------------------------------------------------
-
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -129,17 +101,16 @@ class PrecisionAwareAdam(torch.optim.Adam):
 
     def initialize_state(self, param: torch.Tensor) -> None:
         """Zero moments, step 0 and (precision-aware) the master copy of ``param``, each in its
-        dtype on its home device (TE ``FusedAdam``'s method, which Megatron calls)."""
+        dtype on its home device."""
         home, s = self.offload.home(param), self.settings
         state = self.state[param]
         state["step"] = step_tensor()
         state["exp_avg"] = torch.zeros(param.shape, dtype=s.exp_avg_dtype, device=home)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=s.exp_avg_sq_dtype, device=home)
         if s.precision_aware and param.untyped_storage().size() == 0:
-            # verl's param_offload has freed the parameter (a checkpoint load into a fresh
-            # worker): a placeholder, which the load overwrites through set_scaled_state
-            state["master_param"] = torch.zeros(param.shape, dtype=self._master_format(param),
-                                                device=home)  # fmt: skip
+            # verl's param_offload freed the parameter: a placeholder for set_scaled_state
+            master_dtype = self._master_format(param)
+            state["master_param"] = torch.zeros(param.shape, dtype=master_dtype, device=home)
         elif s.precision_aware:
             state["master_param"] = self._stored_master(param, param.detach().float())
 
@@ -150,8 +121,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
                 self.initialize_state(param)
 
     def _stored_master(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        """fp32 ``master`` -> the form kept in ``state["master_param"]`` (writes the rounded
-        upper half into ``param`` when only the remainder is kept)."""
+        """fp32 ``master`` -> its stored form (writes the upper half into ``param`` when only the
+        remainder is kept)."""
         if self._keeps_remainder(param):
             high, remainder = split_master(master.reshape(-1))
             param.copy_(high.view(param.shape))
@@ -188,9 +159,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
             self.initialize_state(param)
 
     def _move_new_state_to_right_device(self) -> None:
-        """Put every state tensor back on its home device and dtype (verl's
-        ``load_megatron_optimizer`` calls this hook, which Megatron's CPU-offload optimizer
-        defines, instead of moving all the state to the device)."""
+        """Put every state tensor back on its home device (the hook of Megatron's CPU-offload
+        optimizer that verl's ``load_megatron_optimizer`` calls)."""
         for param in self._all_params():
             state = self.state[param]
             home = self.offload.home(param)
@@ -199,15 +169,13 @@ class PrecisionAwareAdam(torch.optim.Adam):
                     state[key] = value.to(home)
 
     def state_dict(self):
-        """torch's format; the state of every parameter exists first (Megatron's distributed
-        optimizer reads a step from each)."""
+        """torch's format, every parameter's state allocated first (Megatron reads each step)."""
         self.initialize_all_state()
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """torch's ``load_state_dict``, keeping each state tensor's dtype and home device
-        (torch's own would cast the moments to the parameter's dtype and device) and giving
-        every parameter its own step tensor."""
+        """torch's ``load_state_dict``, keeping each state tensor's dtype and home device, and
+        one step tensor per parameter."""
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
         params = self._all_params()
@@ -227,8 +195,6 @@ class PrecisionAwareAdam(torch.optim.Adam):
             state[key].copy_(value)
         else:
             state[key] = value
-
-    # -- the update -------------------------------------------------------------------------
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
         if self.settings.precision_aware:
@@ -299,8 +265,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
         return host
 
     def _store_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        """Keep the updated fp32 ``master`` in its stored form and write the on-device param
-        (an offloaded one is sent by :meth:`step`; plain mode updated in place already)."""
+        """Store the updated fp32 ``master`` and write the on-device param (:meth:`step` sends
+        an offloaded one)."""
         if not self.settings.precision_aware:
             return
         state = self.state[param]
@@ -318,11 +284,8 @@ class PrecisionAwareAdam(torch.optim.Adam):
             return self.state[param]["master_param"]
         return self._host_params[id(param)]
 
-    # -- accounting -------------------------------------------------------------------------
-
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state (and plain-mode host copies) by placement:
-        ``{"device": ..., "host": ...}``; on a CPU run "device" is the on-device part."""
+        """Bytes of optimizer state (and plain-mode host copies): ``{"device": .., "host": ..}``."""
         totals = {"device": 0, "host": 0}
         for param in self._all_params():
             where = "host" if self.offload.holds(param) else "device"

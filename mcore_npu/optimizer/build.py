@@ -1,23 +1,11 @@
 """Megatron's optimizer, built by Megatron, with the plugin's Adam inside where Megatron has none.
 
-Without Transformer Engine, megatron-core 0.16.1 cannot build the precision-aware optimizer
-(``OptimizerConfig.__post_init__`` compares the missing TE version: a ``TypeError``; the update
-itself needs TE's ``FusedAdam``) nor the CPU offload (``HybridDeviceOptimizer`` calls CUDA
-streams, ``is_cuda`` and ``pin_memory`` directly). :func:`get_megatron_optimizer` builds both:
-
-1. an ``OptimizerConfig`` of the caller's values with precision-aware and offload off (it passes
-   Megatron's checks), then, on that object only, ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``
-   set as ``__post_init__`` would have set it: Megatron's distributed optimizer then shards the
-   model's own parameters (no fp32 copies) and hands out ``decoupled_grad``;
-2. Megatron's own ``get_megatron_optimizer`` on it: its param groups, its grad buffers, its
-   ``DistributedOptimizer`` / ``ChainedOptimizer``, its checkpoint formats;
-3. in each of those optimizers, the inner torch Adam (still without state) replaced by a
-   :class:`~.adam.PrecisionAwareAdam` over the same param groups, and ``init_state_fn`` by its
-   ``initialize_all_state``; the config's fields then say what was built.
-
-Megatron's modules are not changed. When nothing needs the plugin's Adam (neither option on), or
-Transformer Engine is installed and only the precision-aware optimizer is asked for, Megatron's
-``get_megatron_optimizer`` runs on the caller's config unchanged.
+Without TE megatron-core builds neither the precision-aware optimizer nor the CPU offload.
+:func:`get_megatron_optimizer` runs Megatron's own build on a config with both off (and
+``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set, so the distributed optimizer shards the
+model's parameters and hands out ``decoupled_grad``), then swaps each still-empty torch Adam for
+a :class:`~.adam.PrecisionAwareAdam` over the same param groups. Megatron's modules are not
+changed; when nothing needs the plugin's Adam, Megatron's build runs unchanged (docs/optimizer.md).
 """
 
 from __future__ import annotations
@@ -48,20 +36,9 @@ OPTIMIZER_KEYS = (
 
 
 def get_megatron_optimizer(config_keys: dict, model_chunks: list, **megatron_kwargs):
-    """Megatron's optimizer for ``model_chunks`` from ``OptimizerConfig`` field values.
-
-    Args:
-        config_keys: ``OptimizerConfig`` fields by name (dtypes as ``torch.dtype`` or names such
-            as ``"bf16"``); the precision and offload keys are checked by :class:`AdamSettings`.
-        model_chunks: Megatron's DDP-wrapped model chunks.
-        megatron_kwargs: passed on to Megatron's ``get_megatron_optimizer``.
-
-    Returns:
-        Megatron's ``MegatronOptimizer`` (``DistributedOptimizer``, ``ChainedOptimizer``, ...).
-
-    Raises:
-        ValueError / TypeError: a key that cannot work, naming it, its value and the fix.
-    """
+    """Megatron's optimizer for DDP-wrapped ``model_chunks`` from ``OptimizerConfig`` field
+    values (dtypes as ``torch.dtype`` or names such as ``"bf16"``); ``megatron_kwargs`` go to
+    Megatron's ``get_megatron_optimizer``. A key that cannot work raises, naming the fix."""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer as megatron_build
 
@@ -71,8 +48,8 @@ def get_megatron_optimizer(config_keys: dict, model_chunks: list, **megatron_kwa
         use_distributed_optimizer=bool(config_keys.get("use_distributed_optimizer", False)),
     )
     if not _needs_plugin_adam(settings):
-        return megatron_build(OptimizerConfig(**_megatron_values(config_keys)), model_chunks,
-                              **megatron_kwargs)  # fmt: skip
+        config = OptimizerConfig(**_megatron_values(config_keys))
+        return megatron_build(config, model_chunks, **megatron_kwargs)
     plain = {k: v for k, v in config_keys.items() if k not in OPTIMIZER_KEYS}
     config = OptimizerConfig(**plain)
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = settings.precision_aware
@@ -126,7 +103,7 @@ def _install(optimizer, settings: AdamSettings) -> None:
 
 
 def _record(config, settings: AdamSettings) -> None:
-    """The config object (built here, or Megatron's copy of it) says what the optimizer does."""
+    """The config object (here or Megatron's copy) says what the optimizer does."""
     config.use_precision_aware_optimizer = settings.precision_aware
     config.optimizer_cpu_offload = settings.cpu_offload
     config.optimizer_offload_fraction = settings.offload_fraction

@@ -1,15 +1,8 @@
 """Optimizer state in host memory: which parameters, and the copies to and from the device.
 
-Megatron's ``optimizer_offload_fraction`` keeps the Adam state of the first parameters, in
-param-group order, in host memory until that share of all elements is reached (the on-device
-rest is updated where it lives). Each offloaded step then copies the gradients device-to-host,
-updates on the host, and copies the new parameters host-to-device.
-
-With ``overlap_cpu_optimizer_d2h_h2d`` the copies run on a side stream of the parameters'
-device (``torch.get_device_module``: ``torch.npu`` on an Ascend NPU, ``torch.cuda`` on a GPU)
-into pinned host buffers, while the on-device part updates. On a CPU the "device" is the CPU:
-there are no streams, and every copy is a real copy into a separate host buffer, so the same code
-path runs and is tested.
+Gradients go device-to-host, the update runs on the host, parameters go back; with ``overlap``
+the copies run on a side stream of the device (``torch.get_device_module``) into pinned buffers.
+On a CPU every copy is a real copy into a separate host buffer, so the same path is tested.
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ HOST = torch.device("cpu")
 
 
 def offloaded_params(params: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
-    """The parameters whose state lives on the host: the first ones, in order, while fewer than
-    ``fraction`` of all elements are offloaded (Megatron's ``HybridDeviceOptimizer`` rule)."""
+    """The first parameters, in order, until ``fraction`` of all elements (Megatron's rule)."""
     threshold = fraction * sum(p.numel() for p in params)
     chosen, numel = [], 0
     for param in params:
@@ -57,8 +49,8 @@ class _Copies:
         self._copy(pairs, device_waits=True)
 
     def _copy(self, pairs, *, device_waits: bool) -> None:
-        """``dst.copy_(src)`` for each ``(dst, src)``: in order without a side stream; else on
-        it, after the compute so far (and, ``device_waits``, before the compute that follows)."""
+        """``dst.copy_(src)`` for each pair, on the side stream if any, after the compute so far
+        (and, ``device_waits``, before the compute that follows)."""
         if self.stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -72,12 +64,8 @@ class _Copies:
 
 
 class HostOffload:
-    """The offloaded parameters of one optimizer and their host buffers.
-
-    Buffers (host, pinned off the CPU): one gradient staging buffer per parameter (its grad
-    dtype), one parameter staging buffer (its dtype). Everything is keyed by the parameter
-    object, the way the optimizer's own ``state`` is.
-    """
+    """The offloaded parameters of one optimizer and their host staging buffers (gradient and
+    parameter, pinned off the CPU), keyed by parameter like the optimizer's ``state``."""
 
     def __init__(self, params: list[torch.Tensor], fraction: float, overlap: bool) -> None:
         self._params = offloaded_params(params, fraction)
@@ -117,8 +105,8 @@ class HostOffload:
             copies.wait()
 
     def send_params(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each ``(param, host value)`` to the device, cast to the param's dtype first on
-        the host (into a staging buffer) so that only the param's own bytes travel."""
+        """Copy each ``(param, host value)`` to the device, cast to the param's dtype on the host
+        first so only the param's own bytes travel."""
         for device, copies in self._copies.items():
             pairs = []
             for param, value in values:

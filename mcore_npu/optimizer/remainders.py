@@ -1,13 +1,7 @@
-"""fp32 master weights kept as a bf16 parameter plus an int16 remainder (``store_param_remainders``).
+"""fp32 master weights as a bf16 parameter plus an int16 remainder (``store_param_remainders``).
 
-An fp32 number's 32 bits are its upper 16 bits (a bf16 number) and its lower 16. With a bf16
-model, the parameter already holds (nearly) the upper half, so the optimizer only has to keep the
-lower half: 2 bytes per parameter instead of 4 for the master copy, and the split is lossless.
-
-The upper half is rounded to nearest (ties away from zero in magnitude), so the bf16 parameter
-the model computes with is the master rounded, not truncated; the remainder is then signed:
-
-    bits(master) = (bits(param) << 16) + remainder,   remainder in [-32768, 32767]
+The upper half is rounded to nearest (the model computes with the master rounded) and the split
+is lossless: ``bits(master) = (bits(param) << 16) + remainder``, remainder in [-32768, 32767].
 """
 
 from __future__ import annotations

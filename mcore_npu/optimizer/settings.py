@@ -1,29 +1,8 @@
 """What a run asks of its Adam: Megatron's optimizer keys, read, checked and converted once.
 
-The keys are Megatron's ``OptimizerConfig`` fields, with their meanings (verl recipes set them in
-``override_optimizer_config``; ``mcore-npu train`` in its ``optimizer`` section):
-
-======================================  ====================================================
-key                                     meaning
-======================================  ====================================================
-``use_precision_aware_optimizer``       the optimizer keeps the master weights and the
-                                        moments in the dtypes below (needs the distributed
-                                        optimizer and Adam)
-``main_grads_dtype``                    dtype of the gradients the optimizer reads
-``main_params_dtype``                   master weights: fp32 or fp16
-``exp_avg_dtype`` / ``exp_avg_sq_dtype``  Adam's moments: fp32, bf16 or fp16
-``store_param_remainders``              bf16 model, fp32 master: keep only the master's
-                                        low 16 bits (:mod:`.remainders`)
-``optimizer_cpu_offload``               a fraction of the state lives in host memory
-``optimizer_offload_fraction``          that fraction of the parameters, in order (0: none)
-``overlap_cpu_optimizer_d2h_h2d``       copies run on a side stream, beside the device's
-                                        own update
-======================================  ====================================================
-
-A dtype may be a ``torch.dtype`` or a name (``fp32``, ``float32``, ``bf16``, ``bfloat16``,
-``fp16``, ``float16``, and verl's ``32`` / ``16``), as verl leaves ``main_params_dtype`` in
-``override_optimizer_config`` (its ``init_megatron_optim_config`` copies that dict verbatim and
-Megatron's ``OptimizerConfig`` then asserts on the string).
+The keys are Megatron's ``OptimizerConfig`` precision and offload fields, with their meanings
+(docs/optimizer.md). A dtype may be a ``torch.dtype`` or a name (``fp32``, ``bf16``, ``fp16``,
+``float32``, ..., verl's ``32`` / ``16``), as verl leaves ``main_params_dtype``.
 """
 
 from __future__ import annotations
@@ -56,12 +35,8 @@ DTYPE_KEYS = tuple(_ALLOWED)
 
 
 def parse_dtype(key: str, value: Any) -> torch.dtype:
-    """``"bf16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` for the optimizer key ``key``.
-
-    Raises:
-        ValueError: a name or dtype this optimizer does not keep ``key`` in (the fp8 dtypes
-            among them), naming the key, the value and the accepted values.
-    """
+    """``"bf16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` for the optimizer key ``key``
+    (``ValueError`` for one ``key`` cannot be kept in, fp8 included)."""
     if isinstance(value, str | int) and not isinstance(value, bool):
         dtype = _NAMES.get(str(value).strip().lower().removeprefix("torch."))
     else:
@@ -79,7 +54,7 @@ def parse_dtype(key: str, value: Any) -> torch.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class AdamSettings:
-    """The precision and placement of one Adam's state (see the module docstring)."""
+    """The precision and placement of one Adam's state."""
 
     precision_aware: bool = False
     main_grads_dtype: torch.dtype = torch.float32
@@ -93,11 +68,7 @@ class AdamSettings:
 
     @classmethod
     def from_keys(cls, keys: Mapping[str, Any]) -> AdamSettings:
-        """Megatron's ``OptimizerConfig`` field names -> settings, every value checked.
-
-        Raises:
-            ValueError / TypeError: naming the key, the value and what to set instead.
-        """
+        """Megatron's ``OptimizerConfig`` field names -> settings, every value checked."""
         precision_aware = _flag(keys, "use_precision_aware_optimizer")
         dtypes = {key: parse_dtype(key, keys.get(key, torch.float32)) for key in DTYPE_KEYS}
         if not precision_aware:

@@ -1,10 +1,11 @@
-"""The attention case table (``specs/attention_cases.yaml``): loading, expansion and inputs.
+"""The case tables of ``mcore-npu verify`` (``specs/*_cases.yaml``): one loader, one case type.
 
-Used by the tests (reference vs an independent float64 oracle) and by ``mcore-npu verify``
-(torch_npu vs the reference on NPU hardware). A case fixes a layout, a sparse mode with its mask,
-a head grouping, a length relation and a dtype; ``make_inputs`` turns it into seeded tensors and
-the operator's keyword arguments. Inputs of one case are the same across dtypes (drawn in float64,
-then cast), so dtype errors can be compared.
+:func:`load_table` reads a table, tells its kind from its ``kind`` key (none: ``attention``) and
+expands it into :class:`Case` objects of that kind: :class:`AttentionCase` (layout x sparse mode
+x head grouping x lengths x dtype), :class:`FusedCase` (``fused_ops``) and
+:class:`GatedDeltaCase` (``gated_delta``), one per operator entry and dtype. Inputs are drawn in
+float64 from the case's seed, then cast, so one case's inputs agree across dtypes:
+:func:`make_inputs` for attention, ``make_call`` of ``fused_cases`` / ``gdn_cases`` for the others.
 """
 
 from __future__ import annotations
@@ -15,17 +16,24 @@ import itertools
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import yaml
 
 from mcore_npu.masks import compressed_causal_mask, compressed_prefix_mask
 from mcore_npu.ops.contract import INT32_MAX
+from mcore_npu.tools import permute_cases
 
-DEFAULT_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/attention_cases.yaml")))
-"""``specs/attention_cases.yaml``; ``mcore_npu/specs`` links to the top-level ``specs/`` and is
-installed with the package, so ``mcore-npu verify`` finds the table after ``pip install``."""
+
+def _table(name: str) -> Path:
+    # mcore_npu/specs links to the top-level specs/ and is installed with the package
+    return Path(str(resources.files("mcore_npu").joinpath(f"specs/{name}")))
+
+
+DEFAULT_TABLE = _table("attention_cases.yaml")
+FUSED_TABLE = _table("fused_ops_cases.yaml")
+GDN_TABLE = _table("gated_delta_cases.yaml")
 
 
 @dataclass(frozen=True)
@@ -38,9 +46,20 @@ class Tolerance:
         return self.atol + self.rtol * reference_magnitude
 
 
+class Case:
+    """What every case has: ``id``, ``forward``/``grad`` tolerances, its table's ``kind`` and
+    the ``quantities`` that ``verify`` reports for it (its columns)."""
+
+    kind: ClassVar[str]
+    quantities: ClassVar[tuple[str, ...]]
+    id: str
+    forward: Tolerance
+    grad: Tolerance
+
+
 @dataclass(frozen=True)
 class ModeSpec:
-    """One entry of the table's ``modes``."""
+    """One entry of the attention table's ``modes``."""
 
     name: str
     sparse_mode: int
@@ -53,8 +72,11 @@ class ModeSpec:
 
 
 @dataclass(frozen=True)
-class AttentionCase:
-    """One expanded case. ``lengths`` is ``(Sq, Skv)`` or, for TND, per-segment pairs."""
+class AttentionCase(Case):
+    """One attention case. ``lengths`` is ``(Sq, Skv)`` or, for TND, per-segment pairs."""
+
+    kind = "attention"
+    quantities = ("forward", "dq", "dk", "dv")
 
     layout: str
     mode: ModeSpec
@@ -73,7 +95,6 @@ class AttentionCase:
 
     @property
     def value_dim(self) -> int:
-        """Dv: the value's head dim."""
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
@@ -86,13 +107,126 @@ class AttentionCase:
         return getattr(torch, self.dtype)
 
 
+@dataclass(frozen=True)
+class OperatorCase(Case):
+    """One entry of an operator table in one dtype; ``params`` are the entry's sorted items."""
+
+    id: str
+    operator: str
+    params: tuple[tuple[str, Any], ...]
+    dtype: torch.dtype
+    forward: Tolerance
+    grad: Tolerance
+    seed: int
+
+    def param(self, name: str, default=None):
+        return dict(self.params).get(name, default)
+
+
+class FusedCase(OperatorCase):
+    kind = "fused_ops"
+    operators = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul", "npu_rotary_mul")
+    operators += permute_cases.OPERATORS
+    quantities = ("forward", "grad0", "grad1")  # grads of x, then of gamma or the weights
+
+
+class GatedDeltaCase(OperatorCase):
+    kind = "gated_delta"
+    operators = ("chunk_gated_delta_rule", "causal_conv1d", "l2norm", "gated_rms_norm")
+    # the output, the final state (the rule only), the inputs' gradients in call order
+    quantities = ("forward", "state", "grad0", "grad1", "grad2", "grad3", "grad4", "grad5")
+
+
+KINDS = {cls.kind: cls for cls in (AttentionCase, FusedCase, GatedDeltaCase)}
+
+
+def table_kind(path) -> str | None:
+    """The ``kind`` of the table at ``path`` (``attention`` if it names none); None if
+    ``path`` is not a readable YAML mapping."""
+    try:
+        table = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return table.get("kind", "attention") if isinstance(table, dict) else None
+
+
+def load_table(path: str | Path | None = None) -> list[Case]:
+    """Every case of the table at ``path`` (default: the attention table), in a stable order."""
+    path = Path(path) if path is not None else DEFAULT_TABLE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"case table {path} not found; pass --cases /path/to/specs/attention_cases.yaml"
+        )
+    table = yaml.safe_load(path.read_text(encoding="utf-8"))
+    kind = table.get("kind", "attention") if isinstance(table, dict) else "attention"
+    if kind == "attention":
+        return _attention_cases(table)
+    return _operator_cases(KINDS[kind], table)
+
+
+def load_cases(path: str | Path | None = None) -> list[AttentionCase]:
+    """The attention table's cases (its ``exclusions`` removed): the main grid, then the
+    ``value_head_dim`` section (Dv < D, multi-latent attention's value)."""
+    return load_table(path)
+
+
+def _operator_cases(case_type: type[OperatorCase], table: dict) -> list[OperatorCase]:
+    cases = []
+    for operator in case_type.operators:
+        for entry in table.get(operator, []):
+            digest = int(hashlib.sha256(entry["name"].encode()).hexdigest()[:6], 16)
+            seed = table["seed"] + digest
+            params = tuple(sorted((k, _freeze(v)) for k, v in entry.items()))
+            for dtype in table["dtypes"]:
+                tol = table["tolerances"][dtype]
+                forward, grad = Tolerance(**tol["forward"]), Tolerance(**tol["grad"])
+                args = (operator, params, getattr(torch, dtype), forward, grad, seed)
+                cases.append(case_type(f"{operator}/{entry['name']}/{dtype}", *args))
+    return cases
+
+
+def _attention_cases(table: dict) -> list[AttentionCase]:
+    modes = {m["name"]: ModeSpec(**{k: _freeze(v) for k, v in m.items()}) for m in table["modes"]}
+    geometry = table["geometry"]
+    cases = _expand(table, modes.values(), geometry["heads"], geometry["lengths"], table["dtypes"])
+    extra = table.get("value_head_dim")
+    if extra:
+        heads = {name: geometry["heads"][name] for name in extra["heads"]}
+        lengths = {name: geometry["lengths"][name] for name in extra["lengths"]}
+        extra_modes = [modes[name] for name in extra["modes"]]
+        dv = int(extra["head_dim_v"])
+        cases += _expand(table, extra_modes, heads, lengths, extra["dtypes"], dv)
+    return cases
+
+
+def _expand(table, modes, heads, lengths, dtypes, head_dim_v=None) -> list[AttentionCase]:
+    geometry = table["geometry"]
+    fixed = (geometry["batch"], geometry["head_dim"], float(geometry["scale"]), int(table["seed"]))
+    excluded = {(e["mode"], e["lengths"]) for e in table.get("exclusions", [])}
+    cases = []
+    for layout, mode, (heads_name, pair), (lengths_name, sizes), dtype in itertools.product(
+        table["layouts"], modes, heads.items(), lengths.items(), dtypes
+    ):
+        if mode.layouts is not None and layout not in mode.layouts:
+            continue
+        if (mode.name, lengths_name) in excluded:
+            continue
+        tol = table["tolerances"][dtype]
+        tolerances = Tolerance(**tol["forward"]), Tolerance(**tol["grad"])
+        sizes = _freeze(sizes["packed"] if layout == "TND" else sizes["dense"])
+        names = (layout, mode, heads_name, tuple(pair), lengths_name, sizes, dtype)
+        cases.append(AttentionCase(*names, *fixed, *tolerances, head_dim_v))  # in field order
+    return cases
+
+
+def _freeze(value):
+    return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
+
+
 @dataclass
 class CaseInputs:
-    """Tensors and keyword arguments of one case, plus the dense mask the oracle needs.
-
-    ``dense_mask`` is the operator-polarity (True = masked) dense mask passed for mask kinds
-    ``band``/``random``/``prefix_dense``, else None.
-    """
+    """Tensors and keyword arguments of one attention case. ``dense_mask``: the dense mask
+    (True = masked out) passed for mask kinds ``band``/``random``/``prefix_dense``, else None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -106,67 +240,6 @@ class CaseInputs:
         return (self.query, self.key, self.value, self.head_num, self.input_layout)
 
 
-def load_cases(path: str | Path | None = None) -> list[AttentionCase]:
-    """Expand the table into cases (its ``exclusions`` removed), in a stable order: the main
-    grid, then the ``value_head_dim`` section (Dv < D, Multi-Latent Attention's value)."""
-    path = Path(path) if path is not None else DEFAULT_TABLE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"case table {path} not found; pass --cases /path/to/specs/attention_cases.yaml"
-        )
-    table = yaml.safe_load(path.read_text())
-    modes = {m["name"]: ModeSpec(**_mode_fields(m)) for m in table["modes"]}
-    cases = _expand(table, list(modes.values()), table["geometry"]["heads"],
-                    table["geometry"]["lengths"], table["dtypes"], None)  # fmt: skip
-    extra = table.get("value_head_dim")
-    if extra:
-        geometry = table["geometry"]
-        cases += _expand(
-            table, [modes[name] for name in extra["modes"]],
-            {name: geometry["heads"][name] for name in extra["heads"]},
-            {name: geometry["lengths"][name] for name in extra["lengths"]}, extra["dtypes"],
-            int(extra["head_dim_v"]),
-        )  # fmt: skip
-    return cases
-
-
-def _expand(table, modes, heads, lengths, dtypes, head_dim_v) -> list[AttentionCase]:
-    geometry = table["geometry"]
-    excluded = {(e["mode"], e["lengths"]) for e in table.get("exclusions", [])}
-    cases = []
-    for layout, mode, (heads_name, pair), (lengths_name, sizes), dtype in itertools.product(
-        table["layouts"], modes, heads.items(), lengths.items(), dtypes
-    ):
-        if mode.layouts is not None and layout not in mode.layouts:
-            continue
-        if (mode.name, lengths_name) in excluded:
-            continue
-        shape = sizes["packed"] if layout == "TND" else sizes["dense"]
-        tolerance = table["tolerances"][dtype]
-        cases.append(
-            AttentionCase(
-                layout=layout, mode=mode, heads_name=heads_name, heads=tuple(pair),
-                lengths_name=lengths_name, lengths=_freeze(shape), dtype=dtype,
-                batch=geometry["batch"], head_dim=geometry["head_dim"],
-                scale=float(geometry["scale"]), seed=int(table["seed"]),
-                forward=Tolerance(**tolerance["forward"]), grad=Tolerance(**tolerance["grad"]),
-                head_dim_v=head_dim_v,
-            )
-        )  # fmt: skip
-    return cases
-
-
-def _mode_fields(entry: dict) -> dict:
-    fields = dict(entry)
-    if "layouts" in fields:
-        fields["layouts"] = tuple(fields["layouts"])
-    return fields
-
-
-def _freeze(value):
-    return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
-
-
 def make_inputs(
     case: AttentionCase,
     *,
@@ -177,18 +250,17 @@ def make_inputs(
     """Seeded inputs for ``case`` (values independent of dtype and device)."""
     dtype = dtype or case.torch_dtype
     gen = torch.Generator().manual_seed(_case_seed(case))
-    q_shape, k_shape, v_shape = _shapes(case)
     q, k, v = (
         torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)  # cast on CPU
-        for shape in (q_shape, k_shape, v_shape)
+        for shape in _shapes(case)
     )
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
     kwargs, dense = _mask_kwargs(case, gen, torch.device(device))
     kwargs.update(scale=case.scale)
     if case.layout == "TND":
-        kwargs.update(actual_seq_qlen=_ends(s for s, _ in case.lengths),
-                      actual_seq_kvlen=_ends(s for _, s in case.lengths))  # fmt: skip
+        kwargs["actual_seq_qlen"] = list(itertools.accumulate(s for s, _ in case.lengths))
+        kwargs["actual_seq_kvlen"] = list(itertools.accumulate(s for _, s in case.lengths))
     return CaseInputs(q, k, v, case.heads[0], case.layout, kwargs, dense)
 
 
@@ -197,14 +269,6 @@ def _case_seed(case: AttentionCase) -> int:
     if case.head_dim_v is not None:
         key += f"/Dv{case.head_dim_v}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:6], "little")
-
-
-def _ends(lengths) -> list[int]:
-    total, ends = 0, []
-    for n in lengths:
-        total += n
-        ends.append(total)
-    return ends
 
 
 def _shapes(case: AttentionCase) -> tuple[tuple[int, ...], ...]:
@@ -250,8 +314,12 @@ def _dense_mask(case: AttentionCase, gen: torch.Generator) -> torch.Tensor:
     else:
         sq, skv = case.lengths
         b, n = case.batch, case.heads[0]
-        shape = {"SS": (sq, skv), "11SS": (1, 1, sq, skv), "B1SS": (b, 1, sq, skv),
-                 "BNSS": (b, n, sq, skv)}[mode.mask_shape]  # fmt: skip
+        shape = {
+            "SS": (sq, skv),
+            "11SS": (1, 1, sq, skv),
+            "B1SS": (b, 1, sq, skv),
+            "BNSS": (b, n, sq, skv),
+        }[mode.mask_shape]
     i = torch.arange(sq).unsqueeze(1)
     j = torch.arange(skv)
     if mode.mask == "band":

@@ -49,19 +49,9 @@ def compare(
     valid: torch.Tensor | None,
     tolerance: Tolerance,
 ) -> Comparison:
-    """Compare ``got`` with ``want`` on the elements where ``valid`` is True.
-
-    Args:
-        name: what is compared (``"forward"``, ``"dq"``, ...), for the report.
-        got: the tensor under test, any dtype and device.
-        want: the trusted answer, same shape.
-        valid: bool of the same shape, True = compare this element; None = compare everything.
-            Invalid (fully masked) rows are False here and so never count.
-        tolerance: the case's tolerance; the bound is ``atol + rtol * max|want[valid]|``.
-
-    Returns:
-        A :class:`Comparison`; ``max_error`` is NaN if a compared element of ``got`` is NaN.
-    """
+    """Compare ``got`` (any dtype and device) with ``want`` where ``valid`` (bool, same shape;
+    None = everywhere) is True; invalid (fully masked) rows are False there. The bound is
+    ``atol + rtol * max|want[valid]|``; ``max_error`` is NaN if a compared ``got`` is NaN."""
     if got.shape != want.shape:
         raise ValueError(
             f"{name}: shape {list(got.shape)} of the result differs from the expected "

@@ -1,21 +1,11 @@
 """``mcore-npu doctor``: what this environment can run, and what is wrong with it.
 
-:func:`gather_checks` collects the facts (python, torch, megatron-core, torch-npu and CANN,
-transformer-engine, the accelerator, the allocator configuration, the attention backend and
-kernel ``auto`` would pick) as a list of :class:`Check`; :func:`format_text` and
-:func:`format_json` only render them. Nothing here raises: every check runs guarded, and an
-unexpected failure inside one becomes an ``error`` check that says so.
-
-Health: a CPU-only machine without torch_npu is healthy (the reference kernel runs everywhere).
-An installed torch_npu that does not import is an error, with the likely cause: the CANN
-environment not sourced, a torch / torch-npu version mismatch, a CUDA build of torch, or the
-device-backend autoload making ``import torch`` itself fail.
-
-torch, torch_npu, megatron-core and transformer-engine are imported only when a check runs,
-inside ``try/except Exception`` (a broken torch_npu raises ImportError, OSError or
-RuntimeError). torch_npu is imported once, through :func:`mcore_npu.allocator.device.npu_import_error`,
-so that the rest of the package sees the same outcome and nothing re-imports a half-loaded
-extension.
+:func:`gather_checks` collects the facts as a list of :class:`Check`, one per line of the report
+(docs/doctor.md lists them); :func:`format_text` and :func:`format_json` render them. Nothing
+here raises: every check runs guarded, and an unexpected failure inside one becomes an ``error``
+check. torch, megatron-core and transformer-engine are imported only when a check runs;
+torch_npu once, through ``mcore_npu.allocator.device.npu_import_error``, so that the rest of the
+package sees the same outcome and nothing re-imports a half-loaded extension.
 """
 
 from __future__ import annotations
@@ -56,8 +46,7 @@ OK, WARN, ERROR = "ok", "warn", "error"
 CANN_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
 AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 DEFAULT_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
-# Where CANN's set_env.sh lives on a default root install, a user install, and the newer layout.
-SET_ENV_CANDIDATES = (
+SET_ENV_CANDIDATES = (  # a default root install, a user install, the newer layout
     DEFAULT_SET_ENV,
     "~/Ascend/ascend-toolkit/set_env.sh",
     "/usr/local/Ascend/cann/set_env.sh",
@@ -85,15 +74,8 @@ ALLOC_VARIABLES = (
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the report.
-
-    Attributes:
-        name: what was checked (``"torch-npu"``).
-        status: ``"ok"``, ``"warn"`` (works, but worth a look) or ``"error"`` (broken).
-        detail: what was found.
-        cause: for problems, the likely reason in a few words.
-        fix: for problems, what to do.
-    """
+    """One line of the report: ``status`` is ``"ok"``, ``"warn"`` (works, but worth a look) or
+    ``"error"`` (broken); ``cause`` and ``fix`` are filled in for problems."""
 
     name: str
     status: str
@@ -113,11 +95,6 @@ class _Probe:
     torch: types.ModuleType | None = None
     torch_error: BaseException | None = None
     accelerator: str | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# small helpers (never raise)
-# --------------------------------------------------------------------------------------------
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -203,21 +180,11 @@ def _backend_entry_points() -> list[str]:
         return []
 
 
-# --------------------------------------------------------------------------------------------
-# torch_npu import errors: what they usually mean
-# --------------------------------------------------------------------------------------------
-
-
 def diagnose_npu_error(
     error: str, torch_version: str | None, npu_version: str | None
 ) -> tuple[str, str]:
-    """The likely cause of a torch_npu import failure and its fix, as ``(cause, fix)``.
-
-    Args:
-        error: the failure as ``"Type: message"`` (or just the message).
-        torch_version: ``torch.__version__`` (or the installed distribution's version).
-        npu_version: the torch-npu distribution's version, None if unknown.
-    """
+    """The likely ``(cause, fix)`` of a torch_npu import failure ``error`` (``"Type: message"``
+    or the message), given the torch and torch-npu versions (None if unknown)."""
     lowered = error.lower()
     causes, fixes = [], []
     if any(marker in lowered for marker in CANN_MARKERS):
@@ -272,11 +239,6 @@ def _version_mismatch(torch_version: str | None, npu_version: str | None) -> str
     )
 
 
-# --------------------------------------------------------------------------------------------
-# the checks
-# --------------------------------------------------------------------------------------------
-
-
 def _probe_torch() -> _Probe:
     try:
         return _Probe(torch=importlib.import_module("torch"))
@@ -290,9 +252,7 @@ def _not_checked(name: str) -> Check:
 
 def check_python(probe: _Probe) -> Check:
     """The interpreter (pyproject requires >= 3.10, so an older one never gets here)."""
-    version = platform.python_version()
-    detail = f"{version} ({sys.executable})"
-    return Check("python", OK, detail)
+    return Check("python", OK, f"{platform.python_version()} ({sys.executable})")
 
 
 def check_torch(probe: _Probe) -> Check:
@@ -308,65 +268,38 @@ def check_torch(probe: _Probe) -> Check:
 def _torch_failure(exc: BaseException | None) -> Check:
     installed = _distribution_version("torch")
     if exc is None or installed is None:
-        return Check(
-            "torch",
-            ERROR,
-            "not installed",
-            "torch is missing",
-            "pip install 'torch>=2.6' (the CPU build on Ascend machines)",
-        )
+        fix = "pip install 'torch>=2.6' (the CPU build on Ascend machines)"
+        return Check("torch", ERROR, "not installed", "torch is missing", fix)
     detail = f"{installed} installed but `import torch` fails: {_describe(exc)}"
     if "backend extension" in str(exc):
         root = _describe(_root_cause(exc))
         cause, fix = diagnose_npu_error(root, installed, _distribution_version("torch-npu"))
-        return Check(
-            "torch",
-            ERROR,
-            f"{detail} <- {root}",
-            f"torch autoloads the torch_npu backend at import and it fails: {cause}",
-            f"{fix}; meanwhile {AUTOLOAD_VARIABLE}=0 lets `import torch` work without torch_npu",
-        )
-    return Check(
-        "torch",
-        ERROR,
-        detail,
-        "a broken torch installation",
-        "reinstall torch (pip install --force-reinstall torch==" + installed + ")",
-    )
+        cause = f"torch autoloads the torch_npu backend at import and it fails: {cause}"
+        fix = f"{fix}; meanwhile {AUTOLOAD_VARIABLE}=0 lets `import torch` work without torch_npu"
+        return Check("torch", ERROR, f"{detail} <- {root}", cause, fix)
+    fix = "reinstall torch (pip install --force-reinstall torch==" + installed + ")"
+    return Check("torch", ERROR, detail, "a broken torch installation", fix)
 
 
 def check_megatron(probe: _Probe) -> Check:
     version = _distribution_version("megatron-core")
+    fix = "pip install 'megatron-core>=0.15,<0.20'"
     if version is None:
-        return Check(
-            "megatron-core",
-            ERROR,
-            "not installed",
-            "megatron-core is missing",
-            "pip install 'megatron-core>=0.15,<0.20'",
-        )
+        return Check("megatron-core", ERROR, "not installed", "megatron-core is missing", fix)
     if probe.torch is None:
         return _not_checked("megatron-core")
     try:
         _quiet_import("megatron.core")
     except Exception as exc:
-        return Check(
-            "megatron-core",
-            ERROR,
-            f"{version} installed but does not import: {_describe(exc)}",
-            "a broken or incompatible megatron-core",
-            "pip install --force-reinstall 'megatron-core>=0.15,<0.20'",
-        )
+        detail = f"{version} installed but does not import: {_describe(exc)}"
+        cause = "a broken or incompatible megatron-core"
+        fix = "pip install --force-reinstall 'megatron-core>=0.15,<0.20'"
+        return Check("megatron-core", ERROR, detail, cause, fix)
     release = _release(version)
     low, high = SUPPORTED_MEGATRON
     if release is not None and not low <= release[:2] < high:
-        return Check(
-            "megatron-core",
-            WARN,
-            f"{version}, imports",
-            "outside the versions mcore-npu is tested with (>= 0.15, < 0.20)",
-            "pip install 'megatron-core>=0.15,<0.20'",
-        )
+        cause = "outside the versions mcore-npu is tested with (>= 0.15, < 0.20)"
+        return Check("megatron-core", WARN, f"{version}, imports", cause, fix)
     return Check("megatron-core", OK, f"{version}, imports")
 
 
@@ -374,21 +307,15 @@ def check_torch_npu(probe: _Probe) -> Check:
     version = _distribution_version("torch-npu")
     origin = _module_origin("torch_npu")
     if version is None and origin is None:
-        return Check(
-            "torch-npu",
-            OK,
-            "not installed (fine without an NPU: the reference kernel runs on the CPU)",
-        )
+        detail = "not installed (fine without an NPU: the reference kernel runs on the CPU)"
+        return Check("torch-npu", OK, detail)
     found = version or f"found at {origin}, no installed distribution"
     if probe.torch is None:
         if "backend extension" in str(probe.torch_error):
-            return Check(
-                "torch-npu",
-                ERROR,
-                f"{found}; does not load",
-                "its device-backend autoload makes `import torch` fail (details on the torch line)",
-                "see the torch line",
-            )
+            cause = "its device-backend autoload makes `import torch` fail"
+            cause += " (details on the torch line)"
+            detail = f"{found}; does not load"
+            return Check("torch-npu", ERROR, detail, cause, "see the torch line")
         return _not_checked("torch-npu")
     error = accelerators.npu_import_error()  # imports torch_npu once, guarded, if needed
     if error is not None:
@@ -413,30 +340,17 @@ def _npu_imported(torch: types.ModuleType, found: str, version: str | None) -> C
         available = bool(npu.is_available()) if npu is not None else False
         count = int(npu.device_count()) if available else 0
     except Exception as exc:
-        return Check(
-            "torch-npu",
-            ERROR,
-            f"{found}; imports, but torch.npu.is_available() raised {_describe(exc)}",
-            "the NPU driver or runtime is broken",
-            "run npu-smi info; check the driver (HDK) and the CANN version",
-        )
+        detail = f"{found}; imports, but torch.npu.is_available() raised {_describe(exc)}"
+        fix = "run npu-smi info; check the driver (HDK) and the CANN version"
+        return Check("torch-npu", ERROR, detail, "the NPU driver or runtime is broken", fix)
     if not available:
-        return Check(
-            "torch-npu",
-            WARN,
-            f"{found}; imports, but no NPU is visible",
-            "no NPU device: the driver is not loaded or ASCEND_RT_VISIBLE_DEVICES hides them",
-            "run npu-smi info; check ASCEND_RT_VISIBLE_DEVICES",
-        )
+        cause = "no NPU device: the driver is not loaded or ASCEND_RT_VISIBLE_DEVICES hides them"
+        fix = "run npu-smi info; check ASCEND_RT_VISIBLE_DEVICES"
+        return Check("torch-npu", WARN, f"{found}; imports, but no NPU is visible", cause, fix)
     detail = f"{found}; imports; {count} NPU(s) visible"
     if mismatch:
-        return Check(
-            "torch-npu",
-            WARN,
-            detail,
-            mismatch,
-            "install the torch-npu build for this torch version",
-        )
+        fix = "install the torch-npu build for this torch version"
+        return Check("torch-npu", WARN, detail, mismatch, fix)
     return Check("torch-npu", OK, detail)
 
 
@@ -450,23 +364,15 @@ def check_cann(probe: _Probe) -> Check:
     npu_wanted = _distribution_version("torch-npu") or _module_origin("torch_npu")
     missing_dirs = [f"{n}={v}" for n, v in values.items() if v and not Path(v).exists()]
     if missing_dirs:
-        return Check(
-            "cann",
-            WARN,
-            detail,
-            f"{', '.join(missing_dirs)} does not exist",
-            f"source {_set_env_path()} again, from the CANN that is installed",
-        )
+        cause = f"{', '.join(missing_dirs)} does not exist"
+        fix = f"source {_set_env_path()} again, from the CANN that is installed"
+        return Check("cann", WARN, detail, cause, fix)
     if not any(values.values()) and not ascend_dirs:
         if not npu_wanted:
             return Check("cann", OK, "not sourced (not needed without torch_npu)")
-        return Check(
-            "cann",
-            WARN,
-            "not sourced: " + ", ".join(f"{n} unset" for n in values),
-            "torch_npu is installed but the CANN environment is not set",
-            f"source {_set_env_path()}",
-        )
+        detail = "not sourced: " + ", ".join(f"{n} unset" for n in values)
+        cause = "torch_npu is installed but the CANN environment is not set"
+        return Check("cann", WARN, detail, cause, f"source {_set_env_path()}")
     return Check("cann", OK, detail)
 
 
@@ -474,23 +380,21 @@ def check_transformer_engine(probe: _Probe) -> Check:
     version = _distribution_version("transformer-engine", "transformer-engine-torch")
     origin = _module_origin("transformer_engine")
     if version is None and origin is None:
-        return Check(
-            "transformer-engine", OK, "not installed (optional: CUDA machines, backend 'te')"
-        )
+        detail = "not installed (optional: CUDA machines, backend 'te')"
+        return Check("transformer-engine", OK, detail)
     found = version or f"found at {origin}"
     if probe.torch is None:
         return _not_checked("transformer-engine")
     try:
         _quiet_import("transformer_engine.pytorch")
     except Exception as exc:
-        return Check(
-            "transformer-engine",
-            WARN,
-            f"{found}; does not import: {_describe(exc)}",
-            "backend 'auto' falls back to Megatron's local spec; backend 'te' fails",
+        detail = f"{found}; does not import: {_describe(exc)}"
+        cause = "backend 'auto' falls back to Megatron's local spec; backend 'te' fails"
+        fix = (
             "on NPU/CPU machines pip uninstall transformer-engine; on CUDA install the "
-            "build that matches torch and CUDA",
+            "build that matches torch and CUDA"
         )
+        return Check("transformer-engine", WARN, detail, cause, fix)
     return Check("transformer-engine", OK, f"{found}, imports")
 
 
@@ -500,17 +404,13 @@ def check_accelerator(probe: _Probe) -> Check:
     probe.accelerator = accelerators.current_accelerator()
     if probe.accelerator == "cpu":
         return Check("accelerator", OK, "cpu (no NPU or CUDA device; the reference kernel runs)")
-    module = getattr(probe.torch, probe.accelerator)
-    count = module.device_count()
+    count = getattr(probe.torch, probe.accelerator).device_count()
     return Check("accelerator", OK, f"{probe.accelerator} ({count} device(s))")
 
 
 def check_allocator_env(probe: _Probe) -> Check:
-    """The allocator variables, and option combinations the allocator refuses.
-
-    A conflict in a variable the current accelerator reads is an error (its first allocation
-    fails); elsewhere (e.g. PYTORCH_NPU_ALLOC_CONF on a CPU machine) it is a warning.
-    """
+    """The allocator variables, and option combinations the allocator refuses: an error in a
+    variable the current accelerator reads (its first allocation fails), else a warning."""
     values = {name: os.environ.get(name) for name in ALLOC_VARIABLES}
     detail = ", ".join(f"{n}={v!r}" for n, v in values.items() if v is not None) or (
         "none of " + ", ".join(ALLOC_VARIABLES) + " set (allocator defaults)"
@@ -551,48 +451,35 @@ def _conflict(value: str | None) -> str:
 
 
 def check_allocator_setter(probe: _Probe) -> Check:
+    name = "allocator setter"
     if probe.torch is None:
-        return _not_checked("allocator setter")
+        return _not_checked(name)
     torch, accelerator = probe.torch, probe.accelerator or accelerators.current_accelerator()
-    npu_setter = _attribute(getattr(torch, "npu", None), "memory", "_set_allocator_settings")
-    generic = _attribute(torch._C, "_accelerator_setAllocatorSettings")
-    cuda_setter = _attribute(getattr(torch, "cuda", None), "memory", "_set_allocator_settings")
     if accelerator == "npu":
-        if npu_setter:
-            return Check(
-                "allocator setter",
-                OK,
-                "torch.npu.memory._set_allocator_settings "
-                "(expandable segments can be switched at run time)",
-            )
-        return Check(
-            "allocator setter",
-            WARN,
-            "torch.npu.memory._set_allocator_settings missing",
+        setter = "torch.npu.memory._set_allocator_settings"
+        if _attribute(getattr(torch, "npu", None), "memory", "_set_allocator_settings"):
+            return Check(name, OK, f"{setter} (expandable segments can be switched at run time)")
+        cause = (
             "torch-npu older than the 7.3.0 release: expandable segments only through "
-            f"{accelerators.NPU_ALLOC_CONF} before the first NPU allocation",
-            f"upgrade torch-npu to {accelerators.NPU_SETTER_RELEASES}",
+            f"{accelerators.NPU_ALLOC_CONF} before the first NPU allocation"
         )
-    present = [
-        name
-        for name, ok in (
-            ("torch._C._accelerator_setAllocatorSettings", generic),
-            ("torch.cuda.memory._set_allocator_settings", cuda_setter),
-        )
-        if ok
-    ]
+        fix = f"upgrade torch-npu to {accelerators.NPU_SETTER_RELEASES}"
+        return Check(name, WARN, f"{setter} missing", cause, fix)
+    generic = _attribute(torch._C, "_accelerator_setAllocatorSettings")
+    cuda = _attribute(getattr(torch, "cuda", None), "memory", "_set_allocator_settings")
+    found = {
+        "torch._C._accelerator_setAllocatorSettings": generic,
+        "torch.cuda.memory._set_allocator_settings": cuda,
+    }
+    present = [setter for setter, ok in found.items() if ok]
     if accelerator == "cuda":
         if present:
-            return Check("allocator setter", OK, present[0])
-        return Check(
-            "allocator setter",
-            WARN,
-            "no runtime allocator setter in this torch",
-            "torch older than 2.1",
-            f"upgrade torch, or export {accelerators.CUDA_ALLOC_CONF}=expandable_segments:True",
-        )
+            return Check(name, OK, present[0])
+        fix = f"upgrade torch, or export {accelerators.CUDA_ALLOC_CONF}=expandable_segments:True"
+        detail = "no runtime allocator setter in this torch"
+        return Check(name, WARN, detail, "torch older than 2.1", fix)
     have = ", ".join(present) or "none"
-    return Check("allocator setter", OK, f"not applicable on the CPU (torch has: {have})")
+    return Check(name, OK, f"not applicable on the CPU (torch has: {have})")
 
 
 def _attribute(obj, *path: str) -> bool:
@@ -614,38 +501,33 @@ def check_attention(probe: _Probe) -> Check:
     try:
         backend = _quiet_import("mcore_npu.transformer.backends").resolve_backend("auto")
     except Exception as exc:  # megatron-core missing or broken: reported on its own line
-        return Check(
-            "attention",
-            WARN,
-            f"kernel {kernel}; backend unknown ({_describe(exc)})",
-            "the layer specs need megatron-core",
-            "see the megatron-core line",
-        )
+        detail = f"kernel {kernel}; backend unknown ({_describe(exc)})"
+        cause = "the layer specs need megatron-core"
+        return Check("attention", WARN, detail, cause, "see the megatron-core line")
     detail = f"auto -> backend {backend}, kernel {kernel} (on {accelerator})"
     if accelerator == "npu" and backend != "npu_fusion":
-        return Check(
-            "attention",
-            WARN,
-            detail,
-            "an NPU is present but auto does not pick it",
-            "report this as a bug",
-        )
+        cause = "an NPU is present but auto does not pick it"
+        return Check("attention", WARN, detail, cause, "report this as a bug")
     return Check("attention", OK, detail)
 
 
-# What the probes are told for ``doctor``'s line of an operator: the calls the NPU spec makes
-# (bf16, head dims 128), labelled where an operator's choice depends on the call.
 def _typical_calls(torch) -> dict[str, list[tuple[str, dict]]]:
+    """What the registry is told for an operator's line: the calls the NPU spec makes (bf16,
+    head dims 128), labelled where an operator's choice depends on the call."""
     bf16 = types.SimpleNamespace(dtype=torch.bfloat16, shape=(1, 64, 4, 128))
     gdn = {"q": bf16, "v": bf16, "initial_state": None, "output_final_state": False}
+    grouped = ("group_list", "split_item", "group_type", "group_list_type")
     return {
-        "rotary_mul": [("", {"rotary_mode": "half", "head_dim": 128}),
-                       ("interleaved", {"rotary_mode": "interleave", "head_dim": 128})],
-        "grouped_matmul": [("", {"keywords": ("group_list", "split_item", "group_type",
-                                              "group_list_type")})],
-        "chunk_gated_delta_rule": [("training", {**gdn, "grad": True}),
-                                   ("forward-only", {**gdn, "grad": False})],
-    }  # fmt: skip
+        "rotary_mul": [
+            ("", {"rotary_mode": "half", "head_dim": 128}),
+            ("interleaved", {"rotary_mode": "interleave", "head_dim": 128}),
+        ],
+        "grouped_matmul": [("", {"keywords": grouped})],
+        "chunk_gated_delta_rule": [
+            ("training", {**gdn, "grad": True}),
+            ("forward-only", {**gdn, "grad": False}),
+        ],
+    }
 
 
 def check_operator(name: str, probe: _Probe) -> Check:
@@ -670,9 +552,12 @@ def check_operator(name: str, probe: _Probe) -> Check:
         fell_back = fell_back or resolution.fell_back
     detail = f"auto on NPU tensors {', '.join(parts)}"
     if fell_back and accelerator == "npu":
-        return Check(label, WARN, detail, "no Ascend kernel can take the call (the reasons above)",
-                     "install or upgrade the package named, or set this operator's kernel to "
-                     "reference to silence the warning")  # fmt: skip
+        cause = "no Ascend kernel can take the call (the reasons above)"
+        fix = (
+            "install or upgrade the package named, or set this operator's kernel to "
+            "reference to silence the warning"
+        )
+        return Check(label, WARN, detail, cause, fix)
     return Check(label, OK, detail)
 
 
@@ -686,26 +571,32 @@ def _quiet_optional(name: str):
 
 def check_mla_value(probe: _Probe) -> Check:
     """Which path multi-latent attention's smaller value head (Dv < D) takes with
-    ``mla_value_padding: auto`` on this machine: one probe call of the installed operator on
-    the NPU (``mcore_npu.ops.value_padding``), or the reference off-NPU."""
+    ``mla_value_padding: auto`` here: one probe call of the installed operator on the NPU
+    (``mcore_npu.ops.value_padding``), or the reference off-NPU."""
     if probe.torch is None:
         return _not_checked("mla value")
     padding = importlib.import_module("mcore_npu.ops.value_padding")
     accelerator = probe.accelerator or accelerators.current_accelerator()
     if accelerator != "npu":
-        return Check("mla value", OK, "Dv < D unpadded: the reference kernel takes it in every "
-                     "layout (mla_value_padding auto; on pads anyway)")  # fmt: skip
+        detail = "Dv < D unpadded: the reference kernel takes it in every layout"
+        return Check("mla value", OK, f"{detail} (mla_value_padding auto; on pads anyway)")
     op = importlib.import_module("mcore_npu.ops.registry").ascend("fusion_attention")
     if padding.takes_smaller_value(op, "npu"):
-        return Check("mla value", OK, "Dv < D unpadded: npu_fusion_attention returns Dv-wide "
-                     "outputs (probe on the NPU; mla_value_padding auto)")  # fmt: skip
-    return Check("mla value", WARN, "Dv < D padded: v padded to D and the output sliced "
-                 "(mla_value_padding auto)", "this torch_npu does not return a Dv-wide output "
-                 "for Dv < D (probe on the NPU); the padding costs (D - Dv) / Dv more value "
-                 "memory", "a torch-npu / CANN release with Dv < D (MindSpeed-LLM recommends "
-                 "CANN >= 8.2.RC1 for it); the results are the same either way")  # fmt: skip
+        detail = "Dv < D unpadded: npu_fusion_attention returns Dv-wide outputs"
+        return Check("mla value", OK, f"{detail} (probe on the NPU; mla_value_padding auto)")
+    detail = "Dv < D padded: v padded to D and the output sliced (mla_value_padding auto)"
+    cause = (
+        "this torch_npu does not return a Dv-wide output for Dv < D (probe on the NPU); the "
+        "padding costs (D - Dv) / Dv more value memory"
+    )
+    fix = (
+        "a torch-npu / CANN release with Dv < D (MindSpeed-LLM recommends CANN >= 8.2.RC1 for "
+        "it); the results are the same either way"
+    )
+    return Check("mla value", WARN, detail, cause, fix)
 
 
+# The report's lines, in order. Each takes the shared probe and returns one Check.
 CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("python", check_python),
     ("torch", check_torch),
@@ -720,7 +611,6 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], Check]], ...] = (
     ("mla value", check_mla_value),
     *((f"op {name}", functools.partial(check_operator, name)) for name in OPERATOR_NAMES),
 )
-"""The report's lines, in order. Each takes the shared probe and returns one Check."""
 
 
 def gather_checks() -> list[Check]:
@@ -731,21 +621,10 @@ def gather_checks() -> list[Check]:
         try:
             checks.append(check(probe))
         except Exception as exc:
-            checks.append(
-                Check(
-                    name,
-                    ERROR,
-                    f"doctor could not check this: {_describe(exc)}",
-                    "an unexpected environment",
-                    "please report it with this output",
-                )
-            )
+            detail = f"doctor could not check this: {_describe(exc)}"
+            fix = "please report it with this output"
+            checks.append(Check(name, ERROR, detail, "an unexpected environment", fix))
     return checks
-
-
-# --------------------------------------------------------------------------------------------
-# output
-# --------------------------------------------------------------------------------------------
 
 
 def summary(checks: list[Check]) -> str:
@@ -777,11 +656,6 @@ def format_json(checks: list[Check]) -> str:
     healthy = not any(c.status == ERROR for c in checks)
     report = {"healthy": healthy, "summary": summary(checks), "checks": [asdict(c) for c in checks]}
     return json.dumps(report, indent=1)
-
-
-# --------------------------------------------------------------------------------------------
-# the command
-# --------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

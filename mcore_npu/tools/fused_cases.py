@@ -1,73 +1,32 @@
-"""The fused-operator case table (``specs/fused_ops_cases.yaml``) and its float64 oracle.
+"""The fused-operator table's cases (``specs/fused_ops_cases.yaml``) and their float64 oracle.
 
-``load_fused_cases`` expands the table into one :class:`FusedCase` per case and dtype;
-``make_call`` draws seeded inputs (in float64, then cast, so one case's inputs agree across
-dtypes) and the operator's arguments. The oracle is written here from the operator contracts
-(explicit sums, no code shared with ``mcore_npu.ops``); ``check_reference_fused_case`` compares
-the reference with it, ``check_kernel_fused_case`` torch_npu (through the ``ops`` dispatch) with
-the reference in float32 on the same rounded inputs. Both return ``verify``'s ``CaseResult``.
+``make_call`` draws a case's seeded inputs and the operator's arguments; the oracle is written
+from the operator contracts (explicit sums, no code shared with ``mcore_npu.ops``).
+``check_reference_fused_case`` compares the reference with it, ``check_kernel_fused_case``
+torch_npu (through the ``ops`` dispatch) with the float32 reference on the same rounded inputs.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import Any
+import itertools
 
 import torch
-import yaml
 
 from mcore_npu.tools import permute_cases
-from mcore_npu.tools.cases import Tolerance
+from mcore_npu.tools.cases import FUSED_TABLE, FusedCase, load_table, table_kind
+from mcore_npu.tools.comparison import CaseResult, compare
 
-FUSED_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/fused_ops_cases.yaml")))
-OPERATORS = ("npu_rms_norm", "npu_swiglu", "npu_grouped_matmul", "npu_rotary_mul")
-OPERATORS += permute_cases.OPERATORS  # the MoE token permute pair and the legacy unpermute
-QUANTITIES = ("forward", "grad0", "grad1")
-"""Output, then the gradients of the call's inputs in order (x; gamma or the weights)."""
-
-
-@dataclass(frozen=True)
-class FusedCase:
-    id: str
-    operator: str
-    params: tuple[tuple[str, Any], ...]
-    dtype: torch.dtype
-    forward: Tolerance
-    grad: Tolerance
-    seed: int
-
-    def param(self, name: str, default=None):
-        return dict(self.params).get(name, default)
+OPERATORS = FusedCase.operators
+QUANTITIES = FusedCase.quantities
 
 
 def is_fused_table(path) -> bool:
     """Whether ``path`` is a fused-operator table (``kind: fused_ops``)."""
-    try:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(loaded, dict) and loaded.get("kind") == "fused_ops"
+    return table_kind(path) == FusedCase.kind
 
 
 def load_fused_cases(path=None) -> list[FusedCase]:
-    table = yaml.safe_load(Path(path or FUSED_TABLE).read_text(encoding="utf-8"))
-    cases = []
-    for operator in OPERATORS:
-        for entry in table.get(operator, []):
-            for dtype_name in table["dtypes"]:
-                tol = table["tolerances"][dtype_name]
-                case_id = f"{operator}/{entry['name']}/{dtype_name}"
-                seed = table["seed"] + int(
-                    hashlib.sha256(entry["name"].encode()).hexdigest()[:6], 16
-                )
-                cases.append(FusedCase(
-                    case_id, operator, tuple(sorted(entry.items())), getattr(torch, dtype_name),
-                    Tolerance(**tol["forward"]), Tolerance(**tol["grad"]), seed,
-                ))  # fmt: skip
-    return cases
+    return load_table(path or FUSED_TABLE)
 
 
 def _normal(shape, seed) -> torch.Tensor:
@@ -75,12 +34,9 @@ def _normal(shape, seed) -> torch.Tensor:
 
 
 def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
-    """``(inputs, kwargs)``: the differentiable input tensors (leaves) and the other arguments.
-
-    rms_norm: ``[x, gamma]``; swiglu: ``[x]``; grouped matmul: ``[x, *weights]`` with ``x`` the
-    single x tensor (for ``group_type=None``, x is split into per-group tensors by the call);
-    rotary_mul: ``[x, r1, r2]`` (cos and sin of seeded angles, shaped ``angle_shape``).
-    """
+    """``(leaves, kwargs)``: rms_norm ``[x, gamma]``; swiglu ``[x]``; grouped matmul ``[x,
+    *weights]`` (x split per group by the call for ``group_type=None``); rotary_mul ``[x, r1,
+    r2]`` (cos and sin of seeded angles, shaped ``angle_shape``)."""
     s = case.seed
     if case.operator in permute_cases.OPERATORS:
         return permute_cases.make_call(case, dtype, device)
@@ -103,9 +59,9 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
             leaves = [_normal((sum(counts), k), s), *weights]
             if case.param("bias"):  # one [N] bias per group: leaves [x, *weights, *biases]
                 leaves += [_normal((n,), s + 101 + e) for e in range(len(counts))]
-        group_list = counts if case.param("group_list_type") == 1 else _cumulative(counts)
-        kwargs = {"split_item": case.param("split_item"), "group_type": case.param("group_type"),
-                  "group_list_type": case.param("group_list_type")}  # fmt: skip
+        cumulative = case.param("group_list_type") != 1
+        group_list = list(itertools.accumulate(counts)) if cumulative else counts
+        kwargs = {k: case.param(k) for k in ("split_item", "group_type", "group_list_type")}
         if case.param("group_type") is not None:
             kwargs["group_list"] = torch.tensor(group_list, dtype=torch.int64, device=device)
     leaves = [t.to(dtype).to(device).requires_grad_(True) for t in leaves]
@@ -129,19 +85,8 @@ def _rotary_oracle(case: FusedCase, leaves) -> torch.Tensor:
     else:
         partner = [c + 1 if c % 2 == 0 else c - 1 for c in range(d)]
         sign = [-1.0 if c % 2 == 0 else 1.0 for c in range(d)]
-    columns = []
-    for c in range(d):
-        term = x[..., c] * r1[..., c] + sign[c] * x[..., partner[c]] * r2[..., c]
-        columns.append(term)
+    columns = [x[..., c] * r1[..., c] + sign[c] * x[..., partner[c]] * r2[..., c] for c in range(d)]
     return torch.stack(columns, dim=-1)
-
-
-def _cumulative(counts):
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    return ends
 
 
 def call_operator(case: FusedCase, op, leaves, kwargs) -> torch.Tensor:
@@ -206,8 +151,6 @@ def oracle(case: FusedCase, leaves) -> torch.Tensor:
 
 
 def _compare_all(case, got, got_leaves, want, want_leaves, upstream):
-    from mcore_npu.tools.comparison import CaseResult, compare
-
     got_grads = torch.autograd.grad(got, got_leaves, upstream.to(got.dtype), allow_unused=True)
     want_grads = torch.autograd.grad(want, want_leaves, upstream.to(want.dtype), allow_unused=True)
     comparisons = [compare("forward", got, want, None, case.forward)]

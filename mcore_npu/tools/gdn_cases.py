@@ -1,77 +1,33 @@
-"""The Gated DeltaNet case table (``specs/gated_delta_cases.yaml``) and its float64 oracles.
+"""The Gated DeltaNet table's cases (``specs/gated_delta_cases.yaml``) and their float64 oracles.
 
-``load_gated_delta_cases`` expands the table into one :class:`GatedDeltaCase` per case and
-dtype; ``make_call`` draws seeded inputs (in float64, then cast, so a case's inputs agree across
-dtypes). The oracles are written here from the definitions, token by token in float64 (the
-recurrence ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``, ``o_t = S_t^T q_t``;
-the convolution as explicit sums over taps), sharing no code with ``mcore_npu.ops``.
-``check_reference_gdn_case`` compares the reference with them; ``check_kernel_gdn_case`` the
-kernel that ``auto`` picks on the device with the float32 reference on the CPU. Both return
-``verify``'s ``CaseResult``.
+``make_call`` draws a case's seeded inputs. The oracles run the definitions token by token in
+float64 (the recurrence ``S_t = e^{g_t} (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``,
+``o_t = S_t^T q_t``; the convolution as explicit sums over taps), sharing no code with
+``mcore_npu.ops``. ``check_reference_gdn_case`` compares the reference with them,
+``check_kernel_gdn_case`` the kernel ``auto`` picks on the device with the float32 reference.
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 from contextlib import nullcontext
-from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 
-from mcore_npu.tools.cases import Tolerance
+from mcore_npu.tools.cases import GDN_TABLE, GatedDeltaCase, load_table, table_kind
+from mcore_npu.tools.comparison import CaseResult, compare
 
-GDN_TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/gated_delta_cases.yaml")))
-OPERATORS = ("chunk_gated_delta_rule", "causal_conv1d", "l2norm", "gated_rms_norm")
-QUANTITIES = ("forward", "state", "grad0", "grad1", "grad2", "grad3", "grad4", "grad5")
-"""Output, final state (the rule only), then the gradients of the inputs in call order."""
-
-
-@dataclass(frozen=True)
-class GatedDeltaCase:
-    id: str
-    operator: str
-    params: tuple[tuple[str, Any], ...]
-    dtype: torch.dtype
-    forward: Tolerance
-    grad: Tolerance
-    seed: int
-
-    def param(self, name: str, default=None):
-        return dict(self.params).get(name, default)
+OPERATORS = GatedDeltaCase.operators
+QUANTITIES = GatedDeltaCase.quantities
 
 
 def is_gated_delta_table(path) -> bool:
     """Whether ``path`` is a Gated DeltaNet table (``kind: gated_delta``)."""
-    try:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(loaded, dict) and loaded.get("kind") == "gated_delta"
+    return table_kind(path) == GatedDeltaCase.kind
 
 
 def load_gated_delta_cases(path=None) -> list[GatedDeltaCase]:
-    table = yaml.safe_load(Path(path or GDN_TABLE).read_text(encoding="utf-8"))
-    cases = []
-    for operator in OPERATORS:
-        for entry in table.get(operator, []):
-            for dtype_name in table["dtypes"]:
-                tol = table["tolerances"][dtype_name]
-                digest = int(hashlib.sha256(entry["name"].encode()).hexdigest()[:6], 16)
-                cases.append(GatedDeltaCase(
-                    f"{operator}/{entry['name']}/{dtype_name}", operator,
-                    tuple(sorted((k, _freeze(v)) for k, v in entry.items())),
-                    getattr(torch, dtype_name), Tolerance(**tol["forward"]),
-                    Tolerance(**tol["grad"]), table["seed"] + digest,
-                ))  # fmt: skip
-    return cases
-
-
-def _freeze(value):
-    return tuple(value) if isinstance(value, list) else value
+    return load_table(path or GDN_TABLE)
 
 
 def _normal(shape, seed) -> torch.Tensor:
@@ -87,9 +43,7 @@ def _layout(case: GatedDeltaCase) -> tuple[int, int, list[int] | None]:
     segments = case.param("segments")
     if segments is None:
         return case.param("batch"), case.param("tokens"), None
-    bounds = [0]
-    for length in segments:
-        bounds.append(bounds[-1] + length)
+    bounds = [0, *itertools.accumulate(segments)]
     return 1, bounds[-1], bounds
 
 
@@ -111,10 +65,8 @@ def make_call(case: GatedDeltaCase, dtype: torch.dtype, device="cpu"):
     else:
         shape = case.param("shape")
         weight = 1 + 0.3 * _normal(shape[-1:], s + 2)
-        leaves, kwargs = (
-            [_normal(shape, s), _normal(shape, s + 1), weight],
-            {"eps": case.param("eps")},
-        )
+        leaves = [_normal(shape, s), _normal(shape, s + 1), weight]
+        kwargs = {"eps": case.param("eps")}
     leaves = [t.to(dtype).to(device).requires_grad_(not case.param("no_grad")) for t in leaves]
     return leaves, kwargs
 
@@ -130,15 +82,17 @@ def _rule_inputs(case: GatedDeltaCase, s: int, device):
     if not case.param("l2norm"):  # the caller's q and k arrive unit-norm
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
     decay = case.param("decay")
-    g = torch.full((b, t, hv), decay, dtype=torch.float64) if case.param("strong") else (
-        decay * _uniform((b, t, hv), s + 3))  # fmt: skip
+    if case.param("strong"):
+        g = torch.full((b, t, hv), decay, dtype=torch.float64)
+    else:
+        g = decay * _uniform((b, t, hv), s + 3)
     beta = torch.sigmoid(_normal((b, t, hv), s + 4))
     leaves = [q, k, _normal((b, t, hv, dv), s + 2), g, beta]
     if case.param("initial"):
         rows = b if bounds is None else len(bounds) - 1
         leaves.append(0.5 * _normal((rows, hv, dk, dv), s + 5))
-    kwargs = {"cu_seqlens": _bounds_tensor(bounds, device), "output_final_state": True,
-              "use_qk_l2norm_in_kernel": bool(case.param("l2norm"))}  # fmt: skip
+    kwargs = {"cu_seqlens": _bounds_tensor(bounds, device), "output_final_state": True}
+    kwargs["use_qk_l2norm_in_kernel"] = bool(case.param("l2norm"))
     return leaves, kwargs
 
 
@@ -158,21 +112,15 @@ def call_operator(case: GatedDeltaCase, leaves, kwargs, kernel: str = "reference
     return gated_delta.gated_rms_norm(*leaves, **kwargs), None
 
 
-# --------------------------------------------------------------------------------------------
-# the float64 oracles
-# --------------------------------------------------------------------------------------------
-
-
 def oracle(case: GatedDeltaCase, leaves, kwargs):
     """The float64 answer from the definitions (differentiable): ``(out, state or None)``."""
     if case.operator == "chunk_gated_delta_rule":
         q, k, v, g, beta, *init = leaves
+        state = init[0] if init else None
         bounds = kwargs["cu_seqlens"]
-        return recurrent_rule(
-            q, k, v, g, beta, initial_state=init[0] if init else None,
-            bounds=None if bounds is None else bounds.tolist(),
-            l2norm=kwargs["use_qk_l2norm_in_kernel"],
-        )  # fmt: skip
+        bounds = None if bounds is None else bounds.tolist()
+        l2norm = kwargs["use_qk_l2norm_in_kernel"]
+        return recurrent_rule(q, k, v, g, beta, initial_state=state, bounds=bounds, l2norm=l2norm)
     if case.operator == "causal_conv1d":
         bounds = kwargs["cu_seqlens"]
         return conv_oracle(*leaves, None if bounds is None else bounds.tolist()), None
@@ -184,14 +132,10 @@ def oracle(case: GatedDeltaCase, leaves, kwargs):
     return weight * (x / rms) * z / (1 + torch.exp(-z)), None
 
 
-def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=False,
-                   scale=None):  # fmt: skip
-    """The gated delta rule token by token in float64 (see the module docstring).
-
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
-    ``[B or N, HV, K, V]``; bounds: packed segment bounds (B == 1). Returns
-    ``(o [B, T, HV, V], final [B or N, HV, K, V])`` in float64.
-    """
+def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=False, scale=None):
+    """The gated delta rule token by token in float64: q, k ``[B, T, H, K]``; v ``[B, T, HV,
+    V]``; g, beta ``[B, T, HV]``; initial_state ``[B or N, HV, K, V]``; bounds: packed segment
+    bounds (B == 1). Returns ``(o [B, T, HV, V], final [B or N, HV, K, V])``."""
     q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
     if l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
@@ -200,14 +144,18 @@ def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=
     b, t, heads, dk = q.shape
     value_heads = v.shape[2]
     head_of = [h // (value_heads // heads) for h in range(value_heads)]
-    segments = [(row, 0, t) for row in range(b)] if bounds is None else [
-        (0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    if bounds is None:
+        segments = [(row, 0, t) for row in range(b)]
+    else:
+        segments = [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
     outs, finals = {}, []
     for n, (row, start, end) in enumerate(segments):
         heads_final = []
         for h in range(value_heads):
-            state = (initial_state[n, h].double() if initial_state is not None
-                     else v.new_zeros(dk, v.shape[-1]))  # fmt: skip
+            if initial_state is None:
+                state = v.new_zeros(dk, v.shape[-1])
+            else:
+                state = initial_state[n, h].double()
             for i in range(start, end):
                 kt, qt = k[row, i, head_of[h]], q[row, i, head_of[h]] * scale
                 state = torch.exp(g[row, i, h]) * state
@@ -215,8 +163,7 @@ def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=
                 outs[row, i, h] = qt @ state
             heads_final.append(state)
         finals.append(torch.stack(heads_final))
-    out = torch.stack([torch.stack([torch.stack([outs[row, i, h] for h in range(value_heads)])
-                                    for i in range(t)]) for row in range(b)])  # fmt: skip
+    out = torch.stack([outs[key] for key in sorted(outs)]).unflatten(0, (b, t, value_heads))
     return out, torch.stack(finals)
 
 
@@ -238,15 +185,8 @@ def conv_oracle(x, weight, bounds=None):
     return torch.stack(rows, dim=1)
 
 
-# --------------------------------------------------------------------------------------------
-# checks
-# --------------------------------------------------------------------------------------------
-
-
 def _compare_all(case, got, got_leaves, want, want_leaves):
     """Forward, state and every input gradient (seeded upstream gradients)."""
-    from mcore_npu.tools.comparison import CaseResult, compare
-
     (out, state), (want_out, want_state) = got, want
     comparisons = [compare("forward", out, want_out, None, case.forward)]
     if want_state is not None:

@@ -1,11 +1,10 @@
 """The MoE token permute operators' part of the fused case table, with its float64 oracle.
 
-``mcore_npu.tools.fused_cases`` hands cases of :data:`OPERATORS` here. Inputs are drawn in
-float64 from the case's seed and cast, so one case routes the same tokens in every dtype.
-Leaves: ``[tokens]`` or ``[tokens, probs]`` (grad0, grad1). The unpermute cases are round trips
-(permute, then unpermute with the same kernel's pair), because ``sorted_indices`` is each
-kernel's own handle. The oracle is written from the contracts with explicit loops (no code
-shared with ``mcore_npu.ops``); routing maps are [T, E] bool, True = token routed to expert.
+``fused_cases`` hands cases of :data:`OPERATORS` here. Leaves: ``[tokens]`` or ``[tokens,
+probs]`` (grad0, grad1), drawn in float64 from the case's seed and cast. Unpermute cases are
+round trips (permute, then unpermute with the same kernel's pair): ``sorted_indices`` is each
+kernel's own handle. The oracle uses explicit loops (no code shared with ``mcore_npu.ops``);
+routing maps are [T, E] bool, True = token routed to expert.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def make_call(case, dtype, device="cpu"):
     leaves, kwargs = [tokens], {"routing_map": routing_map.to(device)}
     if case.param("probs"):
         width = indices.shape[1] if case.operator == LEGACY_UNPERMUTE else routing_map.shape[1]
-        leaves.append(torch.rand(t, width, generator=_generator(case.seed + 1),
-                                 dtype=torch.float64))  # fmt: skip
+        gen = _generator(case.seed + 1)
+        leaves.append(torch.rand(t, width, generator=gen, dtype=torch.float64))
     if indices is not None:
         kwargs["indices"] = indices.to(device)
     if case.param("capacity") is not None:
@@ -69,15 +68,15 @@ def call_operator(case, op, leaves, kwargs):
     """Run the case on ``op`` (torch_npu-shaped); one output tensor."""
     tokens, probs = leaves[0], (leaves[1] if len(leaves) > 1 else None)
     routing_map = kwargs["routing_map"]
-    pad = dict(drop_and_pad=kwargs.get("drop_and_pad", False),
-               num_out_tokens=kwargs.get("num_out_tokens"))  # fmt: skip
+    pad = {"drop_and_pad": kwargs.get("drop_and_pad", False)}
+    pad["num_out_tokens"] = kwargs.get("num_out_tokens")
     if case.operator == PERMUTE:
         rows, row_probs, _ = op(tokens, routing_map, probs=probs, **pad)
         return torch.cat([rows.reshape(-1), row_probs]) if probs is not None else rows
     if case.operator == UNPERMUTE:
         rows, _, indices = _partner(op, PERMUTE)(tokens, routing_map, **pad)
-        return op(rows, indices, tokens.shape, probs=probs,
-                  routing_map=routing_map, drop_and_pad=pad["drop_and_pad"])  # fmt: skip
+        kw = {"probs": probs, "routing_map": routing_map, "drop_and_pad": pad["drop_and_pad"]}
+        return op(rows, indices, tokens.shape, **kw)
     legacy_permute = _partner(op, "npu_moe_token_permute")
     rows, indices = legacy_permute(tokens, kwargs["indices"], kwargs.get("num_out_tokens"))
     return op(rows, indices, probs)

@@ -1,35 +1,14 @@
-"""``mcore-npu verify``: an operator case table, forward and backward, against a trusted answer.
+"""``mcore-npu verify``: a case table, forward and backward, against a trusted answer.
 
-The attention table (default) is described below. ``--cases specs/fused_ops_cases.yaml`` runs
-the fused operators' table instead (``npu_rms_norm``, ``npu_swiglu``, ``npu_grouped_matmul``; see
-``mcore_npu.tools.fused_cases``) in the same two modes, with columns forward / grad0 / grad1.
-``--cases specs/gated_delta_cases.yaml`` runs the Gated DeltaNet operators' table
-(``mcore_npu.tools.gdn_cases``: the kernel ``auto`` picks on the NPU vs the reference, or the
-reference vs float64 oracles), columns forward / state / grad0..grad5.
-
-Two modes, chosen by the device:
-
-* **hardware** (an NPU is usable): ``fusion_attention(kernel="torch_npu")`` with the case's
-  inputs on the NPU against the pure-PyTorch reference on the CPU, run in float32 on the *same*
-  rounded inputs (a bf16/fp16 case rounds its inputs to bf16/fp16 first, then the reference
-  upcasts them). The output and the q/k/v gradients are compared within the case's tolerance.
-* **oracle** (no NPU, or ``--device cpu``): the reference in the case's dtype against a float64
-  dense oracle that lives in this module (a masked softmax written from the operator contract,
-  no SDPA, no code shared with ``mcore_npu.ops``).
-
-Either way, fully masked ("invalid") query rows are excluded from every comparison, as the
-operator contract demands (the hardware's output there is undefined). Which rows are invalid is
-decided by the float64 oracle's keep mask, never by the kernel under test. The upstream gradient
-is zero on those rows, so the k/v gradients do not depend on what a kernel writes there either.
-In oracle mode the reference must also give exactly 0 on invalid rows and finite gradients.
-
-Both modes also run the explicit gradient operator ``npu_fusion_attention_grad`` (through
-``ops.fusion_attention_grad``, given the forward's statistics and output, as ring attention calls
-it) and compare its gradients with the same trusted ones (``op-dq``, ``op-dk``, ``op-dv``; JSON
-and failure details only; skipped for dropout cases).
-
-A case passes when, for each of forward, dq, dk and dv (and op-dq, op-dk, op-dv), ``max|got - want| <= atol + rtol *
-max|want|`` over the valid rows (``Tolerance.bound`` of the case table).
+The table (``--cases``, default ``specs/attention_cases.yaml``) is read by
+``cases.load_table``; each case's ``kind`` picks its check in :data:`CHECKS`. Two modes, by the
+device: **hardware** (an NPU is usable) runs the kernel on the NPU against the reference in
+float32 on the CPU, on the same rounded inputs; **oracle** (no NPU, or ``--device cpu``) runs
+the reference in the case's dtype against a float64 oracle (attention's is in this module: a
+masked softmax written from the operator contract, no code shared with ``mcore_npu.ops``).
+Fully masked ("invalid") query rows, decided by the oracle's keep mask, are left out of every
+comparison. A quantity passes when ``max|got - want| <= atol + rtol * max|want|``. docs/verify.md
+has the details.
 """
 
 from __future__ import annotations
@@ -48,7 +27,15 @@ import torch
 
 from mcore_npu.allocator import device as accelerators
 from mcore_npu.ops import fusion_attention, fusion_attention_grad, fusion_attention_with_stats
-from mcore_npu.tools.cases import DEFAULT_TABLE, AttentionCase, load_cases, make_inputs
+from mcore_npu.tools import fused_cases, gdn_cases
+from mcore_npu.tools.cases import (
+    DEFAULT_TABLE,
+    AttentionCase,
+    Case,
+    CaseInputs,
+    load_table,
+    make_inputs,
+)
 from mcore_npu.tools.comparison import CaseResult, Comparison, compare
 
 __all__ = [
@@ -66,10 +53,8 @@ __all__ = [
     "run_cases",
 ]
 
-GRAD_SEED = 7
-"""Seed of the upstream gradient (``d loss / d out``) of every case."""
-
-QUANTITIES = ("forward", "dq", "dk", "dv")
+GRAD_SEED = 7  # of the upstream gradient (d loss / d out) of every attention case
+QUANTITIES = AttentionCase.quantities
 
 ORACLE_CHECK = "checked the reference against the float64 oracle"
 NO_NPU_NOTE = f"no NPU: hardware comparison skipped; {ORACLE_CHECK}"
@@ -79,19 +64,10 @@ class UsageError(Exception):
     """A command-line request that cannot be served (exit status 2)."""
 
 
-# --------------------------------------------------------------------------------------------
-# the float64 oracle
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class OracleResult:
-    """The oracle's answer for one call.
-
-    Attributes:
-        out: float64, the query's layout with D replaced by Dv (differentiable).
-        valid_out: bool, ``out``'s shape; False on rows that keep no key.
-        valid_q: bool, the query's shape; the same rows, for comparing dq.
+    """``out``: float64, the query's layout with D replaced by Dv (differentiable);
+    ``valid_out`` (``out``'s shape) and ``valid_q`` (the query's): False on rows that keep no key.
     """
 
     out: torch.Tensor
@@ -107,23 +83,11 @@ def oracle(
     input_layout: str,
     **op_kwargs,
 ) -> OracleResult:
-    """``npu_fusion_attention`` by definition, in float64, on the CPU.
-
-    The keep mask of every sparse mode is built from its formula in the contract (see
-    ``specs/npu_fusion_attention.md`` section 6); attention is an explicit masked softmax with
-    output 0 on rows that keep no key. K/V heads are expanded with ``repeat_interleave`` (query
-    head i reads kv head ``i // (Nq / Nkv)``). Dropout and ``pse`` are not modelled (the case
-    table uses neither).
-
-    Args:
-        query, key, value: tensors in ``input_layout`` (any float dtype; used as float64, so
-            pass float64 leaves to get float64 gradients).
-        head_num: Nq.
-        input_layout: ``"BSH"``, ``"SBH"``, ``"BSND"``, ``"BNSD"`` or ``"TND"``.
-        **op_kwargs: the operator's keywords (``atten_mask``, ``scale``, ``sparse_mode``,
-            ``pre_tockens``, ``next_tockens``, ``prefix``, ``actual_seq_qlen``,
-            ``actual_seq_kvlen``); others are ignored.
-    """
+    """``npu_fusion_attention`` by definition, in float64, on the CPU: each sparse mode's keep
+    mask from its formula in ``specs/npu_fusion_attention.md`` (section 6), an explicit masked
+    softmax (0 on rows that keep no key), query head i reading kv head ``i // (Nq / Nkv)``; no
+    dropout or ``pse``. Pass float64 leaves for float64 gradients; of ``op_kwargs`` only the
+    mask-shaping ones, ``scale`` and ``actual_seq_qlen``/``actual_seq_kvlen`` count."""
     q, k, v = (t.cpu().double() for t in (query, key, value))
     rule = _KeepRule.from_kwargs(op_kwargs)
     layout = input_layout.upper()
@@ -143,9 +107,7 @@ def oracle(
 @dataclass(frozen=True)
 class _KeepRule:
     """The mask-shaping operator arguments, with the keep condition of each mode.
-
-    Polarity: ``keep`` returns True = the score is kept; ``mask`` is the operator's
-    ``atten_mask`` (True = masked out).
+    ``keep`` returns True = kept; ``mask`` is the operator's ``atten_mask`` (True = masked out).
     """
 
     mode: int = 0
@@ -169,11 +131,8 @@ class _KeepRule:
         )
 
     def keep(self, seq_q, seq_kv, mask, prefix, mode) -> torch.Tensor:
-        """Keep mask of one block, broadcastable to ``[B, N, Sq, Skv]`` (True = kept).
-
-        ``mask`` is the dense mask for this block (modes 0/1), ``prefix`` the per-batch prefix
-        lengths (modes 5/6), ``mode`` the sparse mode that applies to the block.
-        """
+        """Keep mask of one block, broadcastable to ``[B, N, Sq, Skv]`` (True = kept);
+        ``mask``: the block's dense mask (modes 0/1), ``prefix``: per-batch lengths (5/6)."""
         i = torch.arange(seq_q).view(-1, 1)  # [Sq, 1]
         j = torch.arange(seq_kv).view(1, -1)  # [1, Skv]
         d = seq_kv - seq_q
@@ -197,11 +156,8 @@ class _KeepRule:
 
 
 def _masked_attention(q, k, v, keep, scale):
-    """Masked softmax attention on ``[B, N, S, D]`` (K/V with their own head count).
-
-    Returns:
-        ``(out [B, Nq, Sq, Dv], valid [B, Nq, Sq])``; rows with no kept key are 0.
-    """
+    """Masked softmax attention on ``[B, N, S, D]`` (K/V with their own head count):
+    ``(out [B, Nq, Sq, Dv], valid [B, Nq, Sq])``; rows with no kept key are 0."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Nq, Skv, D]
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, Nq, Sq, Skv]
@@ -251,8 +207,7 @@ def _oracle_packed(q, k, v, rule: _KeepRule, kwargs: dict) -> OracleResult:
 
 
 def _band_segment(mode: int, lengths: list[tuple[int, int]]) -> int | None:
-    """Modes 7/8: the segment that takes the band (mode 7: last with Sq_s > 0; 8: first with
-    Skv_s > 0)."""
+    """Modes 7/8: the segment that takes the band (7: last with Sq_s > 0; 8: first, Skv_s > 0)."""
     if mode == 7:
         return max((s for s, (sq, _) in enumerate(lengths) if sq > 0), default=None)
     if mode == 8:
@@ -286,11 +241,6 @@ def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t
 
 
-# --------------------------------------------------------------------------------------------
-# one case
-# --------------------------------------------------------------------------------------------
-
-
 def _upstream_grad(shape, dtype: torch.dtype, valid_out: torch.Tensor) -> torch.Tensor:
     """The seeded ``d loss / d out`` in ``dtype``, zero on invalid rows (CPU)."""
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(GRAD_SEED))
@@ -310,10 +260,8 @@ def _grad_comparisons(got_leaves, want_leaves, valid_q, tolerance) -> list[Compa
 
 
 def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu") -> CaseResult:
-    """Oracle mode: the reference in the case's dtype against the float64 oracle.
-
-    Also requires output 0 and dq 0 on invalid rows, and finite gradients everywhere.
-    """
+    """Oracle mode: the reference in the case's dtype against the float64 oracle; also requires
+    output 0 and dq 0 on invalid rows, and finite gradients everywhere."""
     inputs = make_inputs(case, device=device)
     got_leaves = (inputs.query, inputs.key, inputs.value)
     want_leaves = [t.detach().cpu().double().requires_grad_() for t in got_leaves]
@@ -322,14 +270,13 @@ def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu"
     )
     grad = _upstream_grad(want.out.shape, case.torch_dtype, want.valid_out)
     got = fusion_attention(*inputs.call_args(), kernel="reference", **inputs.op_kwargs)
-    got.backward(grad.to(got.device))
+    dy = grad.to(got.device)
+    got.backward(dy)
     want.out.backward(grad.double())
     comparisons = [compare("forward", got, want.out, want.valid_out, case.forward)]
     comparisons += _grad_comparisons(got_leaves, want_leaves, want.valid_q, case.grad)
-    comparisons += _grad_operator_comparisons(
-        inputs, grad.to(got.device), "reference", [t.grad for t in want_leaves], want.valid_q,
-        case.grad,
-    )  # fmt: skip
+    grads = [t.grad for t in want_leaves]
+    comparisons += _op_grad_comparisons(inputs, dy, "reference", grads, want.valid_q, case.grad)
     problems = []
     if bool((got.detach().cpu()[~want.valid_out] != 0).any()):
         problems.append("the output is not 0 on invalid (fully masked) rows")
@@ -342,12 +289,8 @@ def check_reference_case(case: AttentionCase, device: torch.device | str = "cpu"
 
 
 def check_kernel_case(case: AttentionCase, device: torch.device | str) -> CaseResult:
-    """Hardware mode: ``torch_npu`` on ``device`` against the float32 reference on the CPU.
-
-    Both run on the same inputs (drawn in float64, rounded to the case's dtype on the CPU, then
-    copied to the device as they are); the reference upcasts them to float32. Invalid rows
-    (from the float64 oracle's keep mask) are excluded.
-    """
+    """Hardware mode: ``torch_npu`` on ``device`` against the float32 reference on the CPU, both
+    on the inputs rounded to the case's dtype on the CPU (the reference upcasts them)."""
     rounded = make_inputs(case, requires_grad=False)  # the case's dtype, CPU
     device_leaves = [t.to(device, copy=True).requires_grad_() for t in rounded.call_args()[:3]]
     device_kwargs = {
@@ -364,45 +307,36 @@ def check_kernel_case(case: AttentionCase, device: torch.device | str) -> CaseRe
     want.backward(grad.float())
     comparisons = [compare("forward", got, want, truth.valid_out, case.forward)]
     comparisons += _grad_comparisons(device_leaves, ref_leaves, truth.valid_q, case.grad)
-    device_inputs = _Leaves(device_leaves, heads, layout, device_kwargs)
-    comparisons += _grad_operator_comparisons(
-        device_inputs, grad.to(device), "torch_npu", [t.grad for t in ref_leaves], truth.valid_q,
-        case.grad,
-    )  # fmt: skip
+    on_device = CaseInputs(*device_leaves, heads, layout, device_kwargs)
+    grads, dy = [t.grad for t in ref_leaves], grad.to(device)
+    comparisons += _op_grad_comparisons(on_device, dy, "torch_npu", grads, truth.valid_q, case.grad)
     return CaseResult(case.id, tuple(comparisons))
 
 
-@dataclass(frozen=True)
-class _Leaves:
-    """q/k/v, head_num, layout and operator keywords of one call (as ``make_inputs`` gives)."""
-
-    leaves: Sequence[torch.Tensor]
-    head_num: int
-    input_layout: str
-    op_kwargs: dict
-
-    def call_args(self):
-        return (*self.leaves, self.head_num, self.input_layout)
+CHECKS = {  # a case's kind -> (its oracle-mode check, its hardware-mode check)
+    "attention": (check_reference_case, check_kernel_case),
+    "fused_ops": (fused_cases.check_reference_fused_case, fused_cases.check_kernel_fused_case),
+    "gated_delta": (gdn_cases.check_reference_gdn_case, gdn_cases.check_kernel_gdn_case),
+}
 
 
-def _grad_operator_comparisons(inputs, dy, kernel, want_grads, valid_q, tolerance):
-    """``npu_fusion_attention_grad`` given the forward's statistics and output, vs ``want_grads``.
-
-    Compared as ``op-dq``/``op-dk``/``op-dv``: what ring attention (context parallelism) calls
-    per block. Skipped (no comparisons) for dropout cases: no kernel can replay the mask.
-    """
+def _op_grad_comparisons(inputs, dy, kernel, want_grads, valid_q, tolerance):
+    """``npu_fusion_attention_grad`` (as ring attention calls it per block: given the forward's
+    statistics and output) against ``want_grads``, as ``op-dq``/``op-dk``/``op-dv``. None for
+    dropout cases: no kernel can replay the mask."""
     kwargs = dict(inputs.op_kwargs)
     if float(kwargs.get("keep_prob", 1.0)) != 1.0:
         return []
     q, k, v = (t.detach() for t in inputs.call_args()[:3])
-    head_num, layout = inputs.head_num, inputs.input_layout
+    heads, layout = inputs.head_num, inputs.input_layout
     with torch.no_grad():
-        out, smax, ssum = fusion_attention_with_stats(q, k, v, head_num, layout, kernel=kernel,
-                                                      **kwargs)  # fmt: skip
+        out, smax, ssum = fusion_attention_with_stats(
+            q, k, v, heads, layout, kernel=kernel, **kwargs
+        )
     kwargs["scale_value"] = kwargs.pop("scale", 1.0)
-    grads = fusion_attention_grad(q, k, v, dy.to(out.dtype), head_num, layout, kernel=kernel,
-                                  softmax_max=smax, softmax_sum=ssum, attention_in=out,
-                                  **kwargs)  # fmt: skip
+    stats = {"softmax_max": smax, "softmax_sum": ssum, "attention_in": out}
+    dy = dy.to(out.dtype)
+    grads = fusion_attention_grad(q, k, v, dy, heads, layout, kernel=kernel, **stats, **kwargs)
     rows = (valid_q, None, None)
     return [
         compare(f"op-{name}", got, want, valid, tolerance)
@@ -412,12 +346,7 @@ def _grad_operator_comparisons(inputs, dy, kernel, want_grads, valid_q, toleranc
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
-    """One CPU thread for torch while the cases run, then the previous count again.
-
-    The cases are tiny (16-dim heads, sequences of 19 at most): with several intra-op threads
-    the CPU side spends most of its time starting and parking threads (the full table took
-    19 s with two threads and 3.4 s with one, on two cores).
-    """
+    """One CPU thread for torch while the (tiny) cases run, then the previous count again."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -427,8 +356,8 @@ def single_threaded() -> Iterator[None]:
 
 
 def run_cases(
-    cases: Iterable[AttentionCase],
-    check: Callable[[AttentionCase], CaseResult],
+    cases: Iterable[Case],
+    check: Callable[[Case], CaseResult],
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> list[CaseResult]:
     """Run ``check`` on every case; an exception fails that case only (its message is kept)."""
@@ -445,11 +374,6 @@ def run_cases(
     return results
 
 
-# --------------------------------------------------------------------------------------------
-# choosing what to compare
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Target:
     """Where the cases run and against what."""
@@ -462,27 +386,14 @@ class Target:
     def mode(self) -> str:
         return "hardware" if self.hardware else "oracle"
 
-    def check(self, case: AttentionCase) -> CaseResult:
-        from mcore_npu.tools import fused_cases, gdn_cases
-
-        if isinstance(case, gdn_cases.GatedDeltaCase):
-            if self.hardware:
-                return gdn_cases.check_kernel_gdn_case(case, self.device)
-            return gdn_cases.check_reference_gdn_case(case, self.device)
-        if isinstance(case, fused_cases.FusedCase):
-            if self.hardware:
-                return fused_cases.check_kernel_fused_case(case, self.device)
-            return fused_cases.check_reference_fused_case(case, self.device)
-        if self.hardware:
-            return check_kernel_case(case, self.device)
-        return check_reference_case(case, self.device)
+    def check(self, case: Case) -> CaseResult:
+        reference, kernel = CHECKS[case.kind]
+        return (kernel if self.hardware else reference)(case, self.device)
 
 
 def choose_target(requested: str | None) -> Target:
-    """``--device``: None picks the NPU when one is usable, else the CPU (oracle mode).
-
-    An explicit ``npu`` device that is not usable is an error, not a silent fallback.
-    """
+    """``--device``: None picks the NPU when one is usable, else the CPU (oracle mode); an
+    explicit ``npu`` device that is not usable is an error, not a silent fallback."""
     if requested is None:
         if accelerators.is_npu_available():
             return Target(accelerators.current_device(), hardware=True)
@@ -498,25 +409,15 @@ def choose_target(requested: str | None) -> Target:
     try:
         chosen = torch.device(requested)
     except (RuntimeError, ValueError) as exc:
-        raise UsageError(
-            f"--device {requested!r}: not a device ({exc}); e.g. npu:0 or cpu"
-        ) from exc
+        message = f"--device {requested!r}: not a device ({exc}); e.g. npu:0 or cpu"
+        raise UsageError(message) from exc
     note = f"--device {requested}: hardware comparison skipped; {ORACLE_CHECK}"
     return Target(chosen, hardware=False, note=note)
 
 
-def select_cases(path: str | Path | None, substring: str | None) -> list[AttentionCase]:
-    """The table's cases whose id contains ``substring`` (all of them without one).
-
-    A fused-operator table (``kind: fused_ops``) gives ``FusedCase`` objects instead.
-    """
-    from mcore_npu.tools import fused_cases, gdn_cases
-
-    fused = path is not None and fused_cases.is_fused_table(path)
-    if path is not None and gdn_cases.is_gated_delta_table(path):
-        cases = gdn_cases.load_gated_delta_cases(path)
-    else:
-        cases = fused_cases.load_fused_cases(path) if fused else load_cases(path)
+def select_cases(path: str | Path | None, substring: str | None) -> list[Case]:
+    """The table's cases whose id contains ``substring`` (all of them without one)."""
+    cases = load_table(path)
     if substring:
         cases = [case for case in cases if substring in case.id]
         if not cases:
@@ -525,11 +426,6 @@ def select_cases(path: str | Path | None, substring: str | None) -> list[Attenti
                 f"'BSH/causal_bottom_right/GQA/q_longer/bfloat16'"
             )
     return cases
-
-
-# --------------------------------------------------------------------------------------------
-# output
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -582,9 +478,10 @@ def _number(value: float) -> float | str:
 def _result_json(result: CaseResult) -> dict:
     entry: dict = {"id": result.case_id, "passed": result.passed}
     for c in result.comparisons:
+        error, bound = _number(c.max_error), _number(c.bound)
         entry[c.name] = {
-            "max_error": _number(c.max_error),
-            "bound": _number(c.bound),
+            "max_error": error,
+            "bound": bound,
             "compared": c.compared,
             "passed": c.passed,
         }
@@ -594,6 +491,7 @@ def _result_json(result: CaseResult) -> dict:
 
 def _report_json(target: Target, args, results, seconds: float) -> dict:
     passed = sum(result.passed for result in results)
+    counts = {"cases": len(results), "passed": passed, "failed": len(results) - passed}
     return {
         "mode": target.mode,
         "device": str(target.device),
@@ -601,19 +499,8 @@ def _report_json(target: Target, args, results, seconds: float) -> dict:
         "cases_file": str(args.cases),
         "filter": args.filter,
         "results": [_result_json(result) for result in results],
-        "summary": {
-            "cases": len(results),
-            "passed": passed,
-            "failed": len(results) - passed,
-            "seconds": round(seconds, 2),
-            "line": summary_line(results),
-        },
+        "summary": {**counts, "seconds": round(seconds, 2), "line": summary_line(results)},
     }
-
-
-# --------------------------------------------------------------------------------------------
-# the command
-# --------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -656,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_text(cases: list[AttentionCase], target: Target, args) -> list[CaseResult]:
+def _run_text(cases: list[Case], target: Target, args) -> list[CaseResult]:
     if target.note:
         print(target.note)
     selection = f", filter {args.filter!r}" if args.filter else ""
@@ -664,14 +551,8 @@ def _run_text(cases: list[AttentionCase], target: Target, args) -> list[CaseResu
         f"cases: {args.cases} ({len(cases)} cases{selection}); mode {target.mode}, "
         f"device {target.device}"
     )
-    from mcore_npu.tools import fused_cases, gdn_cases
-
-    quantities = QUANTITIES
-    if isinstance(cases[0], fused_cases.FusedCase):
-        quantities = fused_cases.QUANTITIES
-    elif isinstance(cases[0], gdn_cases.GatedDeltaCase):
-        quantities = gdn_cases.QUANTITIES
-    report = _TextReport(id_width=max(len(case.id) for case in cases) + 2, quantities=quantities)
+    id_width = max(len(case.id) for case in cases) + 2
+    report = _TextReport(id_width=id_width, quantities=cases[0].quantities)
     report.header()
     results = run_cases(cases, target.check, on_result=report.row)
     failures = [result for result in results if not result.passed]

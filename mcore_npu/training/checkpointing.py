@@ -1,32 +1,11 @@
 """Sharded checkpoints through ``megatron.core.dist_checkpointing``, saved synchronously.
 
-A checkpoint is a directory ``<checkpoint_dir>/step_<N>`` holding the model and optimizer as
-sharded tensors (so a checkpoint saved at one tensor/pipeline-parallel size loads at another)
-plus common state (step, scheduler, config)::
-
-    step_0000005/
-      common.pt        step, scheduler, config (rank 0, torch.save; megatron-core 0.19+
-                       keeps them in the .distcp files instead)
-      __0_0.distcp     the tensors written by rank 0 (one file per rank)
-      .metadata        where each tensor lies in the .distcp files
-      metadata.json    written last, after every rank finished: the folder is complete
-
-``<checkpoint_dir>/latest`` names the newest complete one. It is replaced atomically (written to
-a temporary file, fsync'ed, renamed) only after every rank finished saving, so it never names a
-half-written folder; resuming does not trust it blindly either (``run_folder.resume_point``).
-
-Saving runs in the training process itself, with no helper process: Megatron's default
-``torch_dist`` strategy writes through a forked writer process and a multiprocessing Manager,
-which outlive a killed trainer and keep writing. ``sync_save_strategy()`` writes the same format
-(Megatron loads it with its own ``torch_dist`` strategy) through PyTorch's plain
-``FileSystemWriter`` with one thread, the calling one, and fsyncs every file.
-
-A checkpoint loads into either parameter layout (``model.param_layout`` te or local) whatever
-layout saved it: ``match_layout`` renames the model's sharded keys to the checkpoint's names for
-the same tensors (``mcore_npu.transformer.param_layout``) before loading, so ``train.resume`` and
-``train.init_from`` cross layouts. Every checkpoint tensor must find a model tensor and the other
-way round; an unmatched name is an error that names it. Only ``_extra_state`` entries (TE's FP8
-metadata, empty here) may be missing on either side.
+``<checkpoint_dir>/step_<N>`` holds the model and optimizer as sharded tensors (they load at
+another parallel layout) plus common state (step, scheduler, config): ``common.pt`` (megatron-core
+<= 0.18), one ``.distcp`` file per rank, ``.metadata``, and ``metadata.json``, written last.
+``<checkpoint_dir>/latest`` names the newest complete one, replaced atomically after every rank
+finished (docs/train.md). Saving runs in this process: no writer process that could outlive a
+killed trainer. ``match_layout`` loads into either parameter layout (te or local).
 """
 
 from __future__ import annotations
@@ -108,11 +87,8 @@ def write_latest(checkpoint_dir: str | Path, target: Path) -> None:
 
 
 def diagnose(path: str | Path) -> str | None:
-    """What is wrong with the checkpoint folder ``path`` (one phrase naming the file), or None.
-
-    Checks without loading: the completion mark, ``common.pt``, the ``.metadata`` index, and that
-    every ``.distcp`` file it names exists and is long enough for the bytes it should hold.
-    """
+    """What is wrong with the checkpoint folder ``path`` (one phrase naming the file), or None:
+    the completion mark, ``common.pt``, ``.metadata``, every ``.distcp`` there and long enough."""
     path = Path(path)
     mark = path / COMPLETE_MARK
     if not mark.is_file():
@@ -135,9 +111,8 @@ def diagnose(path: str | Path) -> str | None:
 
 
 def _writes_common_file() -> bool:
-    """Whether the installed megatron-core saves the common state as ``common.pt`` (<= 0.18);
-    0.19+ writes it into the ``.distcp`` files (the sharded object ``common_state``) and reads a
-    ``common.pt`` only from older checkpoints."""
+    """Whether the installed megatron-core saves ``common.pt`` (<= 0.18; 0.19+ keeps the common
+    state in the ``.distcp`` files)."""
     return megatron_features.has("checkpoint_common_file")
 
 
@@ -160,12 +135,8 @@ def _check_data_files(path: Path, storage) -> str | None:
 
 
 def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
-    """Save ``state`` (sharded tensors + plain objects) as ``step_<step>`` and mark it latest.
-
-    Raises:
-        CheckpointError: the save failed (disk full, unwritable folder, ...): the message names
-            the folder and the cause; ``latest`` still names the previous checkpoint.
-    """
+    """Save ``state`` (sharded tensors + plain objects) as ``step_<step>`` and mark it latest; else
+    ``CheckpointError`` naming the folder and the cause, ``latest`` unchanged."""
     from megatron.core import dist_checkpointing
 
     target = step_dir(checkpoint_dir, step)
@@ -183,8 +154,9 @@ def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
         if dist.get_rank() == 0:
             shutil.rmtree(target, ignore_errors=True)  # incomplete: free its space
         previous, _ = read_latest(checkpoint_dir)
-        kept = f"{previous.name} is still the latest valid checkpoint" if previous else (
-            "no earlier checkpoint exists")  # fmt: skip
+        kept = "no earlier checkpoint exists"
+        if previous:
+            kept = f"{previous.name} is still the latest valid checkpoint"
         raise CheckpointError(
             f"saving checkpoint {target} failed: {failure}; {kept}; free space or pick another "
             "train.checkpoint_dir, then resume with train.resume=true"
@@ -196,25 +168,15 @@ def save(state: dict, checkpoint_dir: str | Path, step: int) -> Path:
 
 
 OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
-"""Keys of the optimizer's sharded state on disk: ``optimizer.`` for one optimizer,
-``chained_{i}.optimizer.`` for Megatron's ``ChainedOptimizer`` (an MoE model's dense and expert
-parameters, each its own optimizer)."""
+"""Keys of the optimizer's sharded state on disk (``chained_{i}.``: a ``ChainedOptimizer``'s)."""
 COMMON_STATE_KEY = "common_state"
-"""The sharded object megatron-core 0.19+ saves the common state as (``serialization.save``);
-not a model tensor. Earlier releases write ``common.pt`` instead and have no such key."""
+"""The sharded object megatron-core 0.19+ saves the common state as; not a model tensor."""
 
 
 def match_layout(model_state: dict, path: str | Path) -> dict:
-    """``model_state`` (a model's ``sharded_state_dict()``) renamed to the names on disk.
-
-    Each value's ``key`` becomes the checkpoint's name for the same tensor (either layout); values
-    whose name the checkpoint lacks are dropped (only ``_extra_state`` entries may be). Build the
-    optimizer's template from the result, so that its keys follow. Changes the values in place.
-
-    Raises:
-        CheckpointError: no readable checkpoint at ``path`` (as ``load`` says it).
-        ValueError: a model tensor without a checkpoint tensor or the reverse, each named.
-    """
+    """``model_state`` (a ``sharded_state_dict()``) renamed in place to the names on disk; values
+    the checkpoint lacks are dropped (only ``_extra_state`` may be). ``CheckpointError``
+    (unreadable) or ``ValueError`` (a tensor on one side only, named)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
@@ -225,8 +187,7 @@ def match_layout(model_state: dict, path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: {problem}")
     on_disk = load_sharded_metadata(str(path))
     names = {value.key for value in on_disk.values()}  # objects are listed once per shard
-    source = [name for name in names
-              if not OPTIMIZER_KEY.match(name) and name != COMMON_STATE_KEY]  # fmt: skip
+    source = [n for n in names if not OPTIMIZER_KEY.match(n) and n != COMMON_STATE_KEY]
     written = {id(value): _written_keys(value) for value in nested_values(model_state)}
     target = {key for keys in written.values() for key in keys}
     try:
@@ -334,11 +295,8 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def load(template: dict, path: str | Path) -> dict:
-    """Load ``path`` into the shapes of ``template`` (this process's sharded state dict).
-
-    Raises:
-        CheckpointError: one line naming the folder, the damaged file and what is wrong.
-    """
+    """Load ``path`` into the shapes of ``template`` (this process's sharded state dict); else
+    ``CheckpointError``, one line naming the folder, the damaged file and what is wrong."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -358,7 +316,7 @@ def _first_line(err: BaseException) -> str:
 
 def sync_save_strategy():
     """Megatron's ``torch_dist`` v1 format, written in this process by PyTorch's FileSystemWriter
-    (one thread, fsync'ed files, no helper process). Megatron loads it with its own strategy."""
+    (one thread, fsync'ed files, no helper process)."""
     return _strategy_class()()
 
 
@@ -373,11 +331,8 @@ def _strategy_class():
     from torch.distributed import checkpoint as dcp
 
     class _SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        """Same keys, planner and files as Megatron's ``torch_dist`` v1; no helper process.
-
-        A ``TorchDistSaveShardedStrategy`` (only its ``save`` is replaced): megatron-core
-        0.18+'s ``dist_checkpointing.save`` swaps any other strategy for its default one, whose
-        writer runs in a spawned helper process (0.15-0.17 take any ``SaveShardedStrategy``)."""
+        """Megatron's ``torch_dist`` v1 with its ``save`` replaced (a subclass, because
+        megatron-core 0.18+ swaps any other strategy for its default one)."""
 
         def __init__(self) -> None:
             super().__init__("torch_dist", 1)

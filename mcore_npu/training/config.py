@@ -1,19 +1,11 @@
 """The YAML schema of ``mcore-npu train``: structured OmegaConf configs, loading, validation.
 
-A config has eight sections (``optimizer`` takes Megatron's precision and offload keys). The two keys that turn the plugin on::
-
-    attention:
-      backend: npu_fusion        # auto | npu_fusion | local | te
-    memory:
-      expandable_segments: true
-
-``load_config(path, overrides)`` reads YAML (safe loading), applies hydra-style dotlist
-overrides (``train.steps=50 attention.backend=local``), and validates every value before any
-process group starts. A bad value raises ``ConfigError`` whose message names the key path, the
-value received and the fix. ``model`` also takes any other field of Megatron's
-``TransformerConfig`` (checked against the installed one; an unknown name gets a suggestion),
-and with ``multi_latent_attention: true`` the fields of ``MLATransformerConfig`` (``q_lora_rank``,
-``kv_lora_rank``, ``qk_head_dim``, ``rope_type``, ...), which then builds the model.
+Eight sections (``model``, ``attention``, ``fused``, ``memory``, ``parallel``, ``train``,
+``data``, ``optimizer``; docs/train.md lists their keys). ``load_config(path, overrides)`` reads
+YAML, applies dotlist overrides and validates every value before any process group starts; a
+bad value raises ``ConfigError`` naming the key path, the value and the fix. ``model`` also
+takes any other field of the installed ``TransformerConfig`` (or ``MLATransformerConfig`` with
+``multi_latent_attention: true``).
 """
 
 from __future__ import annotations
@@ -80,16 +72,13 @@ class ModelSection:
 
 @dataclass
 class AttentionSection:
-    backend: str = (
-        "auto"  # auto: npu_fusion on NPU, te where transformer-engine imports, else local
-    )
+    backend: str = "auto"  # npu_fusion on NPU, te where transformer-engine imports, else local
     kernel: str = "auto"  # npu_fusion only: auto = torch_npu on NPU tensors, reference elsewhere
 
 
 @dataclass
 class FusedSection:
-    """Kernels of the fused operators in the npu_fusion spec (null = attention.kernel; off =
-    Megatron's own module: torch RMSNorm, MLP, SequentialMLP)."""
+    """The npu_fusion spec's fused-operator kernels (null = attention.kernel; off = Megatron's)."""
 
     rms_norm: str | None = None  # npu_rms_norm in the input / pre-MLP / q-k / final norms
     swiglu: str | None = None  # npu_swiglu as the SwiGLU activation (dense MLP and experts)
@@ -200,19 +189,8 @@ def load_config(
     *,
     world_size: int | None = None,
 ) -> DictConfig:
-    """YAML file (optional) + dotlist overrides -> a validated, typed config.
-
-    A file may start from another with a top-level ``base: gpt_tiny.yaml`` (relative path);
-    its own keys override the base's.
-
-    Args:
-        path: a YAML file, or None for the defaults.
-        overrides: ``["train.steps=50", "attention.backend=local"]``.
-        world_size: processes in the run; default ``WORLD_SIZE`` from the environment, else 1.
-
-    Raises:
-        ConfigError: a value that cannot work (key path, value and fix in the message).
-    """
+    """YAML file (optional; ``base: other.yaml`` extends another) + dotlist overrides
+    (``train.steps=50``) -> a validated config; ``world_size`` defaults to ``WORLD_SIZE`` or 1."""
     raw = _read_yaml(path) if path is not None else {}
     raw = _deep_merge(raw, _parse_overrides(overrides))
     _check_sections(raw)
@@ -223,8 +201,8 @@ def load_config(
         cfg = OmegaConf.merge(cfg, raw)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(key, _value_at(raw, key), _omegaconf_problem(err),
-                          "fix the type or spelling of that key") from None  # fmt: skip
+        fix = "fix the type or spelling of that key"
+        raise ConfigError(key, _value_at(raw, key), _omegaconf_problem(err), fix) from None
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world_size)
@@ -232,7 +210,7 @@ def load_config(
 
 
 def _read_yaml(path, _depth: int = 0) -> dict:
-    """A YAML mapping; a top-level ``base: other.yaml`` (relative to this file) is merged under it."""
+    """A YAML mapping, merged over its ``base: other.yaml`` (relative to this file) if any."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("--config", str(path), "no such file", "pass the path of a YAML file")
@@ -245,22 +223,22 @@ def _read_yaml(path, _depth: int = 0) -> dict:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ConfigError("--config", str(path), "the top level is not a mapping",
-                          "write sections such as 'model:' and 'train:'")  # fmt: skip
+        fix = "write sections such as 'model:' and 'train:'"
+        raise ConfigError("--config", str(path), "the top level is not a mapping", fix)
     base = loaded.pop("base", None)
     if base is None:
         return loaded
     if _depth > 8:
-        raise ConfigError(f"{path}: base", base, "bases nest too deeply (a cycle?)",
-                          "point 'base' at a file that does not lead back here")  # fmt: skip
+        fix = "point 'base' at a file that does not lead back here"
+        raise ConfigError(f"{path}: base", base, "bases nest too deeply (a cycle?)", fix)
     return _deep_merge(_read_yaml(path.parent / base, _depth + 1), loaded)
 
 
 def _parse_overrides(overrides) -> dict:
     for item in overrides:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(item, item, "an override must look like key.path=value",
-                              "e.g. train.steps=50")  # fmt: skip
+            problem = "an override must look like key.path=value"
+            raise ConfigError(item, item, problem, "e.g. train.steps=50")
     return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))) if overrides else {}
 
 
@@ -302,16 +280,19 @@ def _route_model_keys(model: dict) -> dict:
     given_extra = dict(model.get("extra") or {})
     passthrough = [(k, v) for k, v in model.items() if k not in own and k != "extra"]
     if not passthrough and not given_extra:
-        return dict(model)  # no TransformerConfig passthrough: no need to import megatron
+        return dict(model)  # no need to import megatron
     hints = _transformer_config_hints()
     extra = {}
     for key, value in [*passthrough, *given_extra.items()]:
         if key in own:
-            raise ConfigError(f"model.extra.{key}", value, "is a model key",
-                              f"set model.{key} directly")  # fmt: skip
+            fix = f"set model.{key} directly"
+            raise ConfigError(f"model.extra.{key}", value, "is a model key", fix)
         if key in _SET_ELSEWHERE:
-            raise ConfigError(f"model.{key}", value, "is set from another part of this config",
-                              f"set {_SET_ELSEWHERE[key]} instead")  # fmt: skip
+            problem, fix = (
+                "is set from another part of this config",
+                f"set {_SET_ELSEWHERE[key]} instead",
+            )
+            raise ConfigError(f"model.{key}", value, problem, fix)
         if key not in hints:
             raise ConfigError(
                 f"model.{key}",
@@ -351,8 +332,7 @@ _SET_ELSEWHERE = {  # TransformerConfig fields this schema sets itself, and wher
 
 
 def _transformer_config_hints() -> dict[str, Any]:
-    """Field -> annotation of ``MLATransformerConfig`` (``TransformerConfig`` and the MLA fields;
-    :func:`mla_only_fields` says which need ``multi_latent_attention``)."""
+    """Field -> annotation of ``MLATransformerConfig`` (``TransformerConfig`` + the MLA fields)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     names = {f.name for f in dataclasses.fields(MLATransformerConfig)}
@@ -381,8 +361,9 @@ def _check_annotation(key: str, value: Any, annotation: Any) -> None:
     """Accept YAML scalars/lists where the TransformerConfig field's type allows them."""
     allowed = _simple_types(annotation)
     if allowed is None:
-        raise ConfigError(key, value, f"this field has type {annotation} and cannot be set from "
-                          "YAML", "leave it out (mcore_npu sets it) or set it from Python")  # fmt: skip
+        problem = f"this field has type {annotation} and cannot be set from YAML"
+        fix = "leave it out (mcore_npu sets it) or set it from Python"
+        raise ConfigError(key, value, problem, fix)
     if value is None and type(None) in allowed:
         return
     if isinstance(value, bool) and bool not in allowed:
@@ -455,7 +436,6 @@ def optimizer_keys(cfg) -> dict:
 
 
 def _validate_optimizer(cfg) -> None:
-    """The precision and offload keys, checked as the optimizer will read them."""
     from mcore_npu.optimizer.settings import AdamSettings
 
     keys = optimizer_keys(cfg)
@@ -475,13 +455,22 @@ def is_gdn(cfg) -> bool:
 def _validate_rotary_percent(cfg) -> None:
     value = cfg.model.rotary_percent
     if not 0 < value <= 1:
-        _fail("model.rotary_percent", value, "must be in (0, 1]",
-              "use 1.0 (full RoPE) or the rotated share, e.g. 0.25")  # fmt: skip
+        fix = "use 1.0 (full RoPE) or the rotated share, e.g. 0.25"
+        _fail("model.rotary_percent", value, "must be in (0, 1]", fix)
+
+
+_GDN_DEFAULTS = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_attention_freq": None,
+}
 
 
 def _validate_gdn(cfg) -> None:
-    """A Gated DeltaNet hybrid: the npu_fusion spec builds it; its ``linear_*`` fields as
-    ``GDNTransformerConfig`` checks them (heads split over tensor x context ranks)."""
+    """Gated DeltaNet: npu_fusion only; ``linear_*`` fields as ``GDNTransformerConfig`` checks."""
     if not is_gdn(cfg):
         return
     from types import SimpleNamespace
@@ -489,23 +478,22 @@ def _validate_gdn(cfg) -> None:
     from mcore_npu.transformer.gated_delta_net.config import check_gdn_fields
 
     if _resolved_backend(cfg) != "npu_fusion":
-        _fail("model.experimental_attention_variant", "gated_delta_net", "is built by the "
-              f"npu_fusion spec only (attention.backend={cfg.attention.backend})",
-              "use attention.backend=npu_fusion")  # fmt: skip
+        problem = (
+            f"is built by the npu_fusion spec only (attention.backend={cfg.attention.backend})"
+        )
+        fix = "use attention.backend=npu_fusion"
+        _fail("model.experimental_attention_variant", "gated_delta_net", problem, fix)
     extra, p = dict(cfg.model.extra), cfg.parallel
-    fields = SimpleNamespace(**{"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-                                "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-                                "linear_num_value_heads": 32, "linear_attention_freq": None,
-                                **extra, "tensor_model_parallel_size": p.tensor,
-                                "context_parallel_size": p.context})  # fmt: skip
+    parallel = {"tensor_model_parallel_size": p.tensor, "context_parallel_size": p.context}
+    fields = SimpleNamespace(**{**_GDN_DEFAULTS, **extra, **parallel})
     if OmegaConf.is_config(fields.linear_attention_freq):
         fields.linear_attention_freq = OmegaConf.to_container(fields.linear_attention_freq)
     try:
         check_gdn_fields(fields)
     except ValueError as err:
         key, _, problem = str(err).partition(": ")
-        _fail(f"model.{key}", getattr(fields, key, None), problem.split(";")[0],
-              problem.partition("; ")[2] or "see docs/gdn_layer.md")  # fmt: skip
+        fix = problem.partition("; ")[2] or "see docs/gdn_layer.md"
+        _fail(f"model.{key}", getattr(fields, key, None), problem.split(";")[0], fix)
 
 
 def is_mla(cfg) -> bool:
@@ -519,36 +507,46 @@ def _validate_mla(cfg) -> None:
     if not is_mla(cfg):
         given = sorted(set(m.extra) & mla_only_fields()) if m.extra else []
         if given:
-            _fail(f"model.{given[0]}", m.extra[given[0]], "is a multi-latent attention field "
-                  "(MLATransformerConfig)", "set model.multi_latent_attention=true, or remove it")  # fmt: skip
+            problem = "is a multi-latent attention field (MLATransformerConfig)"
+            fix = "set model.multi_latent_attention=true, or remove it"
+            _fail(f"model.{given[0]}", m.extra[given[0]], problem, fix)
         return
     if m.num_query_groups is not None and m.num_query_groups != m.num_attention_heads:
-        _fail("model.num_query_groups", m.num_query_groups, "multi-latent attention has one "
-              f"key and value per head (model.num_attention_heads={m.num_attention_heads})",
-              "set model.num_query_groups=null")  # fmt: skip
+        heads = f"model.num_attention_heads={m.num_attention_heads}"
+        problem = f"multi-latent attention has one key and value per head ({heads})"
+        fix = "set model.num_query_groups=null"
+        _fail("model.num_query_groups", m.num_query_groups, problem, fix)
     if m.position_embedding_type != "rope":
-        _fail("model.position_embedding_type", m.position_embedding_type, "multi-latent "
-              "attention rotates its rope slice itself (model.rope_type: rope or yarn)",
-              "set model.position_embedding_type=rope")  # fmt: skip
+        problem = "multi-latent attention rotates its rope slice itself"
+        problem += " (model.rope_type: rope or yarn)"
+        fix = "set model.position_embedding_type=rope"
+        _fail("model.position_embedding_type", m.position_embedding_type, problem, fix)
     if _resolved_backend(cfg) == "local":
-        _fail("model.multi_latent_attention", True, "Megatron's local spec cannot build it "
-              "(its DotProductAttention rejects MLA's k_channels; megatron-core 0.16.1's "
-              f"MLASelfAttention needs TE; attention.backend={cfg.attention.backend} resolves "
-              "to local here)", "use attention.backend=npu_fusion (NPUMLASelfAttention)")  # fmt: skip
+        problem = (
+            "Megatron's local spec cannot build it (its DotProductAttention rejects MLA's "
+            "k_channels; megatron-core 0.16.1's MLASelfAttention needs TE; "
+            f"attention.backend={cfg.attention.backend} resolves to local here)"
+        )
+        fix = "use attention.backend=npu_fusion (NPUMLASelfAttention)"
+        _fail("model.multi_latent_attention", True, problem, fix)
+
+
+_FUSED_CHOICES = f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)"
 
 
 def _validate_fused_switch(cfg, name: str, what: str) -> None:
-    """``fused.<name>``: a kernel, off (the default: Megatron's own module) or null
-    (= attention.kernel); only the npu_fusion backend has ``what`` without Transformer Engine."""
+    """``fused.<name>``: a kernel, off (Megatron's own module, the default) or null (=
+    attention.kernel); only the npu_fusion backend has ``what`` without Transformer Engine."""
     value = cfg.fused[name]
     if value in (False, "False", "false"):  # YAML 1.1 reads an unquoted `off` as false
         value = cfg.fused[name] = "off"
     if value is not None and value not in (*KERNELS, "off"):
-        _fail(f"fused.{name}", value, "unknown choice",
-              f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
-    if value != "off" and cfg.attention.backend not in ("npu_fusion", "auto"):
-        _fail(f"fused.{name}", value, f"only the npu_fusion backend has {what} without "
-              f"Transformer Engine (backend is {cfg.attention.backend})", "leave it off")  # fmt: skip
+        _fail(f"fused.{name}", value, "unknown choice", _FUSED_CHOICES)
+    backend = cfg.attention.backend
+    if value != "off" and backend not in ("npu_fusion", "auto"):
+        problem = f"only the npu_fusion backend has {what} without Transformer Engine"
+        problem += f" (backend is {backend})"
+        _fail(f"fused.{name}", value, problem, "leave it off")
 
 
 def _validate_choices(cfg) -> None:
@@ -565,22 +563,22 @@ def _validate_choices(cfg) -> None:
     for key, value, allowed in choices:
         if value not in allowed:
             _fail(key, value, "unknown choice", f"use one of {', '.join(allowed)}")
+    backend = cfg.attention.backend
     for name in ("rms_norm", "swiglu", "grouped_matmul"):
         value = cfg.fused[name]
         if value in ("False", "false"):  # YAML 1.1 reads an unquoted `off` as false
             value = cfg.fused[name] = "off"
         if value is not None and value not in (*KERNELS, "off"):
-            _fail(f"fused.{name}", value, "unknown choice",
-                  f"use one of {', '.join(KERNELS)}, off, or null (= attention.kernel)")  # fmt: skip
-        if value is not None and cfg.attention.backend not in ("npu_fusion", "auto"):
-            _fail(f"fused.{name}", value, "only the npu_fusion backend has fused kernels "
-                  f"(backend is {cfg.attention.backend})", "leave it null")  # fmt: skip
+            _fail(f"fused.{name}", value, "unknown choice", _FUSED_CHOICES)
+        if value is not None and backend not in ("npu_fusion", "auto"):
+            problem = f"only the npu_fusion backend has fused kernels (backend is {backend})"
+            _fail(f"fused.{name}", value, problem, "leave it null")
     _validate_fused_switch(cfg, "moe_permute", "the fused permute")
     _validate_fused_switch(cfg, "rope", "a fused RoPE")
-    if cfg.attention.kernel != "auto" and cfg.attention.backend not in ("npu_fusion", "auto"):
-        _fail("attention.kernel", cfg.attention.kernel,
-              f"only the npu_fusion backend has kernels (backend is {cfg.attention.backend})",
-              "set attention.backend=npu_fusion or leave attention.kernel=auto")  # fmt: skip
+    if cfg.attention.kernel != "auto" and backend not in ("npu_fusion", "auto"):
+        problem = f"only the npu_fusion backend has kernels (backend is {backend})"
+        fix = "set attention.backend=npu_fusion or leave attention.kernel=auto"
+        _fail("attention.kernel", cfg.attention.kernel, problem, fix)
 
 
 def _validate_sizes(cfg) -> None:
@@ -600,15 +598,16 @@ def _validate_sizes(cfg) -> None:
     ]
     for key, value in positive:
         if value <= 0:
-            shown = value - 1 if key == "train.steps" else value
-            _fail(key, shown, "must be positive" + (" or 0" if key == "train.steps" else ""),
-                  "use a value >= 1")  # fmt: skip
+            steps = key == "train.steps"
+            problem = "must be positive" + (" or 0" if steps else "")
+            _fail(key, value - 1 if steps else value, problem, "use a value >= 1")
     if cfg.model.ffn_hidden_size is not None and cfg.model.ffn_hidden_size <= 0:
         _fail("model.ffn_hidden_size", cfg.model.ffn_hidden_size, "must be positive", "or null")
-    for key, value in (("model.hidden_dropout", cfg.model.hidden_dropout),
-                       ("model.attention_dropout", cfg.model.attention_dropout)):  # fmt: skip
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = cfg.model[name]
         if not 0.0 <= value < 1.0:
-            _fail(key, value, "a dropout probability must lie in [0, 1)", "use e.g. 0.0 or 0.1")
+            problem = "a dropout probability must lie in [0, 1)"
+            _fail(f"model.{name}", value, problem, "use e.g. 0.0 or 0.1")
     if cfg.model.vocab_size < BYTE_VOCAB + 1:
         _fail(
             "model.vocab_size",
@@ -616,45 +615,41 @@ def _validate_sizes(cfg) -> None:
             f"the byte-level data needs {BYTE_VOCAB} byte ids plus the end-of-document id 256",
             "use at least 257 (default 264)",
         )
-    if cfg.train.seq_length > cfg.model.max_sequence_length:
-        _fail("train.seq_length", cfg.train.seq_length,
-              f"exceeds model.max_sequence_length={cfg.model.max_sequence_length}",
-              "raise model.max_sequence_length or shorten train.seq_length")  # fmt: skip
+    max_len = cfg.model.max_sequence_length
+    if cfg.train.seq_length > max_len:
+        problem = f"exceeds model.max_sequence_length={max_len}"
+        fix = "raise model.max_sequence_length or shorten train.seq_length"
+        _fail("train.seq_length", cfg.train.seq_length, problem, fix)
     window = cfg.model.window_size
     if window is not None and (len(window) != 2 or any(w < -1 for w in window)):
-        _fail("model.window_size", list(window), "must be [left, right] with -1 = unbounded",
-              "e.g. [128, 0] for a causal window of 129 tokens")  # fmt: skip
+        problem = "must be [left, right] with -1 = unbounded"
+        fix = "e.g. [128, 0] for a causal window of 129 tokens"
+        _fail("model.window_size", list(window), problem, fix)
 
 
 def _validate_heads(cfg) -> None:
     m = cfg.model
-    if m.hidden_size % m.num_attention_heads:
-        _fail("model.num_attention_heads", m.num_attention_heads,
-              f"does not divide model.hidden_size={m.hidden_size}",
-              "pick heads that divide the hidden size")  # fmt: skip
-    groups = m.num_query_groups or m.num_attention_heads
-    if groups <= 0 or m.num_attention_heads % groups:
-        _fail("model.num_query_groups", m.num_query_groups,
-              f"must divide model.num_attention_heads={m.num_attention_heads}",
-              "use a divisor (1 = MQA, heads = MHA)")  # fmt: skip
+    heads = m.num_attention_heads
+    if m.hidden_size % heads:
+        problem = f"does not divide model.hidden_size={m.hidden_size}"
+        _fail("model.num_attention_heads", heads, problem, "pick heads that divide the hidden size")
+    groups = m.num_query_groups or heads
+    if groups <= 0 or heads % groups:
+        problem = f"must divide model.num_attention_heads={heads}"
+        fix = "use a divisor (1 = MQA, heads = MHA)"
+        _fail("model.num_query_groups", m.num_query_groups, problem, fix)
     tp = cfg.parallel.tensor
-    if m.num_attention_heads % tp:
-        _fail(
-            "parallel.tensor",
-            tp,
-            f"does not divide model.num_attention_heads={m.num_attention_heads}",
-            "pick a tensor-parallel size that divides the heads",
-        )
+    if heads % tp:
+        problem = f"does not divide model.num_attention_heads={heads}"
+        _fail("parallel.tensor", tp, problem, "pick a tensor-parallel size that divides the heads")
     if groups % tp and tp % groups:
-        _fail(
-            "parallel.tensor",
-            tp,
-            f"and model.num_query_groups={groups} do not divide one another",
-            "pick a tensor-parallel size that divides the query groups",
-        )
+        problem = f"and model.num_query_groups={groups} do not divide one another"
+        fix = "pick a tensor-parallel size that divides the query groups"
+        _fail("parallel.tensor", tp, problem, fix)
     if m.vocab_size % tp:
-        _fail("model.vocab_size", m.vocab_size, f"is not divisible by parallel.tensor={tp}",
-              "round the vocabulary up to a multiple of the tensor-parallel size")  # fmt: skip
+        problem = f"is not divisible by parallel.tensor={tp}"
+        fix = "round the vocabulary up to a multiple of the tensor-parallel size"
+        _fail("model.vocab_size", m.vocab_size, problem, fix)
 
 
 # Megatron's argument names in this schema's keys, for the context-parallel rules' reasons
@@ -669,19 +664,24 @@ _CP_KEYS = {
 
 
 def _validate_context(cfg, p) -> None:
-    """``parallel.context > 1``: the NPU spec's attention splits the sequence over CP ranks;
-    what it takes is the context-parallel rules' answer
-    (``mcore_npu.transformer.context_parallel.rules``)."""
+    """``parallel.context > 1``: what the context-parallel rules
+    (``mcore_npu.transformer.context_parallel.rules``) allow."""
     from mcore_npu.transformer.context_parallel import rules
 
     if _resolved_backend(cfg) != "npu_fusion":
-        _fail("parallel.context", p.context, "needs attention.backend=npu_fusion (Megatron's "
-              f"local attention refuses CP; attention.backend={cfg.attention.backend})",
-              "use attention.backend=npu_fusion, or parallel.context=1")  # fmt: skip
-    if cfg.train.seq_length % (2 * p.context):
-        _fail("train.seq_length", cfg.train.seq_length, f"does not divide by 2*parallel.context "
-              f"= {2 * p.context} (Megatron cuts each sequence into 2*CP chunks)",
-              f"use a multiple of {2 * p.context}")  # fmt: skip
+        problem = (
+            "needs attention.backend=npu_fusion (Megatron's local attention refuses CP; "
+            f"attention.backend={cfg.attention.backend})"
+        )
+        fix = "use attention.backend=npu_fusion, or parallel.context=1"
+        _fail("parallel.context", p.context, problem, fix)
+    chunks = 2 * p.context
+    if cfg.train.seq_length % chunks:
+        problem = (
+            f"does not divide by 2*parallel.context = {chunks} "
+            f"(Megatron cuts each sequence into 2*CP chunks)"
+        )
+        _fail("train.seq_length", cfg.train.seq_length, problem, f"use a multiple of {chunks}")
     m = cfg.model
     hierarchical = m.extra.get("hierarchical_context_parallel_sizes")
     if hierarchical:  # Megatron's a2a+p2p
@@ -702,28 +702,25 @@ def _validate_parallel(cfg, world_size: int) -> None:
     p = cfg.parallel
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:
-        _fail(
-            "parallel.tensor",
-            p.tensor,
-            f"tensor*pipeline*context = {model_parallel} does not "
-            f"divide the world size {world_size}",
-            "launch a multiple of that many processes",
-        )
+        problem = f"tensor*pipeline*context = {model_parallel} does not divide the world size"
+        fix = "launch a multiple of that many processes"
+        _fail("parallel.tensor", p.tensor, f"{problem} {world_size}", fix)
     data_parallel = world_size // model_parallel
     if p.context > 1:
         _validate_context(cfg, p)
     if p.sequence_parallel and p.tensor == 1:
-        _fail("parallel.sequence_parallel", True, "needs parallel.tensor > 1",
-              "set parallel.tensor >= 2 or turn sequence parallelism off")  # fmt: skip
+        fix = "set parallel.tensor >= 2 or turn sequence parallelism off"
+        _fail("parallel.sequence_parallel", True, "needs parallel.tensor > 1", fix)
     backend = _resolved_backend(cfg)
+    here = f"(attention.backend={cfg.attention.backend} resolves to local here)"
     if p.sequence_parallel and backend == "local":
-        _fail("parallel.sequence_parallel", True, "Megatron's local spec norms refuse it "
-              f"(attention.backend={cfg.attention.backend} resolves to local here)",
-              "use attention.backend=npu_fusion (its norms support it) or te")  # fmt: skip
+        problem = f"Megatron's local spec norms refuse it {here}"
+        fix = "use attention.backend=npu_fusion (its norms support it) or te"
+        _fail("parallel.sequence_parallel", True, problem, fix)
     if cfg.data.pack_sequences and backend == "local":
-        _fail("data.pack_sequences", True, "Megatron's local attention takes no packed "
-              f"sequences (attention.backend={cfg.attention.backend} resolves to local here)",
-              "use attention.backend=npu_fusion or te, or unpacked batches")  # fmt: skip
+        problem = f"Megatron's local attention takes no packed sequences {here}"
+        fix = "use attention.backend=npu_fusion or te, or unpacked batches"
+        _fail("data.pack_sequences", True, problem, fix)
     if _uneven_stages(p):
         _validate_stages(cfg)
     elif cfg.model.num_layers % p.pipeline:
@@ -736,16 +733,15 @@ def _validate_parallel(cfg, world_size: int) -> None:
         )
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
-        _fail("train.global_batch_size", t.global_batch_size, f"is not a multiple of "
-              f"micro_batch_size * data_parallel = {t.micro_batch_size} * {data_parallel}",
-              "make it a multiple")  # fmt: skip
-    if p.sequence_parallel and t.seq_length % p.tensor:
-        _fail(
-            "train.seq_length",
-            t.seq_length,
-            f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)",
-            "use a multiple of the tensor-parallel size",
+        problem = (
+            f"is not a multiple of micro_batch_size * data_parallel = "
+            f"{t.micro_batch_size} * {data_parallel}"
         )
+        _fail("train.global_batch_size", t.global_batch_size, problem, "make it a multiple")
+    if p.sequence_parallel and t.seq_length % p.tensor:
+        problem = f"is not divisible by parallel.tensor={p.tensor} (sequence parallelism splits it)"
+        fix = "use a multiple of the tensor-parallel size"
+        _fail("train.seq_length", t.seq_length, problem, fix)
 
 
 _STAGE_KEYS = {  # pipeline_layout's key -> this schema's
@@ -758,13 +754,12 @@ _STAGE_KEYS = {  # pipeline_layout's key -> this schema's
 
 
 def _uneven_stages(p) -> bool:
-    return any(value is not None for value in (p.first_stage_layers, p.last_stage_layers,
-                                               p.pipeline_num_transformer_layers))  # fmt: skip
+    stages = (p.first_stage_layers, p.last_stage_layers, p.pipeline_num_transformer_layers)
+    return any(value is not None for value in stages)
 
 
 def _validate_stages(cfg) -> None:
-    """Uneven pipeline stages, checked as Megatron will (mcore_npu.transformer.pipeline_layout);
-    first/last counts beside the list must be the list's own (as verl's Ascend recipes set them)."""
+    """Uneven pipeline stages, checked as Megatron will (mcore_npu.transformer.pipeline_layout)."""
     from mcore_npu.transformer import pipeline_layout
 
     p = cfg.parallel
@@ -786,31 +781,34 @@ def _validate_experts(cfg, world_size: int) -> None:
     if p.expert < 1:
         _fail("parallel.expert", p.expert, "must be positive", "use 1 (no expert parallelism)")
     if p.expert_tensor is not None and p.expert_tensor < 1:
-        _fail("parallel.expert_tensor", p.expert_tensor, "must be positive",
-              "use null (= parallel.tensor) or 1")  # fmt: skip
+        fix = "use null (= parallel.tensor) or 1"
+        _fail("parallel.expert_tensor", p.expert_tensor, "must be positive", fix)
     if p.expert == 1:
         return
     if not experts:
-        _fail("parallel.expert", p.expert, "needs an MoE model (model.num_moe_experts)",
-              "set model.num_moe_experts or parallel.expert=1")  # fmt: skip
+        fix = "set model.num_moe_experts or parallel.expert=1"
+        _fail("parallel.expert", p.expert, "needs an MoE model (model.num_moe_experts)", fix)
     if experts % p.expert:
-        _fail("parallel.expert", p.expert, f"does not divide model.num_moe_experts={experts}",
-              "pick a divisor of the expert count")  # fmt: skip
+        problem = f"does not divide model.num_moe_experts={experts}"
+        _fail("parallel.expert", p.expert, problem, "pick a divisor of the expert count")
     data_parallel = world_size // (p.tensor * p.pipeline * p.context)
     etp = p.expert_tensor or p.tensor
     ranks = data_parallel * p.context * p.tensor // etp  # Megatron: world % (ETP*EP*PP) == 0
     if (data_parallel * p.context * p.tensor) % etp or ranks % p.expert:
-        _fail("parallel.expert", p.expert, f"does not divide the data x context x tensor / "
-              f"expert-tensor parallel size {ranks} (experts are split over those ranks)",
-              "launch more processes, lower parallel.expert, or set parallel.expert_tensor=1")  # fmt: skip
+        problem = (
+            f"does not divide the data x context x tensor / expert-tensor parallel size "
+            f"{ranks} (experts are split over those ranks)"
+        )
+        fix = "launch more processes, lower parallel.expert, or set parallel.expert_tensor=1"
+        _fail("parallel.expert", p.expert, problem, fix)
 
 
 def _resolved_backend(cfg) -> str:
     try:
         return resolve_backend(cfg.attention.backend)
     except ImportError as err:
-        _fail("attention.backend", cfg.attention.backend, str(err).split(";")[0],
-              "install it, or use attention.backend=npu_fusion or local")  # fmt: skip
+        fix = "install it, or use attention.backend=npu_fusion or local"
+        _fail("attention.backend", cfg.attention.backend, str(err).split(";")[0], fix)
 
 
 def _validate_train(cfg) -> None:
@@ -818,8 +816,8 @@ def _validate_train(cfg) -> None:
     if t.timeout_s <= 0:
         _fail("train.timeout_s", t.timeout_s, "must be positive", "e.g. 300 (seconds)")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        _fail("train.lr", t.lr, f"needs 0 <= train.min_lr ({t.min_lr}) <= train.lr and lr > 0",
-              "e.g. lr=3e-3, min_lr=3e-4")  # fmt: skip
+        problem = f"needs 0 <= train.min_lr ({t.min_lr}) <= train.lr and lr > 0"
+        _fail("train.lr", t.lr, problem, "e.g. lr=3e-3, min_lr=3e-4")
     if t.warmup_steps < 0:
         _fail("train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up")
     if t.save_interval < 0:
@@ -831,15 +829,16 @@ def _validate_train(cfg) -> None:
     if t.resume and not t.checkpoint_dir:
         _fail("train.resume", True, "needs train.checkpoint_dir", "set train.checkpoint_dir")
     if t.init_from and t.resume:
-        _fail("train.init_from", t.init_from, "and train.resume both load weights",
-              "use one of them")  # fmt: skip
+        problem = "and train.resume both load weights"
+        _fail("train.init_from", t.init_from, problem, "use one of them")
     if t.init_from and not Path(t.init_from).exists():
         _fail("train.init_from", t.init_from, "no such checkpoint", "pass a checkpoint directory")
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         _fail("data.path", cfg.data.path, "no such file", "pass a UTF-8 text file or null")
     if t.overwrite and t.resume:
-        _fail("train.overwrite", True, "and train.resume=true contradict each other",
-              "resume (keep the checkpoints) or overwrite (delete them), not both")  # fmt: skip
+        problem = "and train.resume=true contradict each other"
+        fix = "resume (keep the checkpoints) or overwrite (delete them), not both"
+        _fail("train.overwrite", True, problem, fix)
     if t.overwrite and not t.checkpoint_dir:
         _fail("train.overwrite", True, "needs train.checkpoint_dir", "set train.checkpoint_dir")
 

@@ -1,5 +1,4 @@
-"""The CPU runtime (``mcore_npu.cpu``) at its former import path, kept because users' scripts
-and tests call ``mcore_npu.training.cpu_support.apply()``, ``revert()``, ``seed_cpu_streams()``."""
+"""The CPU runtime (``mcore_npu.cpu``) at its former import path, for users' scripts and tests."""
 
 from mcore_npu.cpu import (
     FUNCTION_MODE,
@@ -20,6 +19,19 @@ from mcore_npu.cpu.shims import (
     splits_to_host,
 )
 
-__all__ = ["FUNCTION_MODE", "PATCHES", "CudaFactoriesOnCpu", "CudaTypeNames", "UnevenGatherOnGloo",
-           "applied", "apply", "apply_in_new_threads", "clip_grads_on_cpu", "make_cpu_rng_tracker",
-           "revert", "seed_cpu_streams", "seed_if_applied", "splits_to_host"]  # fmt: skip
+__all__ = [
+    "FUNCTION_MODE",
+    "PATCHES",
+    "CudaFactoriesOnCpu",
+    "CudaTypeNames",
+    "UnevenGatherOnGloo",
+    "applied",
+    "apply",
+    "apply_in_new_threads",
+    "clip_grads_on_cpu",
+    "make_cpu_rng_tracker",
+    "revert",
+    "seed_cpu_streams",
+    "seed_if_applied",
+    "splits_to_host",
+]

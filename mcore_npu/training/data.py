@@ -1,10 +1,8 @@
 """Byte-level text data for ``mcore-npu train``: deterministic, resumable, split by rank.
 
-Tokens are the UTF-8 bytes of a text (ids 0..255); id 256 ends a document. A sample is a window
-of ``seq_length + 1`` tokens starting at a pseudo-random offset drawn from a permutation seeded by
-``train.seed``, so sample ``k`` is the same whatever the parallel layout and whether or not the
-run was resumed. Global step ``s`` uses samples ``s * global_batch .. (s + 1) * global_batch - 1``;
-data-parallel rank ``r`` takes its contiguous share of them, in micro-batches.
+Tokens are UTF-8 bytes (0..255); 256 ends a document. Sample ``k`` is ``seq_length + 1`` tokens
+at a seeded pseudo-random offset, whatever the parallel layout or a resume; global step ``s``
+uses samples ``s * global_batch ..``, each data-parallel rank its contiguous share.
 """
 
 from __future__ import annotations
@@ -22,12 +20,8 @@ END_OF_DOCUMENT = 256
 
 
 def load_corpus(path: str | None = None, seq_length: int | None = None) -> torch.Tensor:
-    """The tokens of ``path`` (UTF-8 text) or of the embedded corpus: int64 ``[N]``.
-
-    Raises:
-        ConfigError: ``data.path`` is a directory, unreadable, empty, not UTF-8 text, or (given
-            ``seq_length``) too short for one sample of ``seq_length + 1`` tokens.
-    """
+    """The tokens of ``path`` (UTF-8 text) or of the embedded corpus: int64 ``[N]`` (``ConfigError``
+    for an unusable ``data.path``, or one too short for a sample of ``seq_length + 1`` tokens)."""
     if path is None:
         text = (
             resources.files("mcore_npu.training")
@@ -39,9 +33,10 @@ def load_corpus(path: str | None = None, seq_length: int | None = None) -> torch
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     tokens = torch.cat([data, torch.tensor([END_OF_DOCUMENT])])
     if path is not None and seq_length is not None and tokens.numel() <= seq_length + 1:
-        raise ConfigError("data.path", path, f"has {tokens.numel() - 1} bytes, fewer than one "
-                          f"sample needs (train.seq_length + 1 = {seq_length + 1})",
-                          "use a longer text or a shorter train.seq_length")  # fmt: skip
+        needs = f"(train.seq_length + 1 = {seq_length + 1})"
+        problem = f"has {tokens.numel() - 1} bytes, fewer than one sample needs {needs}"
+        fix = "use a longer text or a shorter train.seq_length"
+        raise ConfigError("data.path", path, problem, fix)
     return tokens
 
 
@@ -71,12 +66,8 @@ def read_text_file(path: str) -> str:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch, ``[b, s]`` each (packed: ``[1, b*s]`` plus segment boundaries).
-
-    ``cu_seqlens`` (packed only) is Megatron's convention: int32 ``[b + 1]`` with a leading 0;
-    ``seq_ends`` the same offsets as host ints without it (told to the attention memo, so no
-    layer syncs). Every packed row is full, so the real offsets are also the padded ones.
-    """
+    """One micro-batch, ``[b, s]`` each (packed: ``[1, b*s]``, with ``cu_seqlens`` int32 ``[b + 1]``
+    with a leading 0 and ``seq_ends`` the same as host ints without it, so no layer syncs)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -92,8 +83,9 @@ class MicroBatch:
             for name in ("tokens", "labels", "loss_mask", "position_ids")
         }
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
-        return MicroBatch(**moved, cu_seqlens=cu, max_seqlen=self.max_seqlen,
-                          seq_ends=self.seq_ends)  # fmt: skip
+        return MicroBatch(
+            **moved, cu_seqlens=cu, max_seqlen=self.max_seqlen, seq_ends=self.seq_ends
+        )
 
 
 class ByteDataset:

@@ -1,13 +1,7 @@
-"""What a training run reports: a progress bar on the logging rank, JSON lines to a file.
+"""What a training run reports: a progress bar on the logging rank, one JSON line per step.
 
-Other ranks stay quiet. Each JSON line is one step::
-
-    {"step": 3, "loss": 4.91, "lr": 0.0018, "grad_norm": 1.2, "tokens_per_s": 5120.0,
-     "step_time_s": 0.2, "memory_bytes": 812000000}
-
-One line per step, across kills and resumes: a resumed run first cuts the file back to the
-resumed step (dropping the lines of steps trained after the last checkpoint, and a half-written
-last line), atomically, then appends. A fresh run starts the file again.
+A resumed run first cuts the file back to the resumed step (atomically), then appends; a fresh
+run starts it again.
 """
 
 from __future__ import annotations
@@ -58,10 +52,8 @@ class RunReporter:
                 truncate_metrics(path, keep_through_step)
             self._file = path.open("a" if keep_through_step > 0 else "w", encoding="utf-8")
         if progress:
-            self._bar = tqdm(
-                total=total_steps, initial=first_step, desc="train", unit="step",
-                file=sys.stderr, dynamic_ncols=True,
-            )  # fmt: skip
+            steps = dict(total=total_steps, initial=first_step, desc="train", unit="step")
+            self._bar = tqdm(**steps, file=sys.stderr, dynamic_ncols=True)
         self._started = time.perf_counter()
 
     def step(self, record: dict) -> None:

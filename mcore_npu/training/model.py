@@ -1,10 +1,5 @@
-"""Config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel``.
-
-Usable on its own from Python once Megatron's parallel state exists (``mcore_npu.training.runtime``)::
-
-    cfg = load_config("configs/gpt_tiny.yaml")
-    model = build_model(cfg)        # this pipeline stage's part of the GPT
-"""
+"""Config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel`` (``build_model(cfg)``,
+once Megatron's parallel state exists)."""
 
 from __future__ import annotations
 
@@ -27,10 +22,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_config(cfg):
-    """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections;
-    ``MLATransformerConfig`` with ``model.multi_latent_attention: true`` (its RoPE base is
-    ``model.rotary_base``: an MLA layer builds its own RoPE from the config, not GPTModel's);
-    ``GDNTransformerConfig`` with ``model.experimental_attention_variant: gated_delta_net``."""
+    """Megatron ``TransformerConfig`` from the ``model``, ``parallel`` and ``train`` sections
+    (``MLATransformerConfig`` for MLA, ``GDNTransformerConfig`` for Gated DeltaNet)."""
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
@@ -71,8 +64,8 @@ def transformer_config(cfg):
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     if is_mla(cfg):
-        return MLATransformerConfig(**fields, rotary_base=float(m.rotary_base),
-                                    rotary_percent=float(m.rotary_percent))  # fmt: skip
+        rope = dict(rotary_base=float(m.rotary_base), rotary_percent=float(m.rotary_percent))
+        return MLATransformerConfig(**fields, **rope)  # an MLA layer builds its own RoPE
     if is_gdn(cfg):  # Megatron's own config asserts CP == 1 for GDN
         from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
@@ -81,8 +74,7 @@ def transformer_config(cfg):
 
 
 def _plain(extra) -> dict:
-    """``model.extra`` as plain Python values: Megatron checks ``isinstance(value, list)``
-    (``moe_layer_freq: [0, 1]``), which an OmegaConf ``ListConfig`` is not."""
+    """``model.extra`` as plain Python values (Megatron checks ``isinstance(value, list)``)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(extra) if OmegaConf.is_config(extra) else dict(extra)
@@ -98,10 +90,7 @@ def rope_kernel(cfg) -> str | None:
 
 
 def _stage_fields(p, num_layers: int) -> dict:
-    """Uneven pipeline stages as Megatron's keys: ``parallel.first_stage_layers`` /
-    ``last_stage_layers`` as ``num_layers_in_first/last_pipeline_stage``;
-    ``parallel.pipeline_num_transformer_layers`` through ``megatron_stage_layout`` (first/last
-    beside it are the list's own); {} if even."""
+    """Uneven pipeline stages as Megatron's keys; {} if even."""
     from omegaconf import OmegaConf
 
     from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
@@ -112,8 +101,8 @@ def _stage_fields(p, num_layers: int) -> dict:
         return {}
     if OmegaConf.is_config(per_stage):
         per_stage = OmegaConf.to_container(per_stage)
-    return resolve_stage_keys(per_stage, num_layers=num_layers, pipeline_size=p.pipeline,
-                              first=first, last=last)  # fmt: skip
+    sizes = dict(num_layers=num_layers, pipeline_size=p.pipeline)
+    return resolve_stage_keys(per_stage, **sizes, first=first, last=last)
 
 
 def _default_ffn(hidden: int, activation: str) -> int:
@@ -157,11 +146,7 @@ def attention_choice(cfg, device) -> tuple[str, str | None]:
 
 
 def layer_spec(cfg, config):
-    """The decoder-block spec for ``attention.backend`` (auto resolved on this machine).
-
-    ``model.param_layout`` names npu_fusion's parameters; the te and local backends have their
-    own spec's names.
-    """
+    """The decoder-block spec for ``attention.backend`` (auto resolved on this machine)."""
     backend = resolve_backend(cfg.attention.backend)
     if backend == "npu_fusion":
         return get_gpt_decoder_block_npu_spec(
@@ -183,14 +168,7 @@ def layer_spec(cfg, config):
 
 
 def mtp_spec(cfg, config, block):
-    """The multi-token-prediction block for ``model.mtp_num_layers`` (None: no MTP layers).
-
-    Megatron's MTP layers (``get_gpt_mtp_block_spec``): each holds the block's last layer; with
-    npu_fusion their norms and projection come from the NPU spec provider
-    (``get_gpt_mtp_block_npu_spec``, in ``model.param_layout``). Their loss (scaled by
-    ``mtp_loss_scaling_factor``) reaches the gradients through Megatron's ``MTPLossAutoScaler``;
-    the reported loss stays the main head's.
-    """
+    """The multi-token-prediction block for ``model.mtp_num_layers`` (None: no MTP layers)."""
     if not config.mtp_num_layers:
         return None
     if config.mtp_loss_scaling_factor is None:  # megatron-core 0.15's default; 0.16+: 0.1
@@ -214,15 +192,8 @@ def mtp_spec(cfg, config, block):
 
 
 def build_model(cfg, config=None, *, pre_process=None, post_process=None):
-    """This pipeline stage's ``GPTModel`` (wrapped in ``Float16Module`` for bf16/fp16), with
-    its multi-token-prediction layers when ``model.mtp_num_layers`` asks (:func:`mtp_spec`).
-
-    Args:
-        cfg: the validated config (``mcore_npu.training.config.load_config``).
-        config: a ``TransformerConfig``; built from ``cfg`` if None.
-        pre_process, post_process: embedding / output layer on this stage; default from
-            Megatron's pipeline state.
-    """
+    """This pipeline stage's ``GPTModel`` (in a ``Float16Module`` for bf16/fp16), MTP included;
+    ``config`` defaults to ``transformer_config(cfg)``, the stages to Megatron's pipeline state."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 

@@ -1,15 +1,9 @@
 """The places a run writes to, checked before step 1: one run per folder, no silent overwrite.
 
-- ``FolderLock``: an exclusive ``fcntl`` lock on ``<checkpoint_dir>/.lock`` held for the life of
-  the run (the OS drops it when the process dies, however it dies); a second run is refused with
-  the holder's PID and host.
-- ``preflight_paths``: ``train.checkpoint_dir`` and ``train.metrics_file`` are created and
-  write-tested; ``check_free_space`` compares the free bytes with one checkpoint's size.
-- ``claim``: a folder that already holds checkpoints is refused without ``train.resume=true``
-  (continue it) or ``train.overwrite=true`` (delete them and start again).
-- ``resume_point``: the newest complete, readable ``step_<N>`` folder, whatever ``latest`` says.
-
-Every refusal is a ``ConfigError``: one line naming the key, the path and the fix.
+``FolderLock`` (an ``fcntl`` lock on ``<checkpoint_dir>/.lock``), ``preflight_paths`` and
+``check_free_space``, ``claim`` (checkpoints already there need ``train.resume`` or
+``train.overwrite``), ``resume_point`` (the newest readable ``step_<N>``). Every refusal is a
+one-line ``ConfigError`` naming the key, the path and the fix.
 """
 
 from __future__ import annotations
@@ -42,11 +36,9 @@ class FolderLock:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
             os.close(fd)
-            raise ConfigError(
-                "train.checkpoint_dir", str(checkpoint_dir),
-                f"another run is using this folder ({holder})",
-                "wait for it to end, or give this run another train.checkpoint_dir",
-            ) from None  # fmt: skip
+            problem = f"another run is using this folder ({holder})"
+            fix = "wait for it to end, or give this run another train.checkpoint_dir"
+            raise ConfigError("train.checkpoint_dir", str(checkpoint_dir), problem, fix) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         self._fd: int | None = fd
@@ -64,8 +56,8 @@ def preflight_paths(checkpoint_dir: str | None, metrics_file: str | None) -> Non
     if metrics_file:
         path = Path(metrics_file)
         if path.is_dir():
-            raise ConfigError("train.metrics_file", metrics_file, "is a directory",
-                              "pass a file path such as runs/metrics.jsonl")  # fmt: skip
+            fix = "pass a file path such as runs/metrics.jsonl"
+            raise ConfigError("train.metrics_file", metrics_file, "is a directory", fix)
         fix = "pass a file path in a writable folder, or train.metrics_file=null"
         _writable_folder("train.metrics_file", path.parent, fix, shown=metrics_file)
         if path.exists() and not os.access(path, os.W_OK):
@@ -91,11 +83,11 @@ def check_free_space(checkpoint_dir: str | Path, checkpoint_bytes: int) -> None:
     needed = int(checkpoint_bytes * FREE_SPACE_MARGIN) + FREE_SPACE_SLACK
     free = shutil.disk_usage(checkpoint_dir).free
     if free < needed:
-        raise ConfigError(
-            "train.checkpoint_dir", str(checkpoint_dir),
-            f"only {free / 2**20:.1f} MiB free, one checkpoint needs about {needed / 2**20:.1f} MiB",
-            "free space or pick a folder on a larger disk",
-        )  # fmt: skip
+        problem = (
+            f"only {free / 2**20:.1f} MiB free, one checkpoint needs about {needed / 2**20:.1f} MiB"
+        )
+        fix = "free space or pick a folder on a larger disk"
+        raise ConfigError("train.checkpoint_dir", str(checkpoint_dir), problem, fix)
 
 
 def claim(checkpoint_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
@@ -110,12 +102,12 @@ def claim(checkpoint_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
         (Path(checkpoint_dir) / checkpointing.LATEST).unlink(missing_ok=True)
         return
     newest = f"its newest is {folders[0].name}" if folders else "it has a latest file"
-    raise ConfigError(
-        "train.checkpoint_dir", str(checkpoint_dir),
-        f"already holds checkpoints ({newest})",
+    fix = (
         "continue that run with train.resume=true, or start fresh in another "
-        "train.checkpoint_dir or with train.overwrite=true (deletes them)",
-    )  # fmt: skip
+        "train.checkpoint_dir or with train.overwrite=true (deletes them)"
+    )
+    problem = f"already holds checkpoints ({newest})"
+    raise ConfigError("train.checkpoint_dir", str(checkpoint_dir), problem, fix)
 
 
 def resume_point(
@@ -123,16 +115,8 @@ def resume_point(
     load: Callable[[Path], None],
     say: Callable[[str], None],
 ) -> Path | None:
-    """Load the newest readable ``step_<N>`` folder with ``load``; None when there is none.
-
-    The folder ``latest`` names comes first (a user may point it at an earlier step), then every
-    other folder, newest first: a missing, empty, garbled or dangling ``latest`` does not hide the
-    complete folders next to it. When a folder is damaged, the next one is loaded with a warning
-    naming the damaged file (the steps after it are trained again).
-
-    Raises:
-        CheckpointError: folders exist but none loads (each one's problem is listed).
-    """
+    """Load the newest readable ``step_<N>`` folder with ``load`` (``latest``'s first, a damaged one
+    skipped with a warning); None when there is none, ``CheckpointError`` when none loads."""
     named, latest_state = checkpointing.read_latest(checkpoint_dir)
     folders = checkpointing.step_dirs(checkpoint_dir)
     if named is not None:
@@ -148,8 +132,8 @@ def resume_point(
             skipped.append(str(err))
             continue
         for problem in skipped:
-            say(f"WARNING: skipping an unreadable checkpoint: {problem}; resuming from "
-                f"{folder.name} instead (delete the damaged folder to silence this)")  # fmt: skip
+            warning = f"WARNING: skipping an unreadable checkpoint: {problem}; resuming from "
+            say(warning + f"{folder.name} instead (delete the damaged folder to silence this)")
         why = "named by latest" if named == folder else f"the newest readable one; {latest_state}"
         say(f"resuming from {folder} ({why})")
         return folder

@@ -1,11 +1,7 @@
-"""From torchrun's environment to process groups and Megatron's parallel state.
+"""From torchrun's environment (or a lone process) to process groups and Megatron's parallel state.
 
-One process (``python -m mcore_npu.train``) or many (``torchrun ...``): ``initialize`` reads
-RANK / WORLD_SIZE / LOCAL_RANK, picks the collective backend for the accelerator (hccl on NPU,
-nccl on CUDA, gloo on CPU), sets the device, forms the process groups and Megatron's tensor /
-pipeline / data parallel groups, and seeds the RNG streams. On a CPU it first applies the shims
-of the CPU runtime (``mcore_npu.cpu``); on an NPU it loads Ascend's CUDA-to-NPU mapping
-(``torch_npu.contrib.transfer_to_npu``), the standard way Megatron-Core runs on Ascend.
+Collectives: hccl on NPU, nccl on CUDA, gloo on CPU. On a CPU ``initialize`` first applies the
+CPU runtime (``mcore_npu.cpu``); on an NPU it loads ``torch_npu.contrib.transfer_to_npu``.
 """
 
 from __future__ import annotations
@@ -75,14 +71,8 @@ class Runtime:
 
 
 def initialize(layout: ParallelLayout, *, seed: int, timeout_s: float = 300.0) -> Runtime:
-    """Process groups, device and Megatron parallel state for this process.
-
-    Args:
-        layout: tensor / pipeline / context parallel sizes; data parallel is what remains of the
-            world size.
-        seed: base seed; Megatron's streams derive from it (see ``seed_streams``).
-        timeout_s: collective timeout, so a dead peer ends the run instead of hanging it.
-    """
+    """Process groups, device and Megatron parallel state for this process (data parallel: what
+    ``layout`` leaves of the world size; ``timeout_s``: so a dead peer ends the run)."""
     from megatron.core import parallel_state
 
     accelerator = device.current_accelerator()
@@ -135,10 +125,7 @@ def _check_same_layout(layout: ParallelLayout) -> None:
 
 def select_device() -> torch.device:
     """Make ``cuda:LOCAL_RANK`` / ``npu:LOCAL_RANK`` current (allocates nothing); CPU: no-op.
-
-    Call it before anything touches the accelerator, the allocator settings included: the NPU
-    runtime setter acts on the current device.
-    """
+    Call it first: the NPU allocator setter acts on the current device."""
     accelerator = device.current_accelerator()
     local_rank = LaunchEnv.from_environ().local_rank
     if accelerator == "npu":
@@ -176,8 +163,7 @@ def seed_streams(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Destroy Megatron's parallel state and the process group (safe to call twice; imports
-    nothing when the run ended before Megatron was loaded, e.g. on a refused config)."""
+    """Destroy Megatron's parallel state and the process group (safe twice; imports nothing)."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()

@@ -1,10 +1,7 @@
 """SIGTERM and SIGINT stop a training run after the current step, never in the middle of one.
 
-The handler only records the signal (no exception is raised inside whatever code runs when it
-arrives, so none can be swallowed by a ``finally`` or a lock release). The loop asks
-``StopRequest.signum`` after each step; under torchrun the ranks agree on it with one
-all-reduce, so every rank stops after the same step. A second SIGINT (Ctrl-C twice) exits at
-once with 130, without saving.
+The handler only records the signal (raising inside arbitrary code could be swallowed); the loop
+reads ``StopRequest.signum`` after each step. A second SIGINT exits at once with 130, unsaved.
 """
 
 from __future__ import annotations

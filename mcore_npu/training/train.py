@@ -1,19 +1,8 @@
 """``mcore-npu train``: train a GPT with Megatron-Core from a YAML config.
 
-One process::
-
-    mcore-npu train --config configs/gpt_tiny.yaml train.steps=20
-
-Several (tensor / pipeline / data parallel; gloo on CPU, hccl on NPU, nccl on CUDA)::
-
-    torchrun --standalone --nproc-per-node 2 -m mcore_npu.train --config configs/gpt_tiny_tp2.yaml
-
-The loop is Megatron's: its forward-backward schedule (so pipeline parallelism works), its
-``DistributedDataParallel`` and ``finalize_model_grads`` (data-parallel all-reduce, sequence-
-parallel norm grads, embedding sync), its optimizer and learning-rate schedule, and
-``dist_checkpointing`` for checkpoints that reshard across parallel layouts. Every step is
-seeded from ``(train.seed, step)`` and reads a deterministic slice of the data, so a resumed run
-reproduces the losses of an uninterrupted one.
+``mcore-npu train --config configs/gpt_tiny.yaml train.steps=20``, or under ``torchrun ... -m
+mcore_npu.train``. Megatron's schedule, DDP, optimizer and ``dist_checkpointing``; every step is
+seeded from ``(train.seed, step)``, so a resumed run reproduces the uninterrupted losses.
 """
 
 from __future__ import annotations
@@ -83,18 +72,12 @@ class Summary:
 
 
 class Trainer(ExpandableSegmentsMixin):
-    """A Megatron-Core GPT training run, set up from a validated config.
-
-    The mixin sets expandable segments (``memory.expandable_segments``) right after the device
-    choice, before any device allocation, so every allocation of the run lands in them;
-    ``self.expandable_segments_enabled`` says whether they are on (False on CPU, and when
-    ``memory.expandable_segments`` is false); ``self.expandable_segments_applied`` whether the
-    requested value took effect.
-    """
+    """A Megatron-Core GPT training run from a validated config; the mixin sets expandable
+    segments (``memory.expandable_segments``) after the device choice, before any allocation."""
 
     def __init__(self, cfg) -> None:
         # bad data and unusable output paths: refused before any device or process-group work
-        tokens = load_corpus(cfg.data.path, cfg.train.seq_length)  # host memory only
+        tokens = load_corpus(cfg.data.path, cfg.train.seq_length)
         self.lock = _prepare_run_folder(cfg)
         runtime.select_device()  # the NPU allocator setter acts on the current device
         super().__init__(
@@ -127,11 +110,9 @@ class Trainer(ExpandableSegmentsMixin):
         self._restore()
 
     def close(self) -> None:
-        """Release the run folder's lock (the OS releases it too if the process dies)."""
+        """Release the run folder's lock."""
         if self.lock is not None:
             self.lock.release()
-
-    # -- set-up -----------------------------------------------------------------------------
 
     def _data_parallel(self, module):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -146,8 +127,7 @@ class Trainer(ExpandableSegmentsMixin):
         return DistributedDataParallel(self.config, ddp_config, module)
 
     def _optimizer(self):
-        """Megatron's optimizer; with the precision-aware / offload keys, over the plugin's Adam
-        (:func:`mcore_npu.optimizer.get_megatron_optimizer`)."""
+        """Megatron's optimizer, over the plugin's Adam where the ``optimizer`` keys need it."""
         t = self.cfg.train
         keys = dict(
             optimizer="adam",
@@ -195,14 +175,11 @@ class Trainer(ExpandableSegmentsMixin):
         if self.config.fp16:
             self.config.grad_scale_func = self.optimizer.scale_loss
 
-    # -- checkpoints ------------------------------------------------------------------------
-
     def _model_state(self):
         return self.model.module.sharded_state_dict()
 
     def _checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint, all ranks: the model's tensors + Adam's fp32 moments (and
-        fp32 main weights under bf16/fp16), from the sharded state dict's main replicas."""
+        """One checkpoint's bytes (all ranks): model, Adam's fp32 moments, fp32 main weights."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
@@ -233,9 +210,9 @@ class Trainer(ExpandableSegmentsMixin):
         """Load ``path`` on every rank, or raise ``CheckpointError`` on every rank."""
         failure, loaded = None, None
         try:
-            model_state = checkpointing.match_layout(self._model_state(), path)  # either layout
+            model_state = checkpointing.match_layout(self._model_state(), path)
             template = {"model": model_state}
-            with exact_adam_resume(self.optimizer):  # the distributed optimizer, without TE
+            with exact_adam_resume(self.optimizer):
                 if with_optimizer:
                     optimizer_state = self.optimizer.sharded_state_dict(
                         model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT
@@ -277,8 +254,6 @@ class Trainer(ExpandableSegmentsMixin):
         self._saved_step = self.step
         return path
 
-    # -- training ---------------------------------------------------------------------------
-
     def train_step(self) -> StepResult:
         """One optimizer step over ``train.global_batch_size`` samples."""
         from megatron.core import parallel_state
@@ -286,12 +261,15 @@ class Trainer(ExpandableSegmentsMixin):
 
         t, started = self.cfg.train, time.perf_counter()
         runtime.seed_streams(t.seed + self.step)  # a resumed run draws the same dropout masks
-        batches = [b.to(self.runtime.device) for b in self.dataset.micro_batches(
-            self.step, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+        micro_batches = self.dataset.micro_batches(
+            self.step,
+            global_batch=t.global_batch_size,
+            micro_batch=t.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             packed=self.cfg.data.pack_sequences,
-        )]  # fmt: skip
+        )
+        batches = [b.to(self.runtime.device) for b in micro_batches]
         batches = [_on_this_cp_rank(b) for b in batches]
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -346,16 +324,17 @@ class Trainer(ExpandableSegmentsMixin):
         return local.item() / parallel_state.get_data_parallel_world_size()
 
     def train(self, stop: StopRequest | None = None) -> Summary:
-        """Run ``train.steps`` steps (from the restored step), saving as configured.
-
-        ``stop`` (installed SIGTERM/SIGINT handlers) ends the run after the current step, with a
-        checkpoint when ``train.checkpoint_dir`` is set; every rank stops after the same step.
-        """
+        """Run ``train.steps`` steps (from the restored step), saving as configured; ``stop``
+        (SIGTERM/SIGINT) ends the run after the current step, the same one on every rank."""
         t, stop = self.cfg.train, stop or StopRequest()
         reporter = RunReporter(
-            enabled=self.runtime.is_logging_rank, total_steps=t.steps, first_step=self.step,
-            metrics_file=t.metrics_file, progress=t.progress, keep_through_step=self.step,
-        )  # fmt: skip
+            enabled=self.runtime.is_logging_rank,
+            total_steps=t.steps,
+            first_step=self.step,
+            metrics_file=t.metrics_file,
+            progress=t.progress,
+            keep_through_step=self.step,
+        )
         results: list[StepResult] = []
         stopped_by = None
         try:
@@ -409,9 +388,7 @@ class Trainer(ExpandableSegmentsMixin):
 
 
 OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
-"""The distributed optimizer's checkpoint format: one that any parallel layout can load
-(megatron-core 0.16.1's default, ``fully_sharded_model_space``, is refused by its own
-``ShardedTensor`` checks; the other optimizers ignore the key)."""
+"""The distributed optimizer's checkpoint format that any parallel layout can load."""
 
 
 def _prepare_run_folder(cfg) -> run_folder.FolderLock | None:
@@ -438,8 +415,7 @@ def _packed_seq_params(batch: MicroBatch):
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    # the GLOBAL offsets, real and padded (the same here: every row is full), as Megatron's
-    # get_thd_batch_on_this_cp_rank passes them; under CP each layer derives its local ends
+    # the GLOBAL offsets (real = padded: every row is full); under CP each layer derives its own
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=batch.cu_seqlens,
@@ -466,10 +442,8 @@ _SPLIT = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def _on_this_cp_rank(batch: MicroBatch) -> MicroBatch:
-    """This context-parallel rank's chunks (r and 2*CP-1-r) of a ``[b, s]`` batch, cut by
-    Megatron's ``get_batch_on_this_cp_rank``; of a packed ``[1, T]`` batch, chunks r and
-    2*CP-1-r of every sequence (``get_thd_batch_on_this_cp_rank``, no Transformer Engine),
-    keeping the global cu_seqlens. The batch itself at CP = 1."""
+    """This CP rank's chunks (r and 2*CP-1-r) of a ``[b, s]`` batch, or of every sequence of a
+    packed ``[1, T]`` one (keeping the global cu_seqlens); the batch itself at CP = 1."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -483,21 +457,16 @@ def _on_this_cp_rank(batch: MicroBatch) -> MicroBatch:
     local, _ = get_thd_batch_on_this_cp_rank(
         tensors, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen
     )
-    return MicroBatch(**local, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-                      seq_ends=batch.seq_ends)  # fmt: skip
+    offsets = dict(
+        cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, seq_ends=batch.seq_ends
+    )
+    return MicroBatch(**local, **offsets)
 
 
 def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: torch.Tensor):
-    """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``.
-
-    Under context parallelism each rank holds 2 of the 2*CP chunks: the token sum and count are
-    summed over the CP group (as Megatron's ``loss_func`` does) and the gradient flows through
-    the local sum only. The gradient all-reduce averages over data x context ranks; the factor
-    CP that makes up for it is Megatron's: its schedule multiplies a two-value loss function's
-    loss by the CP size (``forward_step_calc_loss``, megatron-core 0.15 to 0.19), and scales the
-    MoE auxiliary losses to match. Multiplying here as well doubled every gradient at CP=2
-    (hidden by Adam, not by the MoE auxiliary loss, whose scale is Megatron's alone).
-    """
+    """Megatron loss function: mean over unmasked tokens of ``per_token_loss`` ``[b, s]``. Under
+    CP the sum and count are summed over the CP group; the gradient flows through the local sum
+    and the factor CP is Megatron's schedule's (docs/gdn_cp.md)."""
     mask = loss_mask.reshape(-1).float()
     local_sum = (per_token_loss.float().reshape(-1) * mask).sum()
     if cp_size == 1:
@@ -512,9 +481,6 @@ def _masked_mean_loss(loss_mask: torch.Tensor, cp_size: int, per_token_loss: tor
     return loss, {"lm loss": (totals[0] / count).detach().clone()}
 
 
-# -- command line ---------------------------------------------------------------------------
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (default: the built-in defaults)")
     parser.add_argument(
@@ -523,8 +489,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int:
-    """Train; exit 0 on success, 2 on a bad config or a refused run folder, 128 + signal when
-    SIGTERM/SIGINT stopped the run, 1 on any other error (one line on stderr)."""
+    """Train; exit 0, 2 (bad config or run folder), 128 + signal (stopped), or 1 (other errors)."""
     hide_known_harmless_warnings()
     rank = runtime.LaunchEnv.from_environ().rank
     trainer = None
@@ -543,8 +508,8 @@ def run(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> int
         return 1
     except Exception as err:  # one line with the cause, after the traceback for debugging
         traceback.print_exc()
-        print(f"mcore-npu train: failed on rank {rank}: {type(err).__name__}: {err}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        message = f"mcore-npu train: failed on rank {rank}: {type(err).__name__}: {err}"
+        print(message, file=sys.stderr, flush=True)
         return 1
     finally:
         if trainer is not None:

@@ -1,36 +1,13 @@
 """``NPUFusionAttention``: Megatron-Core's core-attention slot, filled by one fused call.
 
-Megatron's ``SelfAttention`` projects q/k/v, applies RoPE and hands the core attention
-``(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)``. This
-module turns that into exactly one ``mcore_npu.ops.fusion_attention`` call:
-
-=============  =================================  ===========================  ==============
-format         inputs (per tensor-parallel rank)  operator layout              output
-=============  =================================  ===========================  ==============
-sbhd           q ``[sq, b, np, hn]``,             SBH (heads merged by view)   ``[sq, b, np*hn]``
-               k/v ``[sk, b, ng, hn]``
-thd (packed)   q ``[t, np, hn]``, k/v ``[t, ng, hn]``  TND                     ``[t, np*hn]``
-=============  =================================  ===========================  ==============
-
-(np: query heads, ng: kv groups, hn: head dim.) K/V are never repeated: the operator does GQA
-natively with ``head_num = np``. Multi-latent attention hands v a smaller head dim hv (Dv < D):
-the output is then ``[.., np*hv]``, and ``value_padding`` (the spec's ``mla_value_padding``)
-decides whether v goes to the operator as it is or padded with zeros to hn, the output sliced
-back (``mcore_npu.ops.value_padding``). The mask arguments come from ``mcore_npu.masks.describe_mask``:
-causal attention uses the cached compressed mask (sparse_mode 2/3), sliding windows mode 4,
-packed batches TND with ``actual_seq_qlen`` converted once per cu_seqlens tensor. Megatron's mask
-polarity (True = masked out) is the operator's, so explicit masks pass through untouched; verl's
-``[B, S]`` key-padding mask (True = real token, right padding) becomes the causal description
-(``mcore_npu.masks.key_padding``).
-
-Under context parallelism (``context_parallel_size > 1``) the layer's ``cp_comm_type`` picks
-an algorithm of :mod:`mcore_npu.transformer.context_parallel` (p2p ring, all_gather, a2a) for
-causal or full attention, sbhd or packed thd (Megatron's global ``cu_seqlens_q_padded`` turned
-into local ends once per step through the memo), and sliding windows where the algorithm can
-compute them exactly; dense masks and ``attention_bias`` are refused there.
-
-Nothing here writes to ``config``, patches Megatron or keeps global state.
-"""
+Megatron's ``SelfAttention`` hands over q/k/v, the mask and ``packed_seq_params``; this makes one
+``mcore_npu.ops.fusion_attention`` call (np: query heads, ng: kv groups, hn: head dim): sbhd q
+``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` as SBH -> ``[sq, b, np*hn]``; packed thd q
+``[t, np, hn]``, k/v ``[t, ng, hn]`` as TND -> ``[t, np*hn]``. K/V are never repeated. Masks come
+from ``mcore_npu.masks.describe_mask``: Megatron's polarity (True = masked out) is the operator's;
+verl's ``[B, S]`` key-padding mask (True = real token) becomes a causal description. Under CP
+``cp_comm_type`` picks an algorithm of :mod:`mcore_npu.transformer.context_parallel`. No writes to
+``config``, no patching."""
 
 from __future__ import annotations
 
@@ -62,27 +39,14 @@ class NPUFusionAttention(MegatronModule):
     """Core attention through ``npu_fusion_attention`` (or its reference off-NPU).
 
     Args:
-        config: Megatron ``TransformerConfig`` (read only).
-        layer_number: 1-based layer index (for the sliding-window skip pattern).
-        attn_mask_type: the layer's ``AttnMaskType`` (causal for GPT).
-        attention_type: ``"self"`` or ``"cross"`` (unused, as in Megatron's local attention).
-        attention_dropout: overrides ``config.attention_dropout`` when given.
-        softmax_scale: overrides ``1/sqrt(head_dim)`` when given.
-        cp_comm_type: this layer's context-parallel algorithm (``"p2p"``, ``"all_gather"``,
-            ``"a2a"``; ``"a2a+p2p"`` is refused); None = ``config.cp_comm_type`` (a string or a
-            per-layer list), else ``"p2p"``. Used when ``context_parallel_size > 1``.
-        kernel: ``"auto"`` (torch_npu on NPU tensors, the reference elsewhere), ``"torch_npu"``
-            or ``"reference"``. Set through ``ModuleSpec.params`` by the layer specs.
-        seq_lengths_memo: shared by all layers of a model so that cu_seqlens is converted to
-            host offsets once per step; a private one if None.
-        k_channels, v_channels: the q/k and the value head dims, as Multi-Latent Attention
-            passes them (``qk_head_dim + qk_pos_emb_head_dim`` and ``v_head_dim``); None =
-            ``config.kv_channels``. The scale defaults to ``1/sqrt(k_channels)``; the value's
-            head dim is read from the value itself.
-        value_padding: ``"auto"`` | ``"on"`` | ``"off"``: whether a value head dim smaller than
-            the query's is padded to it for the operator (``mcore_npu.ops.value_padding``;
-            the spec's ``mla_value_padding``).
-        **kwargs: ``pg_collection``, Megatron's process groups, when it passes them.
+        cp_comm_type: the CP algorithm (``"p2p"``, ``"all_gather"``, ``"a2a"``); None =
+            ``config.cp_comm_type`` (a string or a per-layer list), else ``"p2p"``.
+        kernel: ``"auto"`` (torch_npu on NPU tensors, else the reference), ``"torch_npu"`` or
+            ``"reference"``.
+        seq_lengths_memo: shared by all layers so cu_seqlens becomes host offsets once per step.
+        k_channels, v_channels: MLA's q/k and value head dims; None = ``config.kv_channels``.
+        value_padding: ``"auto"`` | ``"on"`` | ``"off"``: pad a smaller value head dim for the
+            operator.
     """
 
     def __init__(
@@ -147,23 +111,23 @@ class NPUFusionAttention(MegatronModule):
         **kwargs,
     ) -> torch.Tensor:
         """sbhd: ``[sq, b, np, hn]`` -> ``[sq, b, np*hv]``; thd: ``[t, np, hn]`` -> ``[t, np*hv]``
-        (hv: the value's head dim, hn for all but Multi-Latent Attention)."""
+        (hv: the value's head dim)."""
         head_dim_v = value.shape[-1]
-        if head_dim_v < query.shape[-1] and self._pads_value(query.device):
+        padded = head_dim_v < query.shape[-1] and self._pads_value(query.device)
+        if padded:
             value = padding.pad(value, query.shape[-1])  # MLA on an older torch_npu
-            out = self._attend(query, key, value, attention_mask, attn_mask_type,
-                               attention_bias, packed_seq_params)  # fmt: skip
-            return padding.unpad(out, self.num_heads_per_partition, head_dim_v)
-        return self._attend(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                            packed_seq_params)  # fmt: skip
+        masks = (attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        out = self._attend(query, key, value, *masks)
+        return padding.unpad(out, self.num_heads_per_partition, head_dim_v) if padded else out
 
     def _pads_value(self, device) -> bool:
-        """Whether v (Dv < D) is padded to D here (``value_padding``; auto: a probe of torch_npu)."""
+        """Whether v (Dv < D) is padded to D here."""
         kernel = registry.resolve("fusion_attention", self.kernel, device).kernel
         return padding.pads(self.value_padding, kernel, device)
 
-    def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
-                packed_seq_params) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+    ) -> torch.Tensor:
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         seq_q, seq_kv = query.shape[0], key.shape[0]
         mask = describe_mask(
@@ -190,18 +154,16 @@ class NPUFusionAttention(MegatronModule):
         else:  # [s, b, n, hn] -> [s, b, n*hn] (a view for contiguous inputs): layout SBH
             layout, q, k, v = "SBH", query.flatten(2), key.flatten(2), value.flatten(2)
         with self._dropout_rng(keep_prob):
-            out = fusion_attention(
-                q, k, v, self.num_heads_per_partition, layout,
-                kernel=self.kernel, scale=self.softmax_scale, keep_prob=keep_prob, **op_kwargs,
-            )  # fmt: skip
+            op_kwargs.update(kernel=self.kernel, scale=self.softmax_scale, keep_prob=keep_prob)
+            out = fusion_attention(q, k, v, self.num_heads_per_partition, layout, **op_kwargs)
         _check_value_width(out, value.shape[-1], self.num_heads_per_partition, layout)
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
 
     def _context_parallel(
         self, query, key, value, mask, attention_bias, keep_prob, packed_seq_params
     ):
-        """Under CP: sbhd ``[s/CP, b, np, hn]`` (chunks r, 2CP-1-r) -> ``[s/CP, b, np*hn]``;
-        thd ``[t/CP, np, hn]`` (chunks r, 2CP-1-r of every sequence) -> ``[t/CP, np*hn]``."""
+        """Under CP: sbhd ``[s/CP, b, np, hn]`` (chunks r, 2CP-1-r) -> ``[s/CP, b, np*hn]``; thd
+        ``[t/CP, np, hn]`` (chunks r, 2CP-1-r of every sequence) -> ``[t/CP, np*hn]``."""
         where = f"context parallelism (cp_comm_type={self.cp_comm_type!r})"
         if attention_bias is not None:
             raise NotImplementedError(
@@ -213,17 +175,16 @@ class NPUFusionAttention(MegatronModule):
             thd_ends = self._thd_ends(mask, packed_seq_params, query.shape[0], where)
             mask = mask.within
         causal, window = _cp_mask(mask, where)
+        call = dict(heads=self.num_heads_per_partition, scale=self.softmax_scale, causal=causal)
+        call.update(kernel=self.kernel, keep_prob=keep_prob, thd_ends=thd_ends, window=window)
+        call["memo"] = self.seq_lengths_memo
         with self._dropout_rng(keep_prob):
-            return context_parallel.attention(
-                self.cp_comm_type, query, key, value, self.cp_group,
-                heads=self.num_heads_per_partition, scale=self.softmax_scale, causal=causal,
-                kernel=self.kernel, keep_prob=keep_prob, thd_ends=thd_ends, window=window,
-                memo=self.seq_lengths_memo,
-            )  # fmt: skip
+            args = (self.cp_comm_type, query, key, value, self.cp_group)
+            return context_parallel.attention(*args, **call)
 
     def _thd_ends(self, mask, params, t_local: int, where: str) -> tuple[int, ...]:
         """This rank's local padded cumulative ends (no leading 0) from Megatron's GLOBAL
-        ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``): host ints, converted once per step."""
+        ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), host ints."""
         cp_size = self.config.context_parallel_size
         padded = getattr(params, "cu_seqlens_q_padded", None)
         real = params.cu_seqlens_q
@@ -252,8 +213,8 @@ class NPUFusionAttention(MegatronModule):
         return ends
 
     def _bias(self, attention_bias, query, seq_q, seq_kv, packed):
-        """Megatron's ``attention_bias`` (added after scaling) as the operator's ``pse`` (added
-        before scaling), ``[b|1, np, sq|1, sk]``."""
+        """Megatron's ``attention_bias`` ``[b|1, np, sq|1, sk]`` (added after scaling) as the
+        operator's ``pse`` (added before scaling)."""
         if attention_bias is None:
             return None
         if packed:
@@ -285,10 +246,8 @@ class NPUFusionAttention(MegatronModule):
 
 
 def _check_value_width(out: torch.Tensor, head_dim_v: int, heads: int, layout: str) -> None:
-    """The operator returned Dv per head: an older torch_npu returns D there; refuse, with the fix.
-
-    out: SBH ``[s, b, heads * Dv]`` or TND ``[t, heads, Dv]``.
-    """
+    """Refuse an output of D per head where Dv was due (an older torch_npu). out: SBH
+    ``[s, b, heads * Dv]`` or TND ``[t, heads, Dv]``."""
     want = head_dim_v if layout == "TND" else heads * head_dim_v
     if out.shape[-1] != want:
         raise RuntimeError(
@@ -301,11 +260,8 @@ def _check_value_width(out: torch.Tensor, head_dim_v: int, heads: int, layout: s
 
 
 def _has_padding(memo, real, padded) -> bool:
-    """Whether the padded offsets differ from the real ones (host ints from the memo).
-
-    Causal attention over the padded layout is exact for real tokens (padding sits at the end
-    of each sequence, so no real query sees it); full attention would see the padding keys.
-    """
+    """Whether the padded offsets differ from the real ones: causal attention over the padded layout
+    is exact for real tokens, full attention would see the padding keys."""
     if real is None or padded is real:
         return False
     return memo.actual_seq_lengths(real) != memo.actual_seq_lengths(padded)
@@ -353,13 +309,8 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 
 def _softmax_scale(softmax_scale, head_dim) -> float:
-    """The scale the scores are multiplied by: ``1/sqrt(head_dim)`` unless Megatron passes one.
-
-    Query-key layer scaling (``apply_query_key_layer_scaling``) needs no term here: Megatron
-    divides the matmul scale by the layer number and multiplies the fp32 softmax input by it
-    again, a range trick for fp16 scores whose net scale is unchanged. The fused kernel computes
-    the scores in fp32, so the net scale is exactly what it must get.
-    """
+    """``1/sqrt(head_dim)`` unless Megatron passes a scale. Query-key layer scaling needs no term:
+    its net scale is unchanged and the kernel computes the scores in fp32."""
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
@@ -374,11 +325,7 @@ def _layer_window(config, layer_number) -> tuple[int, int] | None:
 
 
 class TELayoutNPUFusionAttention(EmptyExtraState, NPUFusionAttention):
-    """``NPUFusionAttention`` whose ``state_dict`` has ``TEDotProductAttention``'s entry.
-
-    Only in ``state_dict``: ``TEDotProductAttention.sharded_state_dict`` returns nothing unless
-    ``softmax_type="learnable"``, which this attention refuses.
-    """
+    """``NPUFusionAttention`` with ``TEDotProductAttention``'s (empty) ``state_dict`` entry."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Empty, as ``TEDotProductAttention``'s without a learnable softmax offset."""

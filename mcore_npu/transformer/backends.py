@@ -1,9 +1,6 @@
-"""Which attention backend a run uses, decided without importing megatron-core.
-
-``auto`` is npu_fusion where an NPU is usable, Transformer Engine where it imports, and
-Megatron's local spec otherwise. An explicit choice is checked here, so that a config naming
-``te`` on a machine without it fails before any process group starts.
-"""
+"""Which attention backend a run uses, decided without importing megatron-core: ``auto`` is
+npu_fusion where an NPU is usable, Transformer Engine where it imports, else Megatron's local spec.
+An explicit ``te`` is checked here, before any process group starts."""
 
 from __future__ import annotations
 
@@ -14,6 +11,15 @@ from mcore_npu.allocator import device
 
 BACKENDS = ("auto", "npu_fusion", "local", "te")
 PARAM_LAYOUTS = ("te", "local")  # npu_fusion parameter names: Transformer Engine spec | local spec
+
+
+def check_param_layout(param_layout: str) -> str:
+    """``param_layout`` itself, or ValueError naming it and the layouts there are."""
+    if param_layout not in PARAM_LAYOUTS:
+        raise ValueError(
+            f"param_layout: unknown layout {param_layout!r}; pass one of {', '.join(PARAM_LAYOUTS)}"
+        )
+    return param_layout
 
 
 def resolve_backend(backend: str) -> str:

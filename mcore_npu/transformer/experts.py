@@ -1,44 +1,10 @@
-"""Grouped experts for Megatron's MoE layer: one ``npu_grouped_matmul`` per projection.
+"""``NPUGroupedMLP``: the routed experts of an MoE layer, one ``npu_grouped_matmul`` per projection.
 
-``NPUGroupedMLP`` fills the ``experts`` slot of ``MoESubmodules`` and takes what the slot passes
-(``num_local_experts, config, submodules=None, pg_collection=...``) plus the spec's ``kernel``
-and ``param_layout``. Forward, for the tokens the dispatcher sorted by local expert::
-
-    x [T, H] --fc1 (grouped, one call, + b1_e)--> [T, F'] --SwiGLU (npu_swiglu) / activation-->
-      [T, F] --* probs [T, 1]--> --fc2 (grouped, one call)--> [T, H] --+ b2_e * probs--> [T, H]
-
-With ``add_bias_linear`` each expert has an fc1 bias ``b1_e`` [F'] (the operator's ``bias``,
-added before the activation) and an fc2 bias ``b2_e`` [H], which, as in Megatron's
-``SequentialMLP`` (``MLP.forward`` with ``per_token_scale``) and ``TEGroupedMLP._apply_bias``,
-is scaled by each row's routing probability and added to the output: the layer returns no
-separate bias. ``bias_activation_fusion`` changes nothing here: the fused function computes
-swiglu(y + b) too (megatron-core 0.16.1's experts raise "Bias is not supported for weighted
-swiglu fusion" for it; this module computes what it stands for).
-
-``F`` = ``moe_ffn_hidden_size / expert_tp``, ``F' = 2F`` with a gated linear unit. Backward runs
-one grouped matmul for dX and one (``group_type=2``) for all experts' dW per projection
-(:class:`mcore_npu.ops.fused.GroupedLinear`). Off-NPU the reference runs with the same arguments.
-
-Parameters (Megatron's linear layout ``[out, in]``), by ``param_layout``:
-
-- ``"local"``: ``local_experts.{e}.linear_fc1.weight`` ``[F', H]`` and
-  ``local_experts.{e}.linear_fc2.weight`` ``[H, F]`` (``SequentialMLP``'s names: its state dict
-  loads as is), biases ``local_experts.{e}.linear_fc1.bias`` ``[F']`` /
-  ``local_experts.{e}.linear_fc2.bias`` ``[H]``;
-- ``"te"``: ``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` (``TEGroupedMLP``'s names, which
-  the Hugging Face bridges map to), biases ``linear_fc1.bias{e}`` / ``linear_fc2.bias{e}``
-  (``TEGroupedLinear``'s), with TE's ``_extra_state`` entries: one per linear in
-  ``state_dict``, ``_extra_state`` / ``_extra_state{e}`` (e >= 1) per expert in
-  ``sharded_state_dict`` (empty; a TE checkpoint's FP8 metadata is ignored on load).
-
-Both layouts write ``SequentialMLP``'s checkpoint keys, so dist checkpoints move between them.
-
-With a gated linear unit a rank's fc1 rows are ``[gate shard; up shard]``, as in Megatron
-(the fc1 bias too). Biases start at zero, as Megatron's linears do. With
-``use_cpu_initialization`` every rank draws all global experts' weights from the CPU generator
-and keeps its own, so the model is the same whatever the expert-parallel layout; otherwise each
-rank draws its own under Megatron's expert-parallel RNG stream.
-"""
+Tokens sorted by local expert: ``x [T, H] --fc1 (+b1)--> [T, F'] --act--> [T, F] --*probs-->
+--fc2--> [T, H] --+b2*probs--> [T, H]`` (``F = moe_ffn_hidden_size / expert_tp``, ``F' = 2F`` with a
+GLU). Names: ``"local"`` = ``SequentialMLP``'s, ``"te"`` = ``TEGroupedMLP``'s; both write
+``SequentialMLP``'s checkpoint keys. With ``use_cpu_initialization`` every rank draws all global
+experts from the CPU generator and keeps its own. See docs/moe.md."""
 
 from __future__ import annotations
 
@@ -49,19 +15,15 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from mcore_npu.ops import grouped_linear, swiglu
 from mcore_npu.ops.registry import check_kernel
-from mcore_npu.transformer.backends import PARAM_LAYOUTS
+from mcore_npu.transformer.backends import check_param_layout
 from mcore_npu.transformer.extra_state import EmptyExtraState
 from mcore_npu.transformer.mlp import is_plain_swiglu
 from mcore_npu.transformer.param_layout import EXTRA_STATE
 
 
 class _Weight(torch.nn.Module):
-    """Holds one ``weight`` parameter and, with ``add_bias_linear``, one ``bias`` (the
-    ``linear_fc1`` / ``linear_fc2`` of an expert).
-
-    Like Megatron's linear layers it has an (empty) ``_extra_state`` entry, so SequentialMLP's
-    state dict loads with ``strict=True``.
-    """
+    """One expert linear: ``weight`` and, with ``add_bias_linear``, ``bias``; an empty
+    ``_extra_state`` as Megatron's linears have."""
 
     def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None) -> None:
         super().__init__()
@@ -83,15 +45,8 @@ class _Expert(torch.nn.Module):
 
 
 class _Grouped(EmptyExtraState, torch.nn.Module):
-    """``weight0 .. weight{E-1}`` (``bias0 .. bias{E-1}`` with biases) and one
-    ``_extra_state``: the state-dict names of TE's ``GroupedLinear`` (Megatron's
-    ``TEGroupedLinear``).
-
-    ``NPUGroupedMLP.sharded_state_dict`` splits the entry per expert as ``TEGroupedLinear`` does
-    (``_extra_state``, ``_extra_state1`` .. ``_extra_state{E-1}``); a state dict loaded back from
-    such a checkpoint has those keys, which a pre-hook drops (TE merges them into its FP8
-    metadata; nothing here runs in FP8). A state dict without any entry loads too.
-    """
+    """``weight{e}`` (``bias{e}``) and one ``_extra_state``: the names of TE's ``GroupedLinear``.
+    The per-expert ``_extra_state{e}`` keys of a loaded sharded checkpoint are dropped."""
 
     def __init__(self, weights: list[torch.nn.Parameter], biases=None) -> None:
         super().__init__()
@@ -108,32 +63,36 @@ class _Grouped(EmptyExtraState, torch.nn.Module):
 
 
 class NPUGroupedColumnLinear(_Grouped):
-    """fc1's grouped weights (``[F', H]`` per expert: the output dimension is split across
-    expert tensor parallelism, the role of TE's ``TEColumnParallelGroupedLinear``). A class of
-    its own so that converters that find the split by class name (Megatron-Bridge's
-    ``AutoMapping``) can tell fc1 from fc2."""
+    """fc1's grouped weights (``[F', H]`` per expert, split over expert TP by rows); a class of its
+    own so converters that read the split from the class name tell fc1 from fc2."""
 
 
 class NPUGroupedRowLinear(_Grouped):
-    """fc2's grouped weights (``[H, F]`` per expert: the input dimension is split, the role of
-    ``TERowParallelGroupedLinear``)."""
+    """fc2's grouped weights (``[H, F]`` per expert, split by columns)."""
 
 
 class NPUGroupedMLP(MegatronModule):
-    """The routed experts of one MoE layer as two grouped matmuls (see the module docstring).
+    """The routed experts of one MoE layer as two grouped matmuls.
 
     Args:
         num_local_experts: experts on this expert-parallel rank (E).
-        config: Megatron ``TransformerConfig`` (reads ``moe_ffn_hidden_size``,
-            ``gated_linear_unit``, ``activation_func``, ``add_bias_linear``, init settings).
-        submodules: ignored (the slot's MLP submodules; the weights live here).
+        submodules: ignored (the weights live here).
         pg_collection: Megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``).
         kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` for grouped matmul and SwiGLU.
         param_layout: ``"local"`` (SequentialMLP names) or ``"te"`` (TEGroupedMLP names).
     """
 
-    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *,
-                 kernel: str = "auto", param_layout: str = "local", **_unused):  # fmt: skip
+    def __init__(
+        self,
+        num_local_experts,
+        config,
+        submodules=None,
+        pg_collection=None,
+        *,
+        kernel: str = "auto",
+        param_layout: str = "local",
+        **_unused,
+    ):
         super().__init__(config=config)
         _check_choices(kernel, param_layout, config)
         self.kernel, self.param_layout = kernel, param_layout
@@ -146,8 +105,10 @@ class NPUGroupedMLP(MegatronModule):
         self.dp_group = pg_collection.expt_dp
         tp = self.tp_group.size()
         if config.moe_ffn_hidden_size % tp:
-            raise ValueError(f"moe_ffn_hidden_size: {config.moe_ffn_hidden_size} is not divisible "
-                             f"by the expert tensor-parallel size {tp}; pick a multiple")  # fmt: skip
+            raise ValueError(
+                f"moe_ffn_hidden_size: {config.moe_ffn_hidden_size} is not divisible "
+                f"by the expert tensor-parallel size {tp}; pick a multiple"
+            )
         self.ffn_per_rank = config.moe_ffn_hidden_size // tp
         fc1, fc2 = self._make_weights()
         bias1, bias2 = self._make_biases()
@@ -158,8 +119,6 @@ class NPUGroupedMLP(MegatronModule):
         else:
             self.linear_fc1 = NPUGroupedColumnLinear(fc1, bias1 if config.add_bias_linear else None)
             self.linear_fc2 = NPUGroupedRowLinear(fc2, bias2 if config.add_bias_linear else None)
-
-    # ------------------------------------------------------------------ weights
 
     def fc1_weights(self) -> list[torch.nn.Parameter]:
         """E x ``[F', H]`` in local-expert order."""
@@ -189,9 +148,8 @@ class NPUGroupedMLP(MegatronModule):
         return [getattr(getattr(self, which), f"bias{e}") for e in range(self.num_local_experts)]
 
     def _make_biases(self):
-        """(fc1 biases, fc2 biases): E zero ``[F']`` / ``[H]`` each, or E Nones without
-        ``add_bias_linear``, with the attributes Megatron's column / row-parallel linears give
-        their biases (fc1's TP-sharded along its rows, fc2's replicated)."""
+        """E zero fc1 ``[F']`` and fc2 ``[H]`` biases (or Nones), tagged as Megatron tags its
+        linears'."""
         c = self.config
         if not c.add_bias_linear:
             return [None] * self.num_local_experts, [None] * self.num_local_experts
@@ -199,8 +157,10 @@ class NPUGroupedMLP(MegatronModule):
         device = torch.device("cpu") if c.use_cpu_initialization else _current_device()
         made = []
         for size in (glu * self.ffn_per_rank, c.hidden_size):
-            params = [torch.nn.Parameter(torch.zeros(size, dtype=c.params_dtype, device=device))
-                      for _ in range(self.num_local_experts)]  # fmt: skip
+            params = [
+                torch.nn.Parameter(torch.zeros(size, dtype=c.params_dtype, device=device))
+                for _ in range(self.num_local_experts)
+            ]
             made.append(params)
         for b1, b2 in zip(*made):
             _tag(b1, 0)
@@ -214,10 +174,13 @@ class NPUGroupedMLP(MegatronModule):
         shapes = ((glu * self.ffn_per_rank, c.hidden_size), (c.hidden_size, self.ffn_per_rank))
         device = torch.device("cpu") if c.use_cpu_initialization else _current_device()
         made = []
-        for (rows, cols), init, tp_dim in zip(shapes, (c.init_method, c.output_layer_init_method),
-                                              (0, 1)):  # fmt: skip
-            local = [torch.empty(rows, cols, dtype=c.params_dtype, device=device)
-                     for _ in range(self.num_local_experts)]  # fmt: skip
+        for (rows, cols), init, tp_dim in zip(
+            shapes, (c.init_method, c.output_layer_init_method), (0, 1)
+        ):
+            local = [
+                torch.empty(rows, cols, dtype=c.params_dtype, device=device)
+                for _ in range(self.num_local_experts)
+            ]
             if c.perform_initialization:
                 self._initialize(local, init, tp_dim, glu if tp_dim == 0 else 1)
             params = [torch.nn.Parameter(w) for w in local]
@@ -227,7 +190,7 @@ class NPUGroupedMLP(MegatronModule):
         return made
 
     def _initialize(self, local, init_method, tp_dim, glu):
-        """Fill ``local`` in place (see the module docstring for the two schemes)."""
+        """Fill ``local`` in place (CPU scheme: see the module docstring)."""
         if not self.config.use_cpu_initialization:
             from megatron.core.tensor_parallel.random import (
                 get_cuda_rng_tracker,
@@ -252,25 +215,17 @@ class NPUGroupedMLP(MegatronModule):
                 mine = [p.chunk(tp, dim=tp_dim)[tp_rank] for p in parts]
                 local[e].data.copy_(torch.cat(mine, dim=tp_dim))
 
-    # ------------------------------------------------------------------ forward
-
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        """Experts on the dispatched tokens.
-
-        Args:
-            permuted_local_hidden_states: ``[T, H]``, rows sorted by local expert.
-            tokens_per_expert: ``[E]`` rows per local expert (tensor or list; zeros allowed).
-            permuted_probs: ``[T]`` routing probability of each row.
-
-        Returns:
-            ``(output [T, H], None)`` (no separate bias, as the MoE layer requires).
-        """
+        """Experts on the dispatched tokens: ``[T, H]`` rows sorted by local expert,
+        ``tokens_per_expert`` ``[E]`` (tensor or list), ``permuted_probs`` ``[T]`` ->
+        ``(output [T, H], None)``."""
         x, probs = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)  # probs applied once, before fc1
             probs = torch.ones_like(probs)
-        h = grouped_linear(x, self.fc1_weights(), tokens_per_expert, biases=self.fc1_biases(),
-                           kernel=self.kernel)  # fmt: skip
+        h = grouped_linear(
+            x, self.fc1_weights(), tokens_per_expert, biases=self.fc1_biases(), kernel=self.kernel
+        )
         h = self._activation(h)  # [T, F]
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         out = grouped_linear(h, self.fc2_weights(), tokens_per_expert, kernel=self.kernel)
@@ -292,30 +247,22 @@ class NPUGroupedMLP(MegatronModule):
     def backward_dw(self):
         """Weight gradients are computed in backward already (no delayed wgrad)."""
 
-    # ------------------------------------------------------------------ checkpoints
-
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """The checkpoint keys and shards of ``SequentialMLP`` for the same experts, in both
-        layouts, so checkpoints move between the two modules and the two layouts.
-
-        ``{prefix}experts.linear_fc1.weight`` (``.bias``) with the global expert index as a
-        sharded axis (Megatron's default), or ``{prefix}experts.{g}.linear_fc1.weight`` when
-        ``metadata`` asks for ``singleton_local_shards``; expert-TP shards add the TP axis
-        (refused with a gated linear unit): fc1's weight and bias along rows, fc2's weight along
-        columns; fc2's bias is replicated over expert TP, as ``RowParallelLinear``'s.
-        """
+        """``SequentialMLP``'s checkpoint keys and shards, in both layouts: the global expert index
+        is a sharded axis (or in the key with ``singleton_local_shards``); expert-TP shards add the
+        TP axis."""
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
         if tp > 1 and self.config.gated_linear_unit:
-            raise NotImplementedError("NPUGroupedMLP.sharded_state_dict: expert tensor "
-                                      "parallelism with a gated linear unit; use "
-                                      "expert_tensor_parallel_size=1")  # fmt: skip
+            raise NotImplementedError(
+                "NPUGroupedMLP.sharded_state_dict: expert tensor parallelism with a gated linear "
+                "unit; use expert_tensor_parallel_size=1"
+            )
         singleton = bool((metadata or {}).get("singleton_local_shards", False))
         first = self.ep_group.rank() * self.num_local_experts
         total = self.ep_group.size() * self.num_local_experts
         dp_rank = self.dp_group.rank()
 
         def where(e: int, which: str):
-            """(sharded key prefix, sharded offsets) of local expert ``e``'s linear."""
             if singleton:
                 return f"{prefix}experts.{first + e}.{which}", tuple(sharded_offsets)
             expert_axis = (len(sharded_offsets), first + e, total)
@@ -327,13 +274,16 @@ class NPUGroupedMLP(MegatronModule):
             key, offsets = where(e, which)
             replicated = (which, leaf) == ("linear_fc2", "bias")  # RowParallelLinear's bias
             axis = 0 if which == "linear_fc1" else 1
-            axes = [] if tp == 1 or replicated else [(axis, tp_rank, tp)]
+            axes = [] if tp == 1 or replicated else [(len(offsets) + axis, tp_rank, tp)]
+            replica = (0, tp_rank if replicated else 0, dp_rank)
             result[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
-                f"{key}.{leaf}", param, *offsets,
-                *[(len(offsets) + a, r, n) for a, r, n in axes],
-                replica_id=(0, tp_rank if replicated else 0, dp_rank),
+                f"{key}.{leaf}",
+                param,
+                *offsets,
+                *axes,
+                replica_id=replica,
                 prepend_axis_num=len(offsets),
-            )  # fmt: skip
+            )
         # the linears' (empty) extra state, one object per expert and linear, under the names
         # of SequentialMLP ("local") or TEGroupedLinear ("te"; see _extra_state_name)
         for e in range(self.num_local_experts):
@@ -347,23 +297,16 @@ class NPUGroupedMLP(MegatronModule):
 
 
 def _extra_state_name(e: int, which: str, layout: str) -> str:
-    """The ``sharded_state_dict`` name of local expert ``e``'s extra state for ``which`` linear.
-
-    ``"local"``: ``local_experts.{e}.linear_fc1._extra_state`` (``SequentialMLP``). ``"te"``:
-    ``linear_fc1._extra_state`` for expert 0 and ``linear_fc1._extra_state{e}`` for the others,
-    as megatron-core 0.16.1's ``TEGroupedLinear._sharded_state_dict_grouped`` names them
-    (``megatron/core/extensions/transformer_engine.py``, ``f"{prefix}_extra_state{'' if
-    gemm_idx == 0 else gemm_idx}"``). Either way the object's key on disk is
-    ``experts.experts.{which}._extra_state`` with the global expert index as a sharded axis.
-    """
+    """The ``sharded_state_dict`` name of local expert ``e``'s extra state: ``SequentialMLP``'s, or
+    as ``TEGroupedLinear`` names them (``_extra_state`` for expert 0, ``_extra_state{e}`` after)."""
     if layout == "local":
         return f"local_experts.{e}.{which}.{EXTRA_STATE}"
     return f"{which}.{EXTRA_STATE}{e or ''}"
 
 
 def _expert_of(name: str, layout: str) -> tuple[int, str, str]:
-    """``local_experts.3.linear_fc1.weight`` / ``linear_fc1.weight3`` -> ``(3, "linear_fc1",
-    "weight")``; ``...linear_fc2.bias`` / ``linear_fc2.bias3`` -> ``(3, "linear_fc2", "bias")``."""
+    """``local_experts.3.linear_fc1.weight`` / ``linear_fc1.weight3`` ->
+    ``(3, "linear_fc1", "weight")``."""
     parts = name.split(".")
     if layout == "local":
         return int(parts[1]), parts[2], parts[3]
@@ -372,10 +315,7 @@ def _expert_of(name: str, layout: str) -> tuple[int, str, str]:
 
 
 def _add_weighted_bias(out, biases, tokens_per_expert, probs) -> torch.Tensor:
-    """``out [T, H] + b2_e * probs`` for every row of expert e (Megatron's expert fc2 bias).
-
-    The row -> expert map comes from ``repeat_interleave`` with ``output_size`` (no host sync).
-    """
+    """``out [T, H] + b2_e * probs`` for every row of expert e (no host sync)."""
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(out.device)
     experts = torch.arange(len(biases), device=out.device)
     rows = torch.repeat_interleave(experts, counts, output_size=out.shape[0])  # [T]
@@ -384,8 +324,7 @@ def _add_weighted_bias(out, biases, tokens_per_expert, probs) -> torch.Tensor:
 
 
 def _tag(param: torch.nn.Parameter, tp_dim: int) -> None:
-    """Megatron's expert-parameter attributes: TP-sharded along ``tp_dim``, reduced over the
-    expert-data-parallel group (``allreduce = False``)."""
+    """Megatron's expert-parameter attributes: TP-sharded along ``tp_dim``, ``allreduce = False``."""
     param.tensor_model_parallel = True
     param.partition_dim = tp_dim
     param.partition_stride = 1
@@ -400,9 +339,8 @@ def _current_device() -> torch.device:
 
 def _check_choices(kernel, param_layout, config) -> None:
     check_kernel(kernel)
-    if param_layout not in PARAM_LAYOUTS:
-        raise ValueError(f"param_layout: unknown layout {param_layout!r}; pass one of "
-                         f"{', '.join(PARAM_LAYOUTS)}")  # fmt: skip
+    check_param_layout(param_layout)
     if config.fp8 or config.fp4:
-        raise ValueError("fp8/fp4: NPUGroupedMLP runs the floating-point grouped matmul; turn "
-                         "fp8/fp4 off")  # fmt: skip
+        raise ValueError(
+            "fp8/fp4: NPUGroupedMLP runs the floating-point grouped matmul; turn fp8/fp4 off"
+        )

@@ -1,18 +1,8 @@
-"""Empty ``_extra_state`` entries where Transformer Engine's modules carry one.
+"""Empty ``_extra_state`` entries where Transformer Engine's modules carry one (FP8 metadata).
 
-TE modules store FP8 metadata as ``_extra_state`` (a pickled byte tensor). Megatron's own
-``ColumnParallelLinear`` / ``RowParallelLinear`` keep an empty entry "for compatibility with TE
-state dicts"; the TE parameter layout gives the other slots TE fills (core attention, the q/k
-norms, the MoE pre-MLP norm, the final norm) the same empty entry, so that a checkpoint from this
-layout has the key set of a TE-spec model. A saved TE value is accepted and ignored: nothing here
-runs in FP8.
-
-- ``TERMSNorm`` / ``TELayerNorm``: ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm`` with the entry
-  (``state_dict`` and ``sharded_state_dict``, as ``TENorm`` in TE >= 2.0, whose norms are
-  ``BasicOperation`` s).
-- ``mcore_npu.transformer.attention.TELayoutNPUFusionAttention`` uses the mixin for core
-  attention.
-"""
+The te parameter layout gives the slots TE fills (core attention, q/k norms, the MoE pre-MLP norm,
+the final norm) an empty entry, as Megatron's own linears have, so a checkpoint has a TE-spec
+model's key set. A saved TE value is accepted and ignored: nothing here runs in FP8."""
 
 from __future__ import annotations
 
@@ -20,11 +10,8 @@ import torch
 
 
 class EmptyExtraState:
-    """Mixin: an ``_extra_state`` entry that saves ``None`` and ignores what it is given.
-
-    A state dict without the entry (e.g. from the local layout) still loads: a pre-hook fills
-    the missing key with ``None``, as Megatron's ``ColumnParallelLinear`` does.
-    """
+    """Mixin: an ``_extra_state`` entry that saves ``None`` and ignores what it is given; a state
+    dict without the entry still loads."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,30 +1,11 @@
 """The MLP slot of an NPU layer spec, bound so that Megatron's own ``TransformerLayer`` builds it.
 
-The NPU spec's layers are Megatron's ``TransformerLayer`` itself (so that builders which want
-exactly that class, such as ``get_gpt_mtp_block_spec(config, layer_spec, ...)``, take the NPU
-layer spec unchanged). Megatron-Core 0.16.1's ``TransformerLayer.__init__``
-(``transformer_layer.py``, "Module 8: MLP block") passes process groups to a ``ModuleSpec`` in
-the ``mlp`` slot only when its module *is* one of Megatron's classes: ``MLP`` / ``TEFusedMLP`` get
-``tp_group=pg_collection.tp``; ``MoELayer``, ``GroupedMLP``, ``TEGroupedMLP``, ``SequentialMLP``
-get ``pg_collection``. For any other class in a ``ModuleSpec`` it logs, once per layer::
-
-    Unknown MLP type: <class '...ModuleSpec'>. Using default kwargs.
-
-and builds it with ``config`` only. A slot that is not a ``ModuleSpec`` is Megatron's own
-"no additional kwargs" case: built the same way, without the line.
-
-So the spec puts a subclass of Megatron's MLP / MoE classes (``NPUMLP``, ``NPUMoELayer``) in a
-:class:`BoundModuleSpec`: built like a ``ModuleSpec`` by ``build_module``, its ``params``
-holding the process groups given to the spec builder (``pg_collection=``), if any. Without them
-the module takes parallel_state's groups, as Megatron's own layer does when it is given no
-``pg_collection``. A model built on process groups of its own (``GPTModel(...,
-pg_collection=groups)``) passes the same ``groups`` to the spec builder. Megatron's own classes
-stay ``ModuleSpec``s and get their groups from the layer. Nothing of Megatron's is patched.
-
-megatron-core 0.18+ calls the ``mlp`` slot itself, ``slot(config=, pg_collection=,
-is_mtp_layer=, name=)`` (its ``MLP`` has ``as_mlp_submodule`` for that); a ``BoundModuleSpec``
-takes that call too (:meth:`BoundModuleSpec.__call__`), so the same spec builds on every version.
-"""
+``TransformerLayer`` passes process groups to a ``ModuleSpec`` in the ``mlp`` slot only when its
+module *is* one of Megatron's classes; for a subclass (``NPUMLP``, ``NPUMoELayer``) it logs "Unknown
+MLP type" and passes ``config`` only. So the spec puts those in a :class:`BoundModuleSpec`, whose
+``params`` hold the groups given to the spec builder (``pg_collection=``; none: parallel_state's).
+megatron-core 0.18+ calls the slot itself; a ``BoundModuleSpec`` takes that call too. Nothing of
+Megatron's is patched."""
 
 from __future__ import annotations
 
@@ -42,11 +23,9 @@ _GROUP_KEYWORDS = ("tp_group", "pg_collection")
 
 @dataclasses.dataclass
 class BoundModuleSpec:
-    """A module spec for the ``mlp`` slot: ``build_module`` builds it like a ``ModuleSpec``
-    (``module(*args, **params, **kwargs, submodules=submodules)``); it is deliberately not one,
-    so ``TransformerLayer`` adds no kwargs of its own and logs nothing. ``params`` may hold the
-    layer's process groups (``tp_group`` or ``pg_collection``), shared, not copied, by
-    ``copy.deepcopy``."""
+    """A module spec for the ``mlp`` slot that ``build_module`` builds like a ``ModuleSpec``; not
+    one, so ``TransformerLayer`` adds no kwargs and logs nothing. Process groups in ``params`` are
+    shared, not copied, by ``copy.deepcopy``."""
 
     module: type
     params: dict = dataclasses.field(default_factory=dict)
@@ -60,10 +39,9 @@ class BoundModuleSpec:
         return BoundModuleSpec(self.module, params, copy.deepcopy(self.submodules, memo))
 
     def __call__(self, config, pg_collection=None, is_mtp_layer: bool = False, name=None):
-        """Build the module as megatron-core 0.18+'s ``TransformerLayer`` asks (it calls the
-        slot): an MLP subclass gets ``tp_group=pg_collection.tp``, an MoE subclass
-        ``pg_collection`` and ``is_mtp_layer``; groups bound in ``params`` win; ``name`` is
-        passed on (the plugin's MLP and MoE classes give it to Megatron's)."""
+        """Build the module as megatron-core 0.18+'s ``TransformerLayer`` asks: an MLP subclass gets
+        ``tp_group``, an MoE subclass ``pg_collection`` and ``is_mtp_layer``; groups in ``params``
+        win."""
         kwargs = dict(self.params)
         if mlp_process_group_keyword(self.module) == "tp_group":
             if pg_collection is not None:
@@ -89,9 +67,8 @@ def _megatron_groups_classes() -> tuple[type, ...]:
 
 def mlp_process_group_keyword(module) -> str | None:
     """The keyword ``TransformerLayer`` would give the Megatron class ``module`` derives from:
-    ``"pg_collection"`` (``MoELayer`` / ``SequentialMLP`` / ... subclasses), ``"tp_group"``
-    (``MLP`` subclasses), or None: Megatron's own classes (it passes their groups itself), and
-    classes derived from none of them."""
+    ``"pg_collection"`` (MoE / experts subclasses), ``"tp_group"`` (``MLP`` subclasses), or None
+    (Megatron's own classes, and unrelated ones)."""
     with_groups = _megatron_groups_classes()
     if not isinstance(module, type) or module is MLP or module in with_groups:
         return None
@@ -103,9 +80,8 @@ def mlp_process_group_keyword(module) -> str | None:
 
 
 def bind_mlp_process_groups(mlp, pg_collection=None):
-    """The layer spec's ``mlp`` slot as a :class:`BoundModuleSpec` when it holds a subclass of
-    Megatron's MLP / MoE classes (with ``pg_collection``'s groups in its params when given: a
-    ``ProcessGroupCollection``), else ``mlp`` itself (see :func:`mlp_process_group_keyword`).
+    """``mlp`` as a :class:`BoundModuleSpec` (with ``pg_collection``'s groups when given) when it
+    holds a subclass of Megatron's MLP / MoE classes, else ``mlp`` itself.
 
     Raises:
         TypeError: ``pg_collection`` is neither None nor a ``ProcessGroupCollection``.

@@ -1,58 +1,16 @@
-"""Transformer-layer specs for Megatron-Core whose core attention is ``NPUFusionAttention``.
+"""GPT layer, decoder-block and MTP-block specs whose core attention is ``NPUFusionAttention``.
 
-Built from Megatron's own local spec, called with keywords only (its parameters drift between
-releases), then these submodules are swapped (``NPUSpecProvider`` makes each):
-
-- ``self_attention.submodules.core_attention`` -> ``NPUFusionAttention`` (with ``kernel`` and a
-  cu_seqlens memo shared by every layer of the spec);
-- the torch norms (input, pre-MLP, q/k, and the block's final norm) -> ``SequenceParallelNorm``,
-  usable under sequence parallelism, whose RMSNorm is ``npu_rms_norm`` (``NPURMSNorm``);
-- the dense ``MLP`` -> ``NPUMLP`` (SwiGLU through ``npu_swiglu``);
-- in MoE layers, the router -> ``NPUTopKRouter`` (no Transformer Engine needed), the experts ->
-  ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection), the shared experts ->
-  ``NPUSharedExpertMLP``;
-- ``SelfAttention`` -> ``NPUSelfAttention`` (its ``attention_output_gate`` computed eagerly, not
-  through Megatron's ``torch.compile``'d function), or ``NPURotarySelfAttention`` with fused RoPE;
-- the layer stays Megatron's ``TransformerLayer`` (so ``get_gpt_mtp_block_spec`` takes the spec);
-  an MLP slot holding a subclass of Megatron's MLP / MoE classes becomes a ``BoundModuleSpec``
-  that holds the process groups given as ``pg_collection=`` (none: parallel_state's), built
-  without Megatron's "Unknown MLP type" warning (``mcore_npu/transformer/layer.py``);
-- with ``multi_latent_attention=True``, Megatron's ``MLASelfAttention`` -> ``NPUMLASelfAttention``
-  (``mcore_npu/transformer/mla.py``: buildable without Transformer Engine), its latent norms
-  swapped like the other norms; ``mla_value_padding`` picks the padded or unpadded value.
-
-The fused operators follow ``kernel`` unless ``rms_norm_kernel`` / ``swiglu_kernel`` /
-``grouped_matmul_kernel`` say otherwise; ``"off"`` keeps Megatron's module for that part
-(``torch.nn.RMSNorm``, ``MLP``, ``SequentialMLP``). The router is always swapped.
-
-``param_layout`` picks the parameter names:
-
-- ``"te"`` (the default): the names and ``sharded_state_dict`` keys of Megatron's Transformer
-  Engine spec for the same arguments (``get_gpt_layer_with_transformer_engine_spec``, what
-  Megatron-LM, MindSpeed and the Hugging Face bridges of verl use): the input norm of attention
-  and of a dense MLP is fused into ``linear_qkv`` / ``linear_fc1`` (``NormColumnParallelLinear``,
-  ``layer_norm_weight``), ``input_layernorm`` / ``pre_mlp_layernorm`` become ``IdentityOp``
-  (an MoE layer keeps ``pre_mlp_layernorm``), and the slots where TE stores ``_extra_state``
-  carry an empty one. Multi-latent attention as Megatron's TE MLA spec: ``input_layernorm`` stays,
-  the latent norms go into ``linear_q_up_proj`` / ``linear_kv_up_proj`` (``layer_norm_weight``).
-  The lists are in ``specs/param_names_te.yaml``.
-- ``"local"``: the names of Megatron's local spec (``input_layernorm.weight``, ...).
-
-The numbers are the same in both layouts, parameter for parameter. Nothing is patched; Megatron's
-objects are deep-copied before anything is changed.
-
-Usage::
-
-    from megatron.core.models.gpt import GPTModel
-    from mcore_npu import get_gpt_layer_npu_spec
-
-    model = GPTModel(config, transformer_layer_spec=get_gpt_layer_npu_spec(qk_layernorm=True),
-                     vocab_size=32000, max_sequence_length=4096)
-"""
+Megatron's own local spec is built (keywords only), deep-copied, and its attention, norms, MLP / MoE
+parts and self-attention classes swapped for ``NPUSpecProvider``'s; an operator kernel ``"off"``
+keeps Megatron's module for that part. The layer stays Megatron's ``TransformerLayer`` (an MLP
+subclass bound to ``pg_collection``, ``layer.py``). ``param_layout="te"`` gives the names of
+Megatron's TE spec (``specs/param_names_te.yaml``), ``"local"`` the local spec's. Nothing is
+patched. See docs/specs.md."""
 
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import inspect
 
@@ -63,9 +21,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer import megatron_features
-from mcore_npu.transformer.backends import PARAM_LAYOUTS, resolve_backend
+from mcore_npu.transformer.backends import resolve_backend
 from mcore_npu.transformer.gated_delta_net.spec import (
     dense_block_config,
     hybrid_layer_specs,
@@ -76,119 +33,58 @@ from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.router import NPUTopKRouter
 from mcore_npu.transformer.self_attention import NPUSelfAttention
-from mcore_npu.transformer.spec_provider import NPUSpecProvider
+from mcore_npu.transformer.spec_provider import OPTION_NAMES, NPUSpecOptions, NPUSpecProvider
 
-_SPEC_KEYWORDS = ("kernel", "param_layout", "rms_norm_kernel", "swiglu_kernel",
-                  "grouped_matmul_kernel", "rope_kernel", "moe_permute_kernel",
-                  "mla_value_padding", "pg_collection")  # fmt: skip
+_SPEC_KEYWORDS = (*OPTION_NAMES, "pg_collection")
 
 
-def get_gpt_layer_npu_spec(
-    *,
-    kernel: str = "auto",
-    param_layout: str = "te",
-    rms_norm_kernel: str | None = None,
-    swiglu_kernel: str | None = None,
-    grouped_matmul_kernel: str | None = None,
-    moe_permute_kernel: str | None = "off",
-    rope_kernel: str | None = "off",
-    mla_value_padding: str = "auto",
-    pg_collection=None,
-    **local_spec_kwargs,
-) -> ModuleSpec:
+def get_gpt_layer_npu_spec(*, pg_collection=None, **kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with ``NPUFusionAttention`` as core attention.
 
     Args:
-        kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` (see ``mcore_npu.ops``).
-        param_layout: ``"te"`` (Transformer Engine spec names) | ``"local"`` (local spec names).
-        rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
-            operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
-        moe_permute_kernel: the fused MoE token permute (``NPUMoELayer``'s alltoall / allgather
-            dispatchers); ``"off"`` (default) = Megatron's ``MoELayer``, None = ``kernel``.
-        rope_kernel: fused RoPE (``npu_rotary_mul``, ``NPURotarySelfAttention``; with
-            multi-latent attention on the rope slice of ``NPUMLASelfAttention``); ``"off"``
-            (default) = Megatron's own RoPE, None = ``kernel``.
-        mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: multi-latent attention's value
-            head (Dv < D) padded to D for the operator, or not (auto: where the installed
-            torch_npu needs it; see ``mcore_npu.ops.value_padding``).
-        pg_collection: the ``ProcessGroupCollection`` of a model built on process groups of its
-            own (``GPTModel(..., pg_collection=...)``), handed to the NPU MLP / MoE modules as
-            Megatron's layer hands them to its own classes; None (default): parallel_state's.
-        **local_spec_kwargs: the keywords of the installed ``get_gpt_layer_local_spec``
-            (``num_experts``, ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``,
-            ``multi_latent_attention``, ...).
+        pg_collection: the ``ProcessGroupCollection`` of a model with process groups of its own;
+            None: parallel_state's.
+        **kwargs: the :class:`NPUSpecOptions` (``kernel``, ``param_layout``, the operators'
+            kernels, ``mla_value_padding``) and the installed ``get_gpt_layer_local_spec``'s.
 
     Returns:
-        A ``ModuleSpec`` for Megatron's ``TransformerLayer``, to pass as
-        ``transformer_layer_spec`` (or to ``get_gpt_mtp_block_spec``). With
-        ``sequence_parallel=True`` pass ``get_gpt_decoder_block_npu_spec(config)`` instead, so
-        that the block's final norm supports it too.
+        A ``ModuleSpec`` for ``TransformerLayer``. With ``sequence_parallel=True`` use
+        ``get_gpt_decoder_block_npu_spec(config)``, whose final norm supports it.
     """
-    _check_kernel(kernel)
-    _check_layout(param_layout)
-    _check_keywords(local_spec_kwargs, megatron_specs.get_gpt_layer_local_spec)
-    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
-                               rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
-                               grouped_matmul_kernel=grouped_matmul_kernel,
-                               moe_permute_kernel=moe_permute_kernel,
-                               rope_kernel=rope_kernel,
-                               mla_value_padding=mla_value_padding)  # fmt: skip
-    spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**local_spec_kwargs))
-    grouped = bool(local_spec_kwargs.get("moe_grouped_gemm", False))
+    provider = NPUSpecProvider(NPUSpecOptions.take(kwargs))
+    _check_keywords(kwargs, megatron_specs.get_gpt_layer_local_spec)
+    spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**kwargs))
+    grouped = bool(kwargs.get("moe_grouped_gemm", False))
     return _swap_npu_parts(spec, provider, grouped, pg_collection)
 
 
 def get_gpt_decoder_block_npu_spec(
     config,
     *,
-    kernel: str = "auto",
-    param_layout: str = "te",
-    rms_norm_kernel: str | None = None,
-    swiglu_kernel: str | None = None,
-    grouped_matmul_kernel: str | None = None,
-    moe_permute_kernel: str | None = "off",
-    rope_kernel: str | None = "off",
-    mla_value_padding: str = "auto",
     pg_collection=None,
     gdn_naive_l2norm: bool = False,
     moe_grouped_gemm: bool | None = None,
-    **block_spec_kwargs,
+    **kwargs,
 ):
-    """Megatron's GPT decoder-block spec (dense and MoE layers as ``config`` says), NPU parts in.
-
-    Mirrors ``get_gpt_decoder_block_spec(config, use_transformer_engine=False, ...)``: the same
-    layer pattern (``moe_layer_freq``), pipeline-stage slicing and final norm, with every layer's
-    core attention and every torch norm swapped as in ``get_gpt_layer_npu_spec``. With
-    ``config.experimental_attention_variant="gated_delta_net"`` the layers that
-    ``linear_attention_freq`` marks (Megatron's reading, at each layer's global position) get
-    ``NPUGatedDeltaNet`` as ``self_attention`` (``mcore_npu/transformer/gated_delta_net``); the
-    others keep the NPU attention.
+    """Megatron's GPT decoder-block spec (``use_transformer_engine=False``), each layer swapped as
+    in ``get_gpt_layer_npu_spec``; with ``experimental_attention_variant="gated_delta_net"`` the
+    layers ``linear_attention_freq`` marks get ``NPUGatedDeltaNet``.
 
     Args:
-        config: Megatron ``TransformerConfig``.
-        kernel, param_layout, rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel,
-            rope_kernel, moe_permute_kernel, mla_value_padding, pg_collection: as for
-            ``get_gpt_layer_npu_spec`` (``config.multi_latent_attention`` builds MLA); with ``"te"``
-            the final norm has ``TENorm``'s ``_extra_state`` too, so the key set is the TE block
-            spec's.
-        gdn_naive_l2norm: GDN layers l2-normalise q and k with plain torch before the rule
-            (MindSpeed's ``use_naive_l2norm``) instead of inside it.
-        moe_grouped_gemm: the routed experts' form, as the layer spec's keyword of the same
-            name: None (default) = ``config.moe_grouped_gemm``; True = grouped experts
-            (``TEGroupedMLP``'s names in the te layout) whatever the config says, what a weight
-            bridge that maps only those names needs; False = sequential experts
-            (``SequentialMLP``'s names). The computation is the same either way.
-        **block_spec_kwargs: the installed ``get_gpt_decoder_block_spec`` keywords besides
-            ``use_transformer_engine`` (``normalization``, ``qk_l2_norm``, ``vp_stage``,
-            ``pp_rank``, ...).
+        pg_collection: as for :func:`get_gpt_layer_npu_spec`.
+        gdn_naive_l2norm: GDN layers l2-normalise q and k in plain torch (MindSpeed's
+            ``use_naive_l2norm``).
+        moe_grouped_gemm: None = ``config.moe_grouped_gemm``; True / False = grouped / sequential
+            experts' names whatever the config says.
+        **kwargs: the :class:`NPUSpecOptions` and the installed ``get_gpt_decoder_block_spec``'s
+            keywords.
 
     Returns:
         ``TransformerBlockSubmodules`` to pass as ``transformer_layer_spec``.
     """
-    _check_kernel(kernel)
-    _check_layout(param_layout)
+    options = NPUSpecOptions.take(kwargs)
     build = megatron_specs.get_gpt_decoder_block_spec
-    _check_keywords(block_spec_kwargs, build, exclude=("config", "use_transformer_engine"))
+    _check_keywords(kwargs, build, exclude=("config", "use_transformer_engine"))
     if moe_grouped_gemm is not None and not isinstance(moe_grouped_gemm, bool):
         raise TypeError(
             f"moe_grouped_gemm: expected True, False or None (the config's), got "
@@ -197,16 +93,13 @@ def get_gpt_decoder_block_npu_spec(
     if moe_grouped_gemm is None:
         moe_grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
     block = copy.deepcopy(
-        build(_builder_config(config, moe_grouped_gemm), use_transformer_engine=False,
-              **block_spec_kwargs)
-    )  # fmt: skip
-    # one provider per model: every layer shares its cu_seqlens memo
-    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
-                               rms_norm_kernel=rms_norm_kernel, swiglu_kernel=swiglu_kernel,
-                               grouped_matmul_kernel=grouped_matmul_kernel,
-                               moe_permute_kernel=moe_permute_kernel,
-                               rope_kernel=rope_kernel,
-                               mla_value_padding=mla_value_padding)  # fmt: skip
+        build(
+            _builder_config(config, moe_grouped_gemm),
+            use_transformer_engine=False,
+            **kwargs,
+        )
+    )
+    provider = NPUSpecProvider(options)  # one per model: every layer shares its memo
     swapped: dict[int, ModuleSpec] = {}
     block.layer_specs = [
         swapped.setdefault(
@@ -216,16 +109,20 @@ def get_gpt_decoder_block_npu_spec(
     ]
     if is_gdn(config):
         block.layer_specs = hybrid_layer_specs(
-            block.layer_specs, config, provider, vp_stage=block_spec_kwargs.get("vp_stage"),
-            pp_rank=block_spec_kwargs.get("pp_rank"), naive_l2norm=gdn_naive_l2norm,
-        )  # fmt: skip
+            block.layer_specs,
+            config,
+            provider,
+            vp_stage=kwargs.get("vp_stage"),
+            pp_rank=kwargs.get("pp_rank"),
+            naive_l2norm=gdn_naive_l2norm,
+        )
     block.layer_norm = provider.layer_norm()
     return block
 
 
 def _builder_config(config, moe_grouped_gemm: bool):
-    """The config Megatron's block builder is given (``dense_block_config``), with the experts'
-    form asked for: a shallow copy where it differs from ``config``'s (never written to)."""
+    """``dense_block_config(config)`` with the experts' form asked for (a shallow copy if it
+    differs)."""
     view = dense_block_config(config)
     if bool(getattr(view, "moe_grouped_gemm", False)) == moe_grouped_gemm:
         return view
@@ -235,57 +132,25 @@ def _builder_config(config, moe_grouped_gemm: bool):
 
 
 def get_gpt_mtp_block_npu_spec(
-    config,
-    block,
-    *,
-    kernel: str = "auto",
-    param_layout: str = "te",
-    rms_norm_kernel: str | None = None,
-    vp_stage: int | None = None,
-    pp_rank: int | None = None,
+    config, block, *, vp_stage: int | None = None, pp_rank: int | None = None, **options
 ):
-    """Megatron's multi-token-prediction block spec for an NPU decoder block, or None.
-
-    What ``get_gpt_mtp_block_spec(config, block, use_transformer_engine=...)`` builds, from the
-    NPU spec provider (Megatron's ``get_gpt_mtp_block_spec_for_backend``): each of the
-    ``config.mtp_num_layers`` MTP layers holds the block's last layer spec (its NPU attention,
-    MLP / MoE parts), and its ``enorm`` / ``hnorm`` / ``final_layernorm`` and ``eh_proj`` are the
-    provider's (``SequenceParallelNorm``, i.e. ``NPURMSNorm`` for RMSNorm;
-    ``ColumnParallelLinear``): in ``param_layout="te"`` with TE's ``_extra_state`` entries, like
-    the block's own norms. Pass the result to
-    ``GPTModel(..., mtp_block_spec=...)``; without it a config with ``mtp_num_layers`` builds
-    no MTP layers, and Megatron's ``GPTModel`` then splits the decoder output as if it had.
-
-    Args:
-        config: the Megatron ``TransformerConfig`` (``mtp_num_layers``; None / 0: no MTP).
-        block: ``get_gpt_decoder_block_npu_spec(config, ...)`` (a ``TransformerBlockSubmodules``).
-        kernel, param_layout, rms_norm_kernel: as for ``get_gpt_decoder_block_npu_spec``.
-        vp_stage, pp_rank: this stage; MTP layers are built on the last pipeline stage only.
-
-    Returns:
-        ``MultiTokenPredictionBlockSubmodules``, or None (no MTP, or none on this stage).
-    """
-    _check_kernel(kernel)
-    _check_layout(param_layout)
+    """Megatron's multi-token-prediction block spec for ``block`` (an NPU decoder block) from the
+    NPU spec provider, for ``GPTModel(..., mtp_block_spec=...)``; None without MTP or off the last
+    pipeline stage. ``options``: the :class:`NPUSpecOptions` (``kernel``, ``param_layout``,
+    ``rms_norm_kernel``, ...) of the block."""
+    provider = NPUSpecProvider(NPUSpecOptions(**options))
     if not getattr(config, "mtp_num_layers", None):
         return None
-    provider = NPUSpecProvider(kernel=kernel, param_layout=param_layout,
-                               rms_norm_kernel=rms_norm_kernel)  # fmt: skip
     return megatron_specs.get_gpt_mtp_block_spec_for_backend(
         config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank
     )
 
 
 def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
-    """One place that picks a GPT layer spec.
+    """A GPT layer spec for ``backend``: ``"npu_fusion"``, ``"local"``, ``"te"``, or ``"auto"``.
 
-    Args:
-        backend: ``"npu_fusion"`` (this package), ``"local"`` (Megatron's local spec), ``"te"``
-            (Transformer Engine), or ``"auto"``: npu_fusion when an NPU is present, else te when
-            transformer-engine imports, else local.
-        **kwargs: spec keywords; ``kernel``, ``param_layout`` and the fused-operator kernels only
-            with npu_fusion (the te backend has the TE layout, the local backend the local one).
-    """
+    ``auto`` is npu_fusion on an NPU, else te where transformer-engine imports, else local. The NPU
+    keywords (``kernel``, ``param_layout``, the operator kernels) only go with npu_fusion."""
     backend = resolve_backend(backend)
     if backend == "npu_fusion":
         return get_gpt_layer_npu_spec(**kwargs)
@@ -302,11 +167,11 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
     return build(**kwargs)
 
 
-def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool,
-                    pg_collection=None) -> ModuleSpec:  # fmt: skip
-    """Swap core attention, torch norms and the MLP / MoE parts inside one (already copied) layer
-    spec for the provider's, then fuse the norms into the linears if its layout does, and bind
-    the MLP slot (``pg_collection``'s groups) when it holds a subclass (``layer.py``)."""
+def _swap_npu_parts(
+    layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool, pg_collection=None
+) -> ModuleSpec:
+    """Swap core attention, torch norms and MLP / MoE parts of one (copied) layer spec, fuse the
+    norms in the te layout, and bind the MLP slot to ``pg_collection``."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
     attention.core_attention = provider.core_attention()
@@ -332,9 +197,7 @@ def _swap_npu_parts(layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool,
 
 
 def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
-    """Dense MLP -> NPUMLP; MoE router -> NPUTopKRouter, experts -> NPUGroupedMLP, shared
-    experts -> NPUSharedExpertMLP (each unless its operator is "off"). A part left as it is keeps
-    Megatron's own object (a ``functools.partial`` on megatron-core 0.17+, see ``_as_spec``)."""
+    """Dense MLP, MoE router, experts and shared experts -> the NPU ones (unless "off")."""
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     mlp = _as_spec(subs.mlp)
@@ -358,18 +221,16 @@ def _swap_mlp(subs, provider: NPUSpecProvider, grouped: bool) -> None:
     if layer is mlp and not megatron_features.has("router_slot"):  # megatron-core 0.15
         from mcore_npu.transformer.token_permute import NPURouterMoELayer
 
-        layer = ModuleSpec(module=NPURouterMoELayer, params=dict(mlp.params),
-                           submodules=mlp.submodules)  # fmt: skip
+        layer = ModuleSpec(
+            module=NPURouterMoELayer, params=dict(mlp.params), submodules=mlp.submodules
+        )
     subs.mlp = _swapped(subs.mlp, mlp, layer)
 
 
 def _as_spec(slot):
-    """``slot`` as a ``ModuleSpec``: megatron-core 0.17+ builds its expert specs (0.18+ its MLP
-    and MoE ones too) as ``functools.partial(cls, submodules=..., **params)`` (a dense MLP as
-    ``partial(MLP.as_mlp_submodule, ...)``); those become ``ModuleSpec(cls, params,
-    submodules)``. 0.19+ builds the shared experts through a function,
-    ``partial(_build_shared_experts, submodules=...)`` (see :func:`_shared_experts_builder`):
-    that becomes ``ModuleSpec(SharedExpertMLP, ...)``. Anything else is returned as it is."""
+    """``slot`` as a ``ModuleSpec``: megatron-core 0.17+ builds some specs as
+    ``functools.partial(cls, submodules=..., **params)`` (0.19+ the shared experts through a
+    builder function); anything else is returned as it is."""
     if not isinstance(slot, functools.partial) or slot.args:
         return slot
     func = slot.func
@@ -386,11 +247,7 @@ def _as_spec(slot):
 
 
 def _shared_experts_builder(slot: functools.partial) -> bool:
-    """Whether ``slot`` is megatron-core 0.19+'s shared-experts builder: a function (not a
-    class) taking exactly ``SharedExpertMLP``'s keywords (``config``, ``pg_collection``,
-    ``gate``, ``submodules``), given its ``submodules``. It builds a ``SharedExpertMLP`` (or,
-    with ``config.use_grouped_gemm_for_shared_expert``, TE's ``FusedSharedExpertMLP``, which
-    ``NPUSharedExpertMLP`` refuses in one line). Read from the signature, not the version."""
+    """Whether ``slot`` is megatron-core 0.19+'s shared-experts builder (read from its signature)."""
     if isinstance(slot.func, type) or "submodules" not in slot.keywords:
         return False
     try:
@@ -401,16 +258,13 @@ def _shared_experts_builder(slot: functools.partial) -> bool:
 
 
 def _swapped(original, spec: ModuleSpec, new):
-    """``new``, or ``original`` (Megatron's own object, partial or not) when the provider kept
-    ``spec`` unchanged."""
+    """``new``, or ``original`` when the provider kept ``spec`` unchanged."""
     return original if new is spec else new
 
 
 def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
-    """The TE spec's structure, as in Megatron 0.16.1's ``get_gpt_layer_with_transformer_engine_spec``
-    (see specs/param_names_te.yaml): the input norm inside ``linear_qkv`` (MLA: the latent norms
-    inside the up projections), a dense MLP built by ``get_mlp_module_spec_for_backend`` (its
-    norm inside ``linear_fc1``), an MoE layer's ``pre_mlp_layernorm`` kept."""
+    """The TE spec's structure (``specs/param_names_te.yaml``): the input norm inside ``linear_qkv``
+    (MLA: the latent norms inside the up projections), a dense MLP's norm inside ``linear_fc1``."""
     subs = layer.submodules
     if subs.self_attention.module is NPUMLASelfAttention:
         _fuse_latent_norms(subs.self_attention.submodules, provider)
@@ -432,12 +286,8 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
 
 
 def _fuse_latent_norms(attention, provider: NPUSpecProvider) -> None:
-    """Megatron 0.16.1's TE MLA spec (``get_gpt_layer_with_transformer_engine_spec``, MLA
-    branch): a latent norm (``qk_layernorm``) moves into its up projection
-    (``NormColumnParallelLinear``: ``layer_norm_weight``), the norm slot becomes ``IdentityOp``;
-    without one the up projection stays a plain column-parallel linear. The down projections
-    stay Megatron's ``ColumnParallelLinear`` (``MLASelfAttention`` accepts no other class
-    without TE; the names are TE's, the tensors the same), ``input_layernorm`` stays."""
+    """Megatron's TE MLA spec: each latent norm moves into its up projection
+    (``layer_norm_weight``)."""
     for norm, up in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
         if getattr(attention, norm) is not IdentityOp:
             setattr(attention, up, provider.column_parallel_layer_norm_linear())
@@ -445,29 +295,21 @@ def _fuse_latent_norms(attention, provider: NPUSpecProvider) -> None:
 
 
 def _is_torch_norm(module) -> bool:
-    """Megatron's local norm: ``WrappedTorchNorm`` (possibly wrapped in a ModuleSpec)."""
+    """Megatron's local norm: ``WrappedTorchNorm`` (possibly in a ModuleSpec)."""
     target = module.module if isinstance(module, ModuleSpec) else module
     return getattr(target, "__name__", "") == "WrappedTorchNorm"
 
 
-def _check_layout(param_layout: str) -> None:
-    if param_layout not in PARAM_LAYOUTS:
-        raise ValueError(
-            f"param_layout: unknown layout {param_layout!r}; pass one of {', '.join(PARAM_LAYOUTS)}"
-        )
-
-
-def _check_kernel(kernel: str) -> None:
-    check_kernel(kernel)
-
-
 def _check_keywords(kwargs: dict, function, exclude: tuple[str, ...] = ()) -> None:
-    """Refuse keywords the installed Megatron function does not take, listing those it does."""
+    """Refuse keywords the installed Megatron function does not take, listing those it does (and
+    the closest of them or of the NPU spec's own)."""
     parameters = inspect.signature(function).parameters  # 0.17+: copy_signature's
     accepted = [name for name in parameters if name not in exclude]
     unknown = [name for name in kwargs if name not in accepted]
     if unknown:
+        close = difflib.get_close_matches(unknown[0], [*accepted, *OPTION_NAMES], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise TypeError(
             f"{unknown[0]}: not a keyword of the installed megatron-core's "
-            f"{function.__name__}; it takes {', '.join(accepted)}"
+            f"{function.__name__}; it takes {', '.join(accepted)}{hint}"
         )

@@ -1,20 +1,14 @@
 """Megatron's dense ``MLP`` with ``npu_swiglu`` as the SwiGLU activation.
 
-``NPUMLP`` takes the ``mlp`` slot's arguments plus ``kernel``. When the config's activation is
-exactly what ``npu_swiglu`` computes (``gated_linear_unit=True``, ``activation_func=F.silu``, no
-clamp, no GLU offset, no TE activation), forward is::
+When the config's activation is exactly what ``npu_swiglu`` computes (``is_plain_swiglu``),
+``NPUMLP.forward`` is::
 
-    x [S, B, H] --fc1--> [S, B, 2F] (+ fc1 bias) --npu_swiglu(dim=-1)--> [S, B, F]
+    x [S, B, H] --fc1--> [S, B, 2F] (+ fc1 bias) --npu_swiglu--> [S, B, F]
       (* per_token_scale) --fc2--> [S, B, H]
 
-The fc1 bias is added before the operator, which is what Megatron computes with and without
-``bias_activation_fusion`` (``bias_swiglu_impl(y, b) = swiglu(y + b)``). Every other
-activation goes to Megatron's own ``MLP.forward``. Parameter names are ``MLP``'s.
-``NPUSharedExpertMLP`` does the same for the MoE layer's shared experts, also where they run
-overlapped with the token dispatcher (``moe_shared_expert_overlap``, which mbridge's DeepSeek-V3
-bridge sets): there Megatron's MoE layer calls the shared experts' ``linear_fc1_forward_and_act``
-instead of their forward, so that step is the one swapped.
-"""
+(the fc1 bias first, as Megatron's ``bias_swiglu_impl``); any other activation runs Megatron's
+``MLP.forward``. Parameter names are ``MLP``'s. ``NPUSharedExpertMLP`` does the same for the shared
+experts, also on their overlapped path (``linear_fc1_forward_and_act``)."""
 
 from __future__ import annotations
 
@@ -40,14 +34,21 @@ def is_plain_swiglu(config) -> bool:
 
 
 class NPUMLP(MLP):
-    """``MLP`` whose SwiGLU runs through ``mcore_npu.ops.swiglu`` (see the module docstring)."""
+    """``MLP`` whose SwiGLU runs through ``mcore_npu.ops.swiglu``."""
 
-    def __init__(self, config, submodules, *args, kernel: str = "auto", pg_collection=None,
-                 is_mtp_layer: bool = False, **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config,
+        submodules,
+        *args,
+        kernel: str = "auto",
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        **kwargs,
+    ) -> None:
         """``pg_collection`` / ``is_mtp_layer`` / ``name``: what megatron-core 0.18+'s
-        ``TransformerLayer`` passes when it calls an ``mlp`` slot holding a plain ``ModuleSpec``
-        (as its ``MLP.as_mlp_submodule`` takes them): the MLP runs on ``pg_collection.tp``
-        unless ``tp_group`` is given; ``name`` reaches ``MLP`` where it takes one (0.18+)."""
+        ``TransformerLayer`` passes when it calls the slot: the MLP runs on ``pg_collection.tp``
+        unless ``tp_group`` is given."""
         check_kernel(kernel)
         del is_mtp_layer  # as Megatron's as_mlp_submodule: no difference for a dense MLP
         if pg_collection is not None:
@@ -79,8 +80,8 @@ class NPUMLP(MLP):
 
 def _steps_overlap_state(method):
     """``method`` under megatron-core 0.18+'s ``overlap_state_check`` (PRE_FORWARD_COMM_DONE ->
-    FC1_FORWARD_DONE), the decorator Megatron puts on ``linear_fc1_forward_and_act`` to step its
-    shared-expert overlap state; ``method`` itself where Megatron has no such state (<= 0.17)."""
+    FC1_FORWARD_DONE), as Megatron decorates ``linear_fc1_forward_and_act``; else ``method`` itself.
+    """
     from megatron.core.transformer.moe import shared_experts
 
     if not megatron_features.has("shared_expert_overlap_state"):
@@ -91,10 +92,8 @@ def _steps_overlap_state(method):
 
 
 class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
-    """Megatron's ``SharedExpertMLP`` (gate, overlap, parameter names unchanged) whose MLP part
-    is :class:`NPUMLP`: ``SharedExpertMLP.forward`` calls ``super().forward``, which the method
-    order sends to ``NPUMLP.forward``; with ``moe_shared_expert_overlap`` the fc1 + activation
-    step of the overlapped path is :meth:`linear_fc1_forward_and_act`."""
+    """Megatron's ``SharedExpertMLP`` (gate, overlap, names unchanged) whose MLP part is
+    :class:`NPUMLP` (by the method order)."""
 
     def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
         config = kwargs.get("config", args[0] if args else None)
@@ -108,10 +107,9 @@ class NPUSharedExpertMLP(SharedExpertMLP, NPUMLP):
         self.kernel = check_kernel(kernel)
 
     def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
-        """The overlapped path's fc1 and SwiGLU through ``mcore_npu.ops.swiglu`` (megatron-core
-        0.16.1 ``shared_experts.py`` lines 174-219, which run Megatron's ``bias_swiglu_impl``, a
-        ``torch.compile``'d function, under ``bias_activation_fusion``): cached fc1 input
-        ``[S, B, H]`` -> cached fc2 input ``[S, B, F/tp]``. Other activations: Megatron's."""
+        """The overlapped path's fc1 and SwiGLU through ``mcore_npu.ops.swiglu`` (Megatron's runs a
+        ``torch.compile``'d function): cached fc1 input ``[S, B, H]`` -> cached fc2 input
+        ``[S, B, F/tp]``. Other activations: Megatron's."""
         if not is_plain_swiglu(self.config):
             return super().linear_fc1_forward_and_act(overlapped_comm_output)
         return self._fc1_and_swiglu(overlapped_comm_output)

@@ -1,22 +1,11 @@
 """Norm fused into the following column-parallel linear: the Transformer Engine parameter layout.
 
-Megatron's Transformer Engine spec puts the input norm of attention and of the dense MLP inside
-``linear_qkv`` / ``linear_fc1`` (``TELayerNormColumnParallelLinear``), so checkpoints written
-through it, by MindSpeed and by the Hugging Face bridges verl uses name the norm weight
-``...linear_qkv.layer_norm_weight``. ``NormColumnParallelLinear`` is a torch-native module with
-those names: Megatron's ``ColumnParallelLinear`` (``weight``, ``bias``, ``_extra_state``) plus
-``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm) applied to its input first.
-
-Under sequence parallelism the input arrives as this rank's ``[s/tp, b, h]`` shard; the norm runs
-on it before ``ColumnParallelLinear`` all-gathers the sequence (inside its autograd function), so
-each rank's norm-weight gradient covers only its shard. Those parameters are tagged
-``sequence_parallel = True`` and Megatron's ``finalize_model_grads`` sums them over the
-tensor-parallel group, as it does for the norms of the local spec.
-
-``layernorm_zero_centered_gamma=True`` (as TE's ``zero_centered_gamma``): ``layer_norm_weight``
-starts at 0 and the norm multiplies by ``1 + layer_norm_weight`` (see
-``mcore_npu.transformer.norms`` for the precision of each path).
-"""
+``NormColumnParallelLinear`` is Megatron's ``ColumnParallelLinear`` plus ``layer_norm_weight`` (and
+``layer_norm_bias`` for LayerNorm) applied to its input first: the names of TE's
+``TELayerNormColumnParallelLinear``. Under sequence parallelism the norm runs on this rank's
+``[s/tp, b, h]`` shard before the linear's all-gather; its parameters are tagged
+``sequence_parallel = True`` so Megatron sums their gradients over the TP group. Zero-centred gamma
+as in ``mcore_npu.transformer.norms``."""
 
 from __future__ import annotations
 
@@ -31,18 +20,10 @@ from mcore_npu.ops.registry import check_kernel
 class NormColumnParallelLinear(ColumnParallelLinear):
     """``norm(x) @ W.T (+ b)`` with the parameter names of ``TELayerNormColumnParallelLinear``.
 
-    Takes the keywords Megatron passes to a ``linear_qkv`` / ``linear_fc1`` slot, plus
-    ``norm_kernel`` (from the spec's params). The norm is ``config.normalization`` (``"RMSNorm"``
-    or ``"LayerNorm"``) with ``config.layernorm_epsilon``; RMSNorm runs through ``npu_rms_norm``
-    with ``norm_kernel`` (``mcore_npu.ops.rms_norm``), or ``torch``'s when it is None.
-
-    Shapes (s = sequence, b = batch, h = ``input_size``, o = ``output_size``, tp = TP size):
-        input: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
-        output: ``([s, b, o/tp], bias or None)`` as ``ColumnParallelLinear`` returns it.
-
-    Parameters: ``weight`` ``[o/tp, h]``, ``bias`` ``[o/tp]`` (when ``bias=True``),
-    ``layer_norm_weight`` ``[h]``, ``layer_norm_bias`` ``[h]`` (LayerNorm only).
-    """
+    The norm is ``config.normalization`` with ``config.layernorm_epsilon``; RMSNorm runs through
+    ``npu_rms_norm`` with ``norm_kernel``, or torch's when it is None. Input ``[s, b, h]``
+    (``[s/tp, b, h]`` under SP) -> ``([s, b, o/tp], bias or None)``; ``weight`` ``[o/tp, h]``,
+    ``layer_norm_weight`` / ``layer_norm_bias`` ``[h]``."""
 
     def __init__(
         self, input_size: int, output_size: int, *, config, norm_kernel=None, **linear_kwargs

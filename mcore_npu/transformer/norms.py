@@ -1,27 +1,13 @@
 """LayerNorm / RMSNorm that work with sequence parallelism, for Megatron's norm slots.
 
-Megatron's local ``WrappedTorchNorm`` refuses ``sequence_parallel=True``. Under sequence
-parallelism each tensor-parallel rank normalises a different slice of the sequence, so the norm's
-weight gradients differ per rank and must be summed over the tensor-parallel group. Megatron's
-``finalize_model_grads`` does that for parameters tagged ``sequence_parallel = True``; these norms
-tag theirs. Parameter names (``weight``, ``bias``) are those of ``torch.nn.LayerNorm`` /
-``torch.nn.RMSNorm``, i.e. of the local spec, so checkpoints move between the two specs.
-
-RMSNorm runs through ``npu_rms_norm`` (:class:`NPURMSNorm`, ``kernel`` as in ``mcore_npu.ops``);
-pass ``kernel=None`` for ``torch.nn.RMSNorm``. Each token is normalised on its own, so sequence
-parallelism changes nothing in the forward. ``extra_state=True`` (the TE parameter layout) builds
-the variants with Transformer Engine's empty ``_extra_state`` entry
-(``mcore_npu.transformer.extra_state``).
-
-Zero-centred gamma (``layernorm_zero_centered_gamma=True``, what Qwen3.5 and Qwen3-Next use): the
-weight starts at 0 and the norm multiplies by ``1 + weight``, as Transformer Engine's norms do
-with ``zero_centered_gamma`` (Megatron's TE spec passes the flag to every ``TENorm``; its local
-``WrappedTorchNorm`` refuses it). The names stay ``weight`` / ``bias``, so a Megatron checkpoint
-written with the flag loads unchanged. ``1 + weight`` is formed in float32; the torch path
-normalises in float32 and casts back at the end (TE's and Hugging Face's ``Qwen3_5RMSNorm``
-order); the fused ``npu_rms_norm`` path takes gamma in the input's dtype, so under bf16 the
-``1 + weight`` factor is rounded to bf16 there.
-"""
+Under sequence parallelism each TP rank normalises its own slice of the sequence, so these norms tag
+their parameters ``sequence_parallel = True`` and Megatron's ``finalize_model_grads`` sums their
+gradients over the TP group. Names (``weight``, ``bias``) are torch's, i.e. the local spec's.
+RMSNorm runs through ``npu_rms_norm`` (:class:`NPURMSNorm`); ``kernel=None`` gives
+``torch.nn.RMSNorm``. ``extra_state=True`` (the te layout) adds TE's empty ``_extra_state``.
+Zero-centred gamma (``layernorm_zero_centered_gamma``, Qwen3.5 / Qwen3-Next): the weight starts at 0
+and the norm multiplies by ``1 + weight``, formed in float32 (the fused path casts it to the input's
+dtype)."""
 
 from __future__ import annotations
 
@@ -40,16 +26,16 @@ def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
 
 
 class NPURMSNorm(torch.nn.Module):
-    """RMSNorm over the last dimension through ``npu_rms_norm``: x ``[*, H]`` -> ``[*, H]``.
+    """RMSNorm over the last dimension through ``npu_rms_norm``: x ``[*, H]`` -> ``[*, H]``;
+    ``weight`` ``[H]`` is gamma (``1 + weight`` with ``zero_centered_gamma``)."""
 
-    ``weight`` ``[H]`` (``torch.nn.RMSNorm``'s name) is gamma; ``eps`` is Megatron's
-    ``layernorm_epsilon`` (the slot passes it).
-    ``zero_centered_gamma``: the weight starts at 0 and gamma is ``1 + weight`` (formed in
-    float32, then cast to x's dtype for the operator).
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, kernel: str = "auto",
-                 zero_centered_gamma: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        kernel: str = "auto",
+        zero_centered_gamma: bool = False,
+    ) -> None:
         super().__init__()
         self.zero_centered_gamma = bool(zero_centered_gamma)
         start = torch.zeros if self.zero_centered_gamma else torch.ones
@@ -73,8 +59,7 @@ class TENPURMSNorm(EmptyExtraState, NPURMSNorm):
 
 
 class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` with zero-centred gamma: x ``[*, H]`` -> ``x_hat * (1 + weight)``,
-    computed in float32 and cast back to x's dtype; ``weight`` ``[H]`` starts at 0."""
+    """``torch.nn.RMSNorm`` with zero-centred gamma: ``x_hat * (1 + weight)`` in float32, cast back."""
 
     zero_centered_gamma = True
 
@@ -88,8 +73,8 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` with zero-centred gamma: ``x_hat * (1 + weight) + bias`` in
-    float32, cast back to x's dtype; ``weight`` ``[H]`` starts at 0, ``bias`` ``[H]`` at 0."""
+    """``torch.nn.LayerNorm`` with zero-centred gamma: ``x_hat * (1 + weight) + bias`` in float32,
+    cast back."""
 
     zero_centered_gamma = True
 
@@ -130,18 +115,20 @@ _CLASSES = {
 
 
 class SequenceParallelNorm:
-    """Builds ``torch.nn.LayerNorm``, or RMSNorm (``config.normalization``).
+    """Builds the norm ``config.normalization`` asks for (and its zero-centred variant), from the
+    keywords Megatron passes to norm slots plus the spec's ``kernel`` (None: ``torch.nn.RMSNorm``)
+    and ``extra_state``."""
 
-    Takes the keywords Megatron passes to norm slots (``config, hidden_size, eps``, ...) plus
-    ``kernel`` and ``extra_state`` (from the spec's params): RMSNorm is :class:`NPURMSNorm` with
-    that kernel, or ``torch.nn.RMSNorm`` when ``kernel`` is None; ``extra_state=True`` adds TE's
-    empty ``_extra_state`` entry. ``config.layernorm_zero_centered_gamma``: the zero-centred
-    variants (``NPURMSNorm(zero_centered_gamma=True)``, :class:`ZeroCenteredRMSNorm`,
-    :class:`ZeroCenteredLayerNorm`).
-    """
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, kernel: str | None = None,
-                *, extra_state: bool = False, **_unused):  # fmt: skip
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        kernel: str | None = None,
+        *,
+        extra_state: bool = False,
+        **_unused,
+    ):
         if kernel is not None:
             check_kernel(kernel)
         if config.normalization not in ("LayerNorm", "RMSNorm"):

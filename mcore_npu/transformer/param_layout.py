@@ -1,26 +1,10 @@
 """Names of one tensor in the two parameter layouts, and a strict matching of two name sets.
 
-The TE layout fuses the attention and dense-MLP input norms into the following linear; the local
-layout keeps them as modules. Per layer (``...`` = ``decoder.layers.{i}.``)::
-
-    local                              te
-    ...input_layernorm.weight          ...self_attention.linear_qkv.layer_norm_weight
-    ...input_layernorm.bias            ...self_attention.linear_qkv.layer_norm_bias
-    ...pre_mlp_layernorm.weight        ...mlp.linear_fc1.layer_norm_weight   (dense layers)
-    ...pre_mlp_layernorm.bias          ...mlp.linear_fc1.layer_norm_bias     (dense layers)
-
-Multi-latent attention keeps ``input_layernorm`` in both (Megatron's TE MLA spec does not fuse
-it); its latent norms move into the up projections::
-
-    ...self_attention.q_layernorm.weight   ...self_attention.linear_q_up_proj.layer_norm_weight
-    ...self_attention.kv_layernorm.weight  ...self_attention.linear_kv_up_proj.layer_norm_weight
-    (and .bias / layer_norm_bias with LayerNorm)
-
-MoE layers keep ``pre_mlp_layernorm`` in both layouts (but Megatron's local spec writes it to
-disk as ``mlp.linear_fc1.layer_norm_*`` through its ``sharded_state_dict_keys_map``). Every
-other name is the same in both, except ``_extra_state`` entries, which only the TE layout has
-in some slots; they hold TE's FP8 metadata (empty here), never a model tensor.
-"""
+The te layout fuses norms into the following linear: ``input_layernorm.*`` <->
+``self_attention.linear_qkv.layer_norm_*``, a dense layer's ``pre_mlp_layernorm.*`` <->
+``mlp.linear_fc1.layer_norm_*``, MLA's ``q_layernorm`` / ``kv_layernorm`` <-> ``linear_q_up_proj`` /
+``linear_kv_up_proj.layer_norm_*``. Everything else is the same, except ``_extra_state`` entries
+(empty) that only the te layout has. See docs/specs.md."""
 
 from __future__ import annotations
 
@@ -51,10 +35,9 @@ def match_names(
 ) -> dict[str, str]:
     """``{target name: source name}`` for every target name, across layouts.
 
-    A target name matches the same source name, else one of ``other_names``. ``_extra_state``
-    entries may be missing on either side (they hold no model tensor); any other name left
-    unmatched is an error. ``every_source=False`` leaves the source side to the caller (a
-    pipeline stage takes only its part of a checkpoint: check ``unused_names`` over all stages).
+    A target name matches the same source name, else one of ``other_names``; ``_extra_state`` may be
+    missing on either side. ``every_source=False`` leaves the source side to the caller (a pipeline
+    stage takes only its part of a checkpoint).
 
     Raises:
         ValueError: naming every unmatched tensor, target side and source side.
@@ -90,7 +73,6 @@ def mismatch_error(missing: list[str], unused: list[str]) -> ValueError:
 
 
 def rename_state_dict(state_dict: dict, target_names: Iterable[str]) -> dict:
-    """``state_dict`` (torch names, either layout) under ``target_names``; strict as
-    ``match_names``. Target ``_extra_state`` entries the source lacks are left out."""
+    """``state_dict`` (either layout) under ``target_names``, strict as ``match_names``."""
     matched = match_names(state_dict.keys(), target_names)
     return {target: state_dict[source] for target, source in matched.items()}

@@ -1,16 +1,10 @@
 """The recipe vocabulary (``specs/recipe_keys.yaml``): MindSpeed-style recipe keys -> a plan.
 
-verl's Ascend recipes put MindSpeed's keys (``use_flash_attn``, ``use_fused_rmsnorm``,
-``context_parallel_algo``, ...) and Megatron keys that need Transformer Engine
-(``apply_rope_fusion``, ``moe_permute_fusion``) into ``override_transformer_config``; without
-MindSpeed, ``TransformerConfig(**kwargs)`` raises on them. :func:`translate` reads the table and
-splits a recipe's keys into what Megatron gets, what the NPU spec gets, what verl's optimizer
-side gets, and one log line per key accepted with no effect. A refusal is one ``ValueError``
-line: key, value, why, what to do instead. Pure: no verl import, no global state, the input
-mapping is not changed.
-
-``python -m mcore_npu.transformer.recipe_keys`` prints the table of docs/mindspeed.md.
-"""
+verl's Ascend recipes put MindSpeed's keys and TE-only Megatron keys into
+``override_transformer_config``. :func:`translate` splits them into what Megatron, the NPU spec and
+verl's optimizer side get, with one log line per key accepted with no effect; a refusal is one
+``ValueError`` line: key, value, why, what to do instead. Pure: no verl import, no global state.
+``python -m mcore_npu.transformer.recipe_keys`` prints the table of docs/mindspeed.md."""
 
 from __future__ import annotations
 
@@ -26,13 +20,7 @@ import yaml
 
 from mcore_npu.transformer.megatron_features import install_hint
 
-__all__ = [
-    "RecipeContext",
-    "RecipePlan",
-    "load_table",
-    "render_table",
-    "translate",
-]
+__all__ = ["RecipeContext", "RecipePlan", "load_table", "render_table", "translate"]
 
 TABLE = Path(str(resources.files("mcore_npu").joinpath("specs/recipe_keys.yaml")))
 """``specs/recipe_keys.yaml`` (``mcore_npu/specs`` links to the top-level ``specs/``)."""
@@ -49,15 +37,12 @@ class RecipeContext:
     """What the translation needs to know about the run (verl's side of it).
 
     Attributes:
-        config_class: the model's Megatron config class (``TransformerConfig`` or a subclass such
-            as ``MLATransformerConfig``); its fields pass through unchanged.
+        config_class: the model's Megatron config class; its fields pass through unchanged.
         num_layers: the model's decoder layers (for the stage layout).
-        tensor_parallel_size, pipeline_parallel_size, context_parallel_size: verl's sizes.
-        virtual_pipeline_size: verl's virtual pipeline size (None = 1).
-        sequence_parallel: the value verl gives Megatron.
+        virtual_pipeline_size: None = 1.
         use_distributed_optimizer: verl's engine setting (before the recipe).
-        gated_delta_net: the model has gated-delta-net (linear-attention) layers (Qwen3.5,
-            Qwen3-Next); the table's ``gdn`` outcomes depend on it.
+        gated_delta_net: the model has gated-delta-net layers; the table's ``gdn`` outcomes depend
+            on it.
     """
 
     config_class: type
@@ -76,14 +61,12 @@ class RecipePlan:
     """The translated recipe.
 
     Attributes:
-        megatron: kwargs for ``TransformerConfig(**kwargs)`` (every key a field of the class).
-        spec: keywords for ``get_gpt_decoder_block_npu_spec`` (``rope_kernel``, ...).
-        optimizer: verl engine-config fields read by its DDP / optimizer
-            (``use_distributed_optimizer``).
-        optimizer_keys: Megatron ``OptimizerConfig`` keys a recipe key maps to
-            (``swap_optimizer`` -> the CPU optimizer offload); the recipe's own
-            ``override_optimizer_config`` keys win over them.
-        log: one line per key that was accepted with no effect, switched off or translated.
+        megatron: kwargs for ``TransformerConfig(**kwargs)``.
+        spec: keywords for ``get_gpt_decoder_block_npu_spec``.
+        optimizer: verl engine-config fields (``use_distributed_optimizer``).
+        optimizer_keys: Megatron ``OptimizerConfig`` keys a recipe key maps to; the recipe's own
+            ``override_optimizer_config`` keys win.
+        log: one line per key accepted with no effect, switched off or translated.
     """
 
     megatron: dict = field(default_factory=dict)
@@ -116,8 +99,12 @@ def _outcome(entry: dict, value) -> dict:
             return outcome
     if "any" in entry:
         return entry["any"]
-    return {"do": "refuse", "why": f"the plugin accepts only {_listed(values)}",
-            "instead": f"use one of {_listed(values)}"}  # fmt: skip
+    listed = _listed(values)
+    return {
+        "do": "refuse",
+        "why": f"the plugin accepts only {listed}",
+        "instead": f"use one of {listed}",
+    }
 
 
 def _listed(values: Mapping) -> str:
@@ -143,20 +130,18 @@ def _unknown(key: str, value, context: RecipeContext, table: dict) -> ValueError
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else "remove the key"
     hint = install_hint(key) or hint  # a field of another megatron-core: name that version
-    return _refusal(
-        key, value, f"not a field of Megatron's {context.config_class.__name__} and not in the "
-        "plugin's recipe vocabulary (specs/recipe_keys.yaml)", hint
-    )  # fmt: skip
+    why = (
+        f"not a field of Megatron's {context.config_class.__name__} and not in the "
+        "plugin's recipe vocabulary (specs/recipe_keys.yaml)"
+    )
+    return _refusal(key, value, why, hint)
 
 
 def translate(
     overrides: Mapping, context: RecipeContext, *, table: dict | None = None
 ) -> RecipePlan:
-    """Split ``override_transformer_config`` into a :class:`RecipePlan`.
-
-    A key of the table follows the table; any other key that is a field of
-    ``context.config_class`` passes to Megatron unchanged; anything else is refused with the
-    closest known key suggested.
+    """Split ``override_transformer_config`` into a :class:`RecipePlan`: a table key follows the
+    table, a field of ``context.config_class`` passes unchanged, anything else is refused.
 
     Raises:
         ValueError: the first refused key, as one line (key, value, why, what to use instead).
@@ -176,8 +161,7 @@ def translate(
 
 
 def _check_context_parallel(megatron: dict, context: RecipeContext) -> None:
-    """The recipe's context-parallel keys as the NPU attention will judge them
-    (``context_parallel.rules``), refused here before a model is built."""
+    """The recipe's CP keys as ``context_parallel.rules`` judges them."""
     from mcore_npu.transformer.context_parallel import rules
 
     if context.context_parallel_size <= 1:
@@ -210,16 +194,15 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
     elif do == "spec":
         _check_same_switch(plan, key, value, outcome)
         plan.spec[outcome["keyword"]] = outcome["set"]
-        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: NPU spec {outcome['keyword']}="
-                        f"{outcome['set']!r}")  # fmt: skip
+        setting = f"{outcome['keyword']}={outcome['set']!r}"
+        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: NPU spec {setting}")
     elif do == "cp":
         plan.megatron["cp_comm_type"] = outcome["set"]
         note = f" ({GDN_CP_NOTE})" if context.gated_delta_net else ""
         plan.log.append(f"{PREFIX}.{key}={value}: cp_comm_type={outcome['set']!r}{note}")
     elif do == "optimizer":
         plan.optimizer[outcome["field"]] = bool(_value_key(value))
-        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: verl's engine config "
-                        f"{outcome['field']}")  # fmt: skip
+        plan.log.append(f"{PREFIX}.{key}={_spell(value)}: verl's engine config {outcome['field']}")
     elif do == "offload":
         plan.optimizer_keys.update(outcome["set"])
         keys = ", ".join(f"{k}={_spell(v)}" for k, v in outcome["set"].items())
@@ -239,8 +222,8 @@ def _apply(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, 
 
 
 def _gdn(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, fields) -> None:
-    """A key whose outcome depends on gated-delta-net layers in the model: ``then`` on such a
-    model, ``otherwise`` (or no effect and one log line, ``why``) on any other."""
+    """A key whose outcome depends on gated-delta-net layers: ``then`` on such a model,
+    ``otherwise`` (or one log line, ``why``) on any other."""
     if context.gated_delta_net:
         _apply(plan, key, value, outcome["then"], context, fields)
     elif "otherwise" in outcome:
@@ -250,22 +233,21 @@ def _gdn(plan: RecipePlan, key, value, outcome: dict, context: RecipeContext, fi
 
 
 def _check_same_switch(plan: RecipePlan, key, value, outcome: dict) -> None:
-    """Two spellings of one switch (``apply_rope_fusion`` / ``use_fused_rotary_pos_emb``) must
-    not disagree."""
+    """Two spellings of one switch must not disagree."""
     keyword = outcome["keyword"]
     if keyword in plan.spec and plan.spec[keyword] != outcome["set"]:
-        raise _refusal(
-            key, value, f"an earlier key of the recipe set the same switch ({keyword}) the other "
-            "way", "give the keys of one operator the same value"
-        )  # fmt: skip
+        why = f"an earlier key of the recipe set the same switch ({keyword}) the other way"
+        raise _refusal(key, value, why, "give the keys of one operator the same value")
 
 
 def _to_megatron(plan, key, value, outcome, context, fields) -> None:
     name = outcome.get("as", key)
     if name not in fields:
         instead = install_hint(name) or outcome.get("instead", "remove the key")
-        why = (f"it maps to Megatron's {name}, which this model's config class "
-               f"{context.config_class.__name__} does not have")  # fmt: skip
+        why = (
+            f"it maps to Megatron's {name}, which this model's config class "
+            f"{context.config_class.__name__} does not have"
+        )
         raise _refusal(key, value, why, instead)
     plan.megatron[name] = value
     if name != key:
@@ -277,21 +259,20 @@ def _agree_with_verl(plan, key, value, verl_field: str, context: RecipeContext) 
     ours = getattr(context, verl_field)
     theirs = _value_key(value)
     if verl_field == "sequence_parallel" and theirs is True and context.tensor_parallel_size == 1:
-        plan.log.append(f"{PREFIX}.{key}=true: no effect at tensor-parallel size 1 (verl turns "
-                        "sequence parallelism off there)")  # fmt: skip
+        why = "no effect at tensor-parallel size 1 (verl turns sequence parallelism off there)"
+        plan.log.append(f"{PREFIX}.{key}=true: {why}")
         return
     if theirs != ours:
-        raise _refusal(
-            key, value, f"verl's own megatron.{verl_field} is {_spell(ours)} and the two must "
-            "agree", f"set megatron.{verl_field}={_spell(theirs)} or drop the override key"
-        )  # fmt: skip
+        why = f"verl's own megatron.{verl_field} is {_spell(ours)} and the two must agree"
+        instead = f"set megatron.{verl_field}={_spell(theirs)} or drop the override key"
+        raise _refusal(key, value, why, instead)
     plan.log.append(f"{PREFIX}.{key}={_spell(value)}: agrees with verl's megatron.{verl_field}")
 
 
 def _stages(plan, key, value, context: RecipeContext) -> None:
     if context.pipeline_parallel_size == 1:
-        plan.log.append(f"{PREFIX}.{key}={value}: no effect at pipeline-parallel size 1 (one "
-                        "stage holds every layer)")  # fmt: skip
+        why = "no effect at pipeline-parallel size 1 (one stage holds every layer)"
+        plan.log.append(f"{PREFIX}.{key}={value}: {why}")
         return
     plan.megatron[key] = value
 
@@ -304,8 +285,8 @@ def _layout(plan, key, value, context: RecipeContext) -> None:
 
 
 def _place_stage_list(plan, context: RecipeContext) -> None:
-    """The per-stage list as Megatron's keys. verl's Ascend recipes set the first / last stage
-    counts beside it: they must be the list's own, and the list's keys replace all three."""
+    """The per-stage list as Megatron's keys; first / last stage counts beside it must be the list's
+    own."""
     if plan.stage_list is None:
         return
     from mcore_npu.transformer.pipeline_layout import resolve_stage_keys
@@ -314,10 +295,10 @@ def _place_stage_list(plan, context: RecipeContext) -> None:
     first = plan.megatron.pop("num_layers_in_first_pipeline_stage", None)
     last = plan.megatron.pop("num_layers_in_last_pipeline_stage", None)
     try:
+        sizes = dict(num_layers=context.num_layers, pipeline_size=context.pipeline_parallel_size)
         kwargs = resolve_stage_keys(
-            value, num_layers=context.num_layers, pipeline_size=context.pipeline_parallel_size,
-            vpp_size=context.virtual_pipeline_size, first=first, last=last,
-        )  # fmt: skip
+            value, **sizes, vpp_size=context.virtual_pipeline_size, first=first, last=last
+        )
     except ValueError as error:  # one line: the recipe key, its value, the layout's reason
         named = getattr(error, "key", key)
         why = getattr(error, "problem", str(error))
@@ -350,24 +331,32 @@ def render_table(table: dict | None = None) -> str:
 def _describe(key: str, outcome: dict) -> str:
     do = outcome["do"]
     text = {
-        "megatron": lambda: "Megatron's `{}`".format(outcome.get("as", key)) + (
-            " (refused where the model's config class lacks it)" if "as" in outcome else ""),
-        "spec": lambda: f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
-        + _SPEC_NOTES.get(outcome["set"], ""),
+        "megatron": lambda: (
+            "Megatron's `{}`".format(outcome.get("as", key))
+            + (" (refused where the model's config class lacks it)" if "as" in outcome else "")
+        ),
+        "spec": lambda: (
+            f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
+            + _SPEC_NOTES.get(outcome["set"], "")
+        ),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
-        "offload": lambda: "the CPU optimizer offload, one log line: "
-        + ", ".join(f"`{k}={_spell(v)}`" for k, v in outcome["set"].items()),
+        "offload": lambda: (
+            "the CPU optimizer offload, one log line: "
+            + ", ".join(f"`{k}={_spell(v)}`" for k, v in outcome["set"].items())
+        ),
         "verl": lambda: f"must equal verl's `megatron.{outcome['field']}`; refused otherwise",
         "stages": lambda: "Megatron's uneven stages; no effect at pipeline size 1",
-        "layout": lambda: "Megatron's stage layout (`megatron_stage_layout`); refused unless "
-        "it adds up to `num_layers`",
+        "layout": lambda: (
+            "Megatron's stage layout (`megatron_stage_layout`); refused unless "
+            "it adds up to `num_layers`"
+        ),
         "off": lambda: "set to false, one log line: " + outcome["why"],
         "honour": lambda: "honoured, one log line: " + outcome["why"],
         "ignore": lambda: "no effect, one log line: " + outcome["why"],
         "refuse": lambda: f"**refused**: {outcome['why']}; {outcome['instead']}",
         "gdn": lambda: _describe_gdn(key, outcome),
-    }[do]()  # fmt: skip
+    }[do]()
     return text.replace("|", "\\|")
 
 
@@ -375,10 +364,12 @@ _SPEC_NOTES = {None: " (= the spec's `kernel`)", "off": " (Megatron's own module
 
 
 def _describe_gdn(key: str, outcome: dict) -> str:
-    other = (_describe(key, outcome["otherwise"]) if "otherwise" in outcome
-             else f"no effect, one log line: {outcome['why']}")  # fmt: skip
-    return (f"models with gated-delta-net layers: {_describe(key, outcome['then'])}; "
-            f"other models: {other}")  # fmt: skip
+    if "otherwise" in outcome:
+        other = _describe(key, outcome["otherwise"])
+    else:
+        other = f"no effect, one log line: {outcome['why']}"
+    then = _describe(key, outcome["then"])
+    return f"models with gated-delta-net layers: {then}; other models: {other}"
 
 
 if __name__ == "__main__":

@@ -1,35 +1,14 @@
 """Fused RoPE in Megatron's ``SelfAttention``: ``npu_rotary_mul`` after the q/k norms.
 
-Megatron-Core has no spec slot for RoPE: ``Attention.forward`` applies ``apply_rotary_pos_emb``
-to q and k itself (recomputing cos/sin twice per layer) and, with ``apply_rope_fusion=True``,
-needs Transformer Engine. :class:`NPURotarySelfAttention` is a ``SelfAttention`` that keeps all
-of Megatron's code and moves only the rotation: ``forward`` stashes the angles and calls
-Megatron's ``forward`` with ``rotary_pos_emb=None``; :meth:`get_query_key_value_tensors` rotates
-q and k right after Megatron's own q/k norms (Megatron's order: norm, then RoPE) through
-``mcore_npu.ops.rotary_mul`` (layout SBND: q ``[s, b, np, hn]``, k ``[s, b, ng, hn]``; packed
-thd arrives as ``[t, 1, n, hn]``; cos/sin ``[s|t, 1, 1, rot_dim]``, S11D).
-
-=========================  =====================================================================
-case                       angles used (Megatron's, position for position)
-=========================  =====================================================================
-sbhd                       the model's ``[s, 1, 1, rot]`` (under CP already this rank's chunks)
-packed thd                 per sequence from 0 (from cu_seqlens(_padded) host offsets of the
-                           shared ``SeqLengthsMemo``: no ``.tolist()`` per layer); under CP this
-                           rank's two chunks of every sequence
-static KV-cache inference  positions ``[offset, offset + s)``: the new key is rotated before
-                           Megatron caches it, so the cache holds rotated keys
-rotary_percent < 1         the first ``rot`` channels rotate, the rest pass through
-rotary_interleaved         ``rotary_mode="interleave"``
-yarn                       cos/sin scaled by Megatron's concentration factor (``mscale``)
-no_rope_freq               layers without RoPE: nothing rotates
-=========================  =====================================================================
-
-cos/sin are made once per angles tensor (and dtype, positions) for the whole model by a
-:class:`RopeCosSinCache` shared by every layer of the spec. RoPE is handed back to Megatron's
-own code (``super().forward`` with the original angles) for dynamic batching, flash decode,
-mRoPE (per-sample angles / ``mrope_section``), multi-latent attention, distinct q/k angles and
-cross attention. Nothing here patches Megatron, writes ``config`` or keeps global state.
-"""
+:class:`NPURotarySelfAttention` keeps all of Megatron's code and moves only the rotation:
+``forward`` stashes the angles and calls Megatron's ``forward`` with ``rotary_pos_emb=None``;
+:meth:`~NPURotarySelfAttention.get_query_key_value_tensors` rotates q and k right after the q/k
+norms through ``mcore_npu.ops.rotary_mul`` (SBND: q ``[s, b, np, hn]``, k ``[s, b, ng, hn]``, packed
+thd as ``[t, 1, n, hn]``; cos/sin ``[s|t, 1, 1, rot]``), at Megatron's positions (thd: per sequence
+from 0; CP: this rank's chunks; static KV cache: from the offset). cos/sin are made once per angles
+tensor by a :class:`RopeCosSinCache` shared by the spec's layers. Megatron's own RoPE runs for
+dynamic batching, flash decode, mRoPE, MLA, distinct q/k angles and cross attention. Nothing is
+patched. See docs/moe.md (Fused RoPE)."""
 
 from __future__ import annotations
 
@@ -48,12 +27,9 @@ from mcore_npu.transformer.self_attention import NPUSelfAttention
 
 
 class RopeCosSinCache:
-    """``(cos, sin)`` per angles tensor, dtype, mscale and positions; shared by all layers.
-
-    Entries are keyed by the angles tensor's identity, checked through a weak reference and its
-    version counter (an in-place refill or a new tensor reusing the id is derived afresh). At
-    most ``capacity`` entries are kept (LRU). ``builds`` counts how many pairs were made.
-    """
+    """``(cos, sin)`` per angles tensor (its identity, checked through a weak reference and its
+    version counter), dtype, mscale and positions; LRU of ``capacity`` entries, ``builds`` counts
+    the pairs made."""
 
     def __init__(self, capacity: int = 16) -> None:
         self.capacity = capacity
@@ -84,7 +60,7 @@ class RopeCosSinCache:
 
 @dataclass(frozen=True)
 class _Pending:
-    """What one forward call rotates with (stashed between forward and the q/k projection)."""
+    """What one forward call rotates with (stashed until the q/k projection)."""
 
     freqs: torch.Tensor  # [S, 1, 1, rot] angles
     packed_seq_params: object | None
@@ -92,39 +68,55 @@ class _Pending:
 
 
 class NPURotarySelfAttention(NPUSelfAttention):
-    """``SelfAttention`` whose RoPE runs through ``npu_rotary_mul`` (see the module doc); the
-    output gate as :class:`NPUSelfAttention` (eager).
+    """``SelfAttention`` whose RoPE runs through ``npu_rotary_mul``; the output gate as
+    :class:`NPUSelfAttention` (eager).
 
     Args:
-        config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection:
-            Megatron's ``SelfAttention`` arguments, passed on unchanged.
+        config, submodules, layer_number, ...: Megatron's ``SelfAttention`` arguments.
         rope_kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` for ``rotary_mul``.
         rope_cache: the cos/sin cache shared by the spec's layers; a private one if None.
         seq_lengths_memo: the spec's cu_seqlens memo (host offsets for packed thd).
     """
 
     def __init__(
-        self, config, submodules, layer_number, *args, rope_kernel: str = "auto",
-        rope_cache: RopeCosSinCache | None = None, seq_lengths_memo: SeqLengthsMemo | None = None,
+        self,
+        config,
+        submodules,
+        layer_number,
+        *args,
+        rope_kernel: str = "auto",
+        rope_cache: RopeCosSinCache | None = None,
+        seq_lengths_memo: SeqLengthsMemo | None = None,
         **kwargs,
-    ):  # fmt: skip
+    ):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         from mcore_npu.ops.registry import check_kernel
 
         self.rope_kernel = check_kernel(rope_kernel, what="rope_kernel")
         self.rope_cache = rope_cache if rope_cache is not None else RopeCosSinCache()
-        self.seq_lengths_memo = seq_lengths_memo if seq_lengths_memo is not None else (
-            SeqLengthsMemo())  # fmt: skip
+        self.seq_lengths_memo = (
+            seq_lengths_memo if seq_lengths_memo is not None else (SeqLengthsMemo())
+        )
         self.rope_mode = "interleave" if config.rotary_interleaved else "half"
         self.rope_mscale = float(_yarn_mscale(config))
         self._pending: _Pending | None = None
 
     def forward(
-        self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-        rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-        attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
         inference_params=None,
-    ):  # fmt: skip
+    ):
         """Megatron's ``forward`` with the rotation moved after the q/k norms, when it applies."""
         if inference_context is None:
             inference_context = inference_params
@@ -137,18 +129,24 @@ class NPURotarySelfAttention(NPUSelfAttention):
             rotary_pos_emb = None  # Megatron's own RoPE is skipped; ours runs after the norms
         try:
             return super().forward(
-                hidden_states, attention_mask, key_value_states=key_value_states,
-                inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
-                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-            )  # fmt: skip
+                hidden_states,
+                attention_mask,
+                key_value_states=key_value_states,
+                inference_context=inference_context,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+            )
         finally:
             self._pending = None
 
     def _fused_angles(self, rotary_pos_emb, key_value_states, inference_context):
-        """The angles tensor when this module rotates; None when nothing rotates or Megatron
-        keeps RoPE (the cases in the module doc)."""
+        """The angles tensor when this module rotates; None when nothing rotates or Megatron keeps
+        RoPE."""
         config = self.config
         no_rope = bool(config.no_rope_freq and config.no_rope_freq[self.layer_number - 1])
         if rotary_pos_emb is None or no_rope:
@@ -209,8 +207,8 @@ class NPURotarySelfAttention(NPUSelfAttention):
         return self.rope_cache.cos_sin(freqs, what, make)
 
     def _packed_cos_sin(self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, x: torch.Tensor):
-        """Per-token angles of a packed batch ``[t, 1, 1, rot]`` (positions restart per
-        sequence; under CP this rank's chunks), from the memo's host offsets."""
+        """Per-token cos/sin of a packed batch ``[t, 1, 1, rot]`` (positions restart per sequence;
+        under CP this rank's chunks), from the memo's host offsets."""
         cp = self.pg_collection.cp
         cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
         ends = self.seq_lengths_memo.actual_seq_lengths(cu_seqlens)
@@ -235,11 +233,9 @@ class NPURotarySelfAttention(NPUSelfAttention):
 def packed_positions(ends, cp_size: int = 1, cp_rank: int = 0, exact: bool = False) -> list[int]:
     """The angle row of every local token of a packed batch (host ints, no device sync).
 
-    ``ends``: global (padded) cumulative ends without the leading 0. Each sequence of global
-    length L holds L / cp_size local tokens: without CP positions ``0..L-1``; under CP this
-    rank's chunks ``r`` and ``2·CP-1-r`` (L / 2CP tokens each). ``exact`` (the angles cover every
-    packed position): positions are offset by the sequence's start, as Megatron does then.
-    """
+    ``ends``: global (padded) cumulative ends without the leading 0. A sequence of length L gives
+    positions ``0..L-1``, under CP this rank's chunks ``r`` and ``2·CP-1-r`` (L / 2CP tokens each).
+    ``exact`` (the angles cover every packed position): offset by the sequence's start."""
     index, start = [], 0
     for end in ends:
         local = (end - start) // cp_size

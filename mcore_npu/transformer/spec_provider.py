@@ -1,37 +1,17 @@
 """``NPUSpecProvider``: this package's modules for Megatron's ``*_for_backend`` spec builders.
 
-Megatron-Core builds MLP, MoE and multi-token-prediction specs from a ``BackendSpecProvider``
-(``megatron/core/models/backends.py``): ``get_mlp_module_spec_for_backend``,
-``get_moe_module_spec_for_backend``, ``get_mtp_layer_spec_for_backend``. This provider answers
-with the NPU spec's modules in either parameter layout:
-
-| slot | ``param_layout="te"`` | ``"local"`` |
-|---|---|---|
-| ``core_attention()`` | ``TELayoutNPUFusionAttention`` | ``NPUFusionAttention`` |
-| ``layer_norm()`` | ``SequenceParallelNorm`` (with ``_extra_state``) | ``SequenceParallelNorm`` |
-| ``fuse_layernorm_and_linear()`` | True | False |
-| ``column_parallel_layer_norm_linear()`` | ``NormColumnParallelLinear`` | None |
-| ``dense_mlp(mlp)`` / ``experts(...)`` / ``shared_experts(...)`` | ``NPUMLP`` / ``NPUGroupedMLP`` / ``NPUSharedExpertMLP`` | the same |
-| linears | Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` | the same |
-| ``grouped_mlp_modules(False)`` | ``SequentialMLP`` of those linears | the same |
-| ``activation_func()`` | None (the MLP applies ``config.activation_func``) | the same |
-
-Core attention, norms and the fused norm-linear are returned as ``ModuleSpec`` s (they carry
-``kernel``, the shared cu_seqlens memo, ``extra_state``); Megatron's ``build_module`` takes a
-spec wherever a class goes. The fused operators (``npu_rms_norm`` in every RMSNorm,
-``npu_swiglu`` in the MLPs, ``npu_grouped_matmul`` in the experts) follow ``kernel`` unless
-``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` say otherwise; ``"off"``
-keeps Megatron's own module for that part. ``rope_kernel`` (default ``"off"``: Megatron's own
-RoPE; None = ``kernel``) puts ``NPURotarySelfAttention`` (``npu_rotary_mul``) in the
-``self_attention`` slot (``self_attention(spec)``), sharing one cos/sin cache per provider;
-with ``"off"`` the slot holds ``NPUSelfAttention`` (Megatron's, its output gate eager).
-Multi-latent attention layers get ``NPUMLASelfAttention`` (``mla_self_attention(spec)``, fused
-RoPE on the rope slice with ``rope_kernel``); ``mla_value_padding`` reaches every core attention.
-The experts' form follows the installed protocol (``megatron_features``: ``experts_builder``).
-"""
+A Megatron ``BackendSpecProvider`` (``get_mlp_module_spec_for_backend``,
+``get_moe_module_spec_for_backend``, ``get_mtp_layer_spec_for_backend``) answering with the NPU
+spec's modules: core attention (``TELayoutNPUFusionAttention`` in the te layout, else
+``NPUFusionAttention``), ``SequenceParallelNorm``, ``NormColumnParallelLinear`` (te only),
+``NPUMLP`` / ``NPUGroupedMLP`` / ``NPUSharedExpertMLP``, Megatron's column/row-parallel linears, and
+the self-attention classes. Parts that carry ``kernel``, the shared cu_seqlens memo or
+``extra_state`` are returned as ``ModuleSpec`` s. A fused operator's kernel ``"off"`` keeps
+Megatron's module for that part. See docs/specs.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from megatron.core.models.backends import BackendSpecProvider
@@ -44,7 +24,7 @@ from mcore_npu.ops import value_padding
 from mcore_npu.ops.registry import KERNELS, check_kernel
 from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
-from mcore_npu.transformer.backends import PARAM_LAYOUTS
+from mcore_npu.transformer.backends import check_param_layout
 from mcore_npu.transformer.experts import NPUGroupedMLP
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
@@ -54,57 +34,74 @@ from mcore_npu.transformer.rope import NPURotarySelfAttention, RopeCosSinCache
 from mcore_npu.transformer.self_attention import NPUSelfAttention
 
 FUSED_KERNELS = (*KERNELS, "off")
-"""Values of ``rms_norm_kernel`` / ``swiglu_kernel`` / ``grouped_matmul_kernel`` /
-``rope_kernel``; None = ``kernel``."""
+"""Values of the fused operators' kernels (``rms_norm_kernel``, ...); None = ``kernel``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NPUSpecOptions:
+    """The NPU spec's own keywords, beside Megatron's, checked once (here, ValueError naming the
+    keyword); the spec builders and :class:`NPUSpecProvider` take them.
+
+    kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"``: attention, and the fused operators
+        unless given below. param_layout: ``"te"`` | ``"local"`` parameter names.
+    rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: ``"off"`` = Megatron's own module,
+        None = ``kernel``. moe_permute_kernel, rope_kernel: the fused MoE permute
+        (``NPUMoELayer``) and RoPE; ``"off"`` (default) = Megatron's, None = ``kernel``.
+    mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: pad MLA's smaller value head to D.
+    """
+
+    kernel: str = "auto"
+    param_layout: str = "te"
+    rms_norm_kernel: str | None = None
+    swiglu_kernel: str | None = None
+    grouped_matmul_kernel: str | None = None
+    moe_permute_kernel: str | None = "off"
+    rope_kernel: str | None = "off"
+    mla_value_padding: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_param_layout(self.param_layout)
+        check_kernel(self.kernel)
+        self.fused()
+        value_padding.check_mode(self.mla_value_padding)
+
+    def fused(self) -> dict[str, str]:
+        """Each fused operator's kernel, None resolved to ``kernel`` (``"off"``: Megatron's)."""
+        names = ("rms_norm", "swiglu", "grouped_matmul", "rope", "moe_permute")
+        return {n: _fused_kernel(n, getattr(self, f"{n}_kernel"), self.kernel) for n in names}
+
+    @classmethod
+    def take(cls, kwargs: dict) -> NPUSpecOptions:
+        """The options among ``kwargs``, removed from it, checked."""
+        return cls(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
+
+
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(NPUSpecOptions))
 
 
 class NPUSpecProvider(BackendSpecProvider):
     """The NPU spec's modules for Megatron's ``BackendSpecProvider`` slots.
 
-    Args:
-        kernel: the attention kernel (``"auto"`` | ``"torch_npu"`` | ``"reference"``), and the
-            fused operators' unless given below.
-        param_layout: ``"te"`` (Transformer Engine names) | ``"local"``.
-        seq_lengths_memo: shared by every attention built from this provider; a new one if None.
-        rms_norm_kernel, swiglu_kernel, grouped_matmul_kernel: a kernel for that fused
-            operator, ``"off"`` for Megatron's own module, None (default) = ``kernel``.
-        moe_permute_kernel: the fused MoE token permute in the alltoall / allgather
-            dispatchers (``NPUMoELayer``); ``"off"`` (the default, as Megatron's
-            ``moe_permute_fusion=False``) keeps Megatron's ``MoELayer``, None = ``kernel``.
-        rope_kernel: fused RoPE (``npu_rotary_mul``) in self-attention; ``"off"`` (default, as
-            Megatron's ``apply_rope_fusion=False``) = Megatron's own RoPE, None = ``kernel``.
-        mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: whether multi-latent attention's
-            smaller value head (Dv < D) is padded to D for the operator
-            (``mcore_npu.ops.value_padding``; auto: where the installed torch_npu needs it).
+    Takes an :class:`NPUSpecOptions`, or its fields as keywords; ``seq_lengths_memo`` is shared
+    by every attention built from this provider (a new one if None).
     """
 
     def __init__(
         self,
+        options: NPUSpecOptions | None = None,
         *,
-        kernel: str = "auto",
-        param_layout: str = "te",
         seq_lengths_memo: SeqLengthsMemo | None = None,
-        rms_norm_kernel: str | None = None,
-        swiglu_kernel: str | None = None,
-        grouped_matmul_kernel: str | None = None,
-        moe_permute_kernel: str | None = "off",
-        rope_kernel: str | None = "off",
-        mla_value_padding: str = "auto",
+        **keywords,
     ):
-        if param_layout not in PARAM_LAYOUTS:
-            raise ValueError(
-                f"param_layout: unknown layout {param_layout!r}; pass one of "
-                f"{', '.join(PARAM_LAYOUTS)}"
-            )
-        check_kernel(kernel)
-        fused = {"rms_norm": rms_norm_kernel, "swiglu": swiglu_kernel,
-                 "grouped_matmul": grouped_matmul_kernel, "rope": rope_kernel,
-                 "moe_permute": moe_permute_kernel}  # fmt: skip
-        self.fused = {name: _fused_kernel(name, value, kernel) for name, value in fused.items()}
+        if options is None:
+            options = NPUSpecOptions(**keywords)
+        elif keywords:
+            raise TypeError(f"{next(iter(keywords))}: pass options or keywords, not both")
+        self.options = options
+        self.kernel, self.param_layout = options.kernel, options.param_layout
+        self.fused = options.fused()
+        self.mla_value_padding = options.mla_value_padding
         self.rope_cache = RopeCosSinCache()  # cos/sin once per step for every layer
-        self.mla_value_padding = value_padding.check_mode(mla_value_padding)
-        self.kernel = kernel
-        self.param_layout = param_layout
         self.seq_lengths_memo = (
             seq_lengths_memo if seq_lengths_memo is not None else SeqLengthsMemo()
         )
@@ -153,13 +150,9 @@ class NPUSpecProvider(BackendSpecProvider):
         return ModuleSpec(module=NPUSharedExpertMLP, params=params, submodules=shared.submodules)
 
     def experts(self, experts: ModuleSpec, grouped_gemm: bool) -> ModuleSpec:
-        """The routed experts as ``NPUGroupedMLP`` (one ``npu_grouped_matmul`` per projection).
-
-        Names follow the spec Megatron would build for the same arguments: ``SequentialMLP``'s
-        (``local_experts.{e}.linear_fc1.weight``) without grouped GEMM, in both layouts; with
-        ``moe_grouped_gemm=True`` in the te layout ``TEGroupedMLP``'s (``linear_fc1.weight{e}``).
-        In the local layout a grouped-GEMM slot keeps Megatron's own ``GroupedMLP``.
-        """
+        """The routed experts as ``NPUGroupedMLP``: ``SequentialMLP``'s names without grouped GEMM,
+        ``TEGroupedMLP``'s with it in the te layout; in the local layout a grouped-GEMM slot keeps
+        Megatron's ``GroupedMLP``."""
         kernel = self._on("grouped_matmul")
         if kernel is None or (grouped_gemm and not self.te_layout):
             if grouped_gemm and self.te_layout:
@@ -189,39 +182,45 @@ class NPUSpecProvider(BackendSpecProvider):
         return None if kernel == "off" else kernel
 
     def self_attention(self, attention: ModuleSpec) -> ModuleSpec:
-        """Megatron's ``SelfAttention`` spec -> ``NPURotarySelfAttention`` (fused RoPE), or
-        ``NPUSelfAttention`` with ``rope_kernel="off"``; both compute ``attention_output_gate``
-        eagerly (``mcore_npu.transformer.self_attention``)."""
+        """``SelfAttention`` spec -> ``NPURotarySelfAttention`` (fused RoPE), or
+        ``NPUSelfAttention`` with ``rope_kernel="off"``."""
         kernel = self._on("rope")
         if kernel is None:
-            return ModuleSpec(module=NPUSelfAttention, params=dict(attention.params),
-                              submodules=attention.submodules)  # fmt: skip
-        params = {**attention.params, "rope_kernel": kernel, "rope_cache": self.rope_cache,
-                  "seq_lengths_memo": self.seq_lengths_memo}  # fmt: skip
-        return ModuleSpec(module=NPURotarySelfAttention, params=params,
-                          submodules=attention.submodules)  # fmt: skip
+            params = dict(attention.params)
+            return ModuleSpec(
+                module=NPUSelfAttention, params=params, submodules=attention.submodules
+            )
+        params = {**attention.params, "rope_kernel": kernel, "rope_cache": self.rope_cache}
+        params["seq_lengths_memo"] = self.seq_lengths_memo
+        submodules = attention.submodules
+        return ModuleSpec(module=NPURotarySelfAttention, params=params, submodules=submodules)
 
     def mla_self_attention(self, attention: ModuleSpec) -> ModuleSpec:
-        """Megatron's ``MLASelfAttention`` spec -> ``NPUMLASelfAttention`` (buildable without
-        TE; ``rope_kernel`` on the rope slice unless ``"off"``)."""
-        params = {**attention.params, "rope_kernel": self._on("rope"),
-                  "seq_lengths_memo": self.seq_lengths_memo}  # fmt: skip
-        return ModuleSpec(module=NPUMLASelfAttention, params=params,
-                          submodules=attention.submodules)  # fmt: skip
+        """``MLASelfAttention`` spec -> ``NPUMLASelfAttention`` (``rope_kernel`` on the rope slice)."""
+        params = {
+            **attention.params,
+            "rope_kernel": self._on("rope"),
+            "seq_lengths_memo": self.seq_lengths_memo,
+        }
+        return ModuleSpec(
+            module=NPUMLASelfAttention, params=params, submodules=attention.submodules
+        )
 
     def core_attention(self) -> ModuleSpec:
         module = TELayoutNPUFusionAttention if self.te_layout else NPUFusionAttention
-        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo,
-                  "value_padding": self.mla_value_padding}  # fmt: skip
+        params = {
+            "kernel": self.kernel,
+            "seq_lengths_memo": self.seq_lengths_memo,
+            "value_padding": self.mla_value_padding,
+        }
         return ModuleSpec(module=module, params=params)
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool,
-                            moe_use_legacy_grouped_gemm: bool = False):  # fmt: skip
-        """``SequentialMLP`` of the column/row-parallel linears (the same names in both layouts),
-        in the form the installed Megatron's builders take: ``(SequentialMLP, MLPSubmodules)``
-        where its protocol has ``moe_use_legacy_grouped_gemm`` (<= 0.16), else the
-        ``functools.partial(SequentialMLP, submodules=...)`` it builds experts from (0.17+,
-        one argument).
+    def grouped_mlp_modules(
+        self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False
+    ):
+        """``SequentialMLP`` of the column/row-parallel linears, in the installed builders' form:
+        ``(SequentialMLP, MLPSubmodules)`` (<= 0.16), else
+        ``functools.partial(SequentialMLP, ...)``.
 
         Raises:
             ValueError: ``moe_use_grouped_gemm=True`` (no torch twin of TE's grouped linears).

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mcore_npu.masks import compressed_causal_mask
+from mcore_npu.ops import attention_reference as ref
 from mcore_npu.ops import blocked_attention, fusion_attention_with_stats
-from mcore_npu.ops import reference as ref
 from mcore_npu.tools.bench.memory import track_allocations
 
 

@@ -9,6 +9,8 @@ from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.spec_provider import NPUSpecProvider
 from tests.transformer.moe_models import module_of, submodules_of
 
+pytestmark = pytest.mark.usefixtures("megatron_runtime")
+
 
 def test_provider_is_a_megatron_backend_spec_provider():
     from megatron.core.models.backends import BackendSpecProvider
@@ -51,3 +53,64 @@ def test_core_attention_and_norms_follow_the_layout():
     assert (te.fuse_layernorm_and_linear(), local.fuse_layernorm_and_linear()) == (True, False)
     with pytest.raises(ValueError, match="param_layout: unknown layout"):
         NPUSpecProvider(param_layout="megatron")
+
+
+BAD_OPTIONS = {
+    "kernel": "npu",
+    "param_layout": "megatron",
+    "rms_norm_kernel": "fused",
+    "swiglu_kernel": "fused",
+    "grouped_matmul_kernel": "fused",
+    "moe_permute_kernel": "fused",
+    "rope_kernel": "fused",
+    "mla_value_padding": "maybe",
+}
+
+
+def _builders():
+    from mcore_npu.transformer import layer_specs
+    from tests.transformer.megatron_models import tiny_config
+
+    config = tiny_config()
+    block = layer_specs.get_gpt_decoder_block_npu_spec(config, kernel="reference")
+    return {
+        "layer": lambda **o: layer_specs.get_gpt_layer_npu_spec(**o),
+        "block": lambda **o: layer_specs.get_gpt_decoder_block_npu_spec(config, **o),
+        "mtp": lambda **o: layer_specs.get_gpt_mtp_block_npu_spec(config, block, **o),
+        "provider": lambda **o: NPUSpecProvider(**o),
+    }
+
+
+def test_every_builder_takes_every_option_and_refuses_a_bad_one_by_name():
+    from mcore_npu.transformer.spec_provider import OPTION_NAMES
+
+    assert set(BAD_OPTIONS) == set(OPTION_NAMES)
+    for build in _builders().values():
+        for option, bad in BAD_OPTIONS.items():
+            with pytest.raises(ValueError, match=f"^{option}: .*{bad!r}"):
+                build(**{option: bad})
+        build(**{option: None for option in OPTION_NAMES if option.endswith("_kernel")})
+
+
+def test_the_options_are_checked_once_per_spec(monkeypatch):
+    """One check of ``kernel`` and of ``param_layout`` per built block spec (not one per
+    builder, provider and layer)."""
+    from mcore_npu.transformer import layer_specs, spec_provider
+    from tests.transformer.megatron_models import tiny_config
+
+    calls = []
+    for name in ("check_kernel", "check_param_layout"):
+        real = getattr(spec_provider, name)
+        monkeypatch.setattr(
+            spec_provider, name, lambda v, real=real, n=name: calls.append(n) or real(v)
+        )
+    layer_specs.get_gpt_decoder_block_npu_spec(tiny_config(), kernel="reference", param_layout="te")
+    assert sorted(calls) == ["check_kernel", "check_param_layout"]
+
+
+def test_options_and_keywords_do_not_mix():
+    from mcore_npu.transformer.spec_provider import NPUSpecOptions
+
+    with pytest.raises(TypeError, match="kernel: pass options or keywords, not both"):
+        NPUSpecProvider(NPUSpecOptions(), kernel="reference")
+    assert NPUSpecProvider(NPUSpecOptions(kernel="reference")).fused["swiglu"] == "reference"

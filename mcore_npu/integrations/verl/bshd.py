@@ -1,10 +1,9 @@
 """A bshd micro-batch as the engine's own forward builds it: right-padded, split over CP ranks.
 
-verl's bshd forward (``preprocess_bshd_engine``) pads every row on the right to the longest, a
-multiple of the tensor-parallel size, or under context parallelism of ``2 · CP · TP``, and then
-gives each CP rank chunks ``r`` and ``2·CP - 1 - r`` of every row (Megatron's zigzag, so every
-rank holds as much causal work). :class:`RightPadded` does the same without building any mask:
-``keep`` (**True = real token**) only selects the real positions of the outputs.
+As verl's ``preprocess_bshd_engine``: every row padded on the right to the longest, a multiple of
+TP (of ``2 · CP · TP`` under context parallelism), and CP rank ``r`` given chunks ``r`` and
+``2·CP - 1 - r`` of every row (Megatron's zigzag). :class:`RightPadded` builds no mask: ``keep``
+(**True = real token**) only selects the real positions of the outputs.
 """
 
 from __future__ import annotations
@@ -38,8 +37,15 @@ class RightPadded:
         positions: ``[B, S]`` int64 position ids ``0 .. S-1`` of every row.
     """
 
-    def __init__(self, nested: torch.Tensor, *, tp_size: int = 1, cp_size: int = 1,
-                 cp_rank: int = 0, cp_group=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        nested: torch.Tensor,
+        *,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_group=None,
+    ) -> None:
         self.lengths = nested.offsets().diff()
         align = tp_size * cp_size * 2 if cp_size > 1 else tp_size
         seq = int(self.lengths.max().item()) if self.lengths.numel() else 0
@@ -71,8 +77,10 @@ class RightPadded:
         pieces = [torch.empty_like(local) for _ in range(self.cp_size)]
         dist.all_gather(pieces, local.detach().contiguous(), group=self.cp_group)
         pieces[self.cp_rank] = local
-        order = torch.cat([zigzag_positions(self.seq, self.cp_size, rank, local.device)
-                           for rank in range(self.cp_size)])  # fmt: skip
+        ranks = range(self.cp_size)
+        order = torch.cat(
+            [zigzag_positions(self.seq, self.cp_size, r, local.device) for r in ranks]
+        )
         return torch.cat(pieces, dim=1).index_select(1, torch.argsort(order))
 
     def unpad(self, dense: torch.Tensor) -> torch.Tensor:
@@ -85,8 +93,9 @@ def pad_right(input_ids: torch.Tensor) -> RightPadded:
     """Padding for ``input_ids`` (jagged) and its CP split, in Megatron's parallel state's
     layout, as verl aligns and splits."""
     cp_size = mpu.get_context_parallel_world_size()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    cp_rank = mpu.get_context_parallel_rank() if cp_size > 1 else 0
+    cp_group = mpu.get_context_parallel_group() if cp_size > 1 else None
     return RightPadded(
-        input_ids, tp_size=mpu.get_tensor_model_parallel_world_size(), cp_size=cp_size,
-        cp_rank=mpu.get_context_parallel_rank() if cp_size > 1 else 0,
-        cp_group=mpu.get_context_parallel_group() if cp_size > 1 else None,
-    )  # fmt: skip
+        input_ids, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group
+    )

@@ -1,46 +1,19 @@
-"""The NPU engines' forward of one micro-batch: what verl's forwards hand the model, and when the
-engine runs its own.
+"""The NPU engines' forward of one micro-batch: verl's own, or the engine's where it can.
 
-verl 0.9.1's Megatron engine (``forward_step``, ``verl/models/mcore/model_forward.py``) hands the
-model, per micro-batch:
+verl 0.9.1's forwards hand the model, per micro-batch: bshd, a ``[B, S]`` keep mask (**True =
+real token**) off an NPU, a dense ``[B, 1, S, S]`` (**True = masked out**) on one; thd, no mask
+and ``PackedSeqParams``; thd of a vision config, unpacked ``[B, S]`` rows and a keep mask for a
+vision tower to merge. The model accepts each (``mcore_npu.masks.key_padding``), but the engine
+runs its own forward for:
 
-=================  ==========================================  ==================================
-layout             off an NPU                                  on an NPU (``is_npu_available``)
-=================  ==========================================  ==================================
-bshd               ``[B, S]`` keep mask, True = real token     ``[B, 1, S, S]``, True = masked
-                   (``preprocess_bshd_engine``)                (``_build_npu_attn_mask``: B·S²
-                                                               bytes per micro-batch)
-bshd, vision       ``[B, S]`` keep mask, no position ids       no mask, no position ids
-                   (``build_vlm_attn_mask_bshd``)
-thd                no mask, ``PackedSeqParams``                the same
-thd, vision        ``[B, S]`` rows and keep mask with          the same
-                   ``PackedSeqParams``, for a vision tower
-                   to merge and pack
-=================  ==========================================  ==================================
+- **bshd**: verl right-pads, so under causal attention the model gets ``attention_mask=None``
+  (the operator's causal mode); the keep mask only selects the real outputs (:class:`RightPadded`,
+  split zigzag over CP ranks and gathered back, :mod:`.bshd`);
+- **thd of a vision-language checkpoint**: verl's packed forward as for a language model
+  (``vision_model=False``), since the plugin builds the language model only.
 
-("vision": the checkpoint's config has ``vision_config``, as every Qwen3.5 hub checkpoint's.)
-The model accepts each of them (``mcore_npu.masks.key_padding`` reads the ``[B, S]`` keep mask as
-right padding under causal attention), but the engine runs its own forward where it can:
-
-- **bshd** (``use_remove_padding=False``): verl right-pads every sequence, so under causal
-  attention no real query ever sees a padded key; the model gets ``attention_mask=None`` and the
-  operator runs with its causal ``sparse_mode`` and the cached 2048 x 2048 compressed mask. No
-  ``[B, 1, S, S]`` tensor exists; the ``[B, S]`` keep mask (True = real token) only selects the
-  real positions of the outputs (:class:`RightPadded`).
-- **thd of a vision-language checkpoint**: the plugin builds its language model only, so the
-  micro-batch goes through verl's own packed forward as for a language model
-  (``vision_model=False``): packed ids, ``PackedSeqParams``, no mask.
-- **thd** of a language model goes through verl's own forward unchanged; ``NPUFusionAttention``
-  turns ``PackedSeqParams`` into the operator's TND layout. Nothing is read from or written to
-  globals (verl's ``preprocess_for_mindspeed`` still runs on NPU; without MindSpeed installed
-  it only logs that it skipped).
-
-Under context parallelism the engine's bshd forward hands each rank its two chunks of every row
-(Megatron's zigzag, as verl's ``preprocess_bshd_engine`` splits them) and gathers the outputs
-back (:mod:`mcore_npu.integrations.verl.bshd`). Not with fused kernels, MTP, router replay or
-top-k distillation: those run verl's own forward, whose extra inputs this one does not prepare; for a vision-language
-checkpoint they are refused in one line (verl's vision forward expects a vision tower). A
-micro-batch with images is refused in one line (:func:`refuse_images`).
+Fused kernels, MTP, router replay and top-k distillation run verl's own forward (refused for a
+vision-language checkpoint); a micro-batch with images is refused (:func:`refuse_images`).
 """
 
 from __future__ import annotations
@@ -67,12 +40,8 @@ IMAGE_INPUTS = ("pixel_values", "pixel_values_videos")
 
 
 def refuse_images(batch, hf_config) -> None:
-    """Refuse a micro-batch with images or videos: the plugin builds the language model of a
-    vision-language checkpoint, not its vision tower.
-
-    Raises:
-        ValueError: ``multi_modal_inputs`` holds ``pixel_values`` or ``pixel_values_videos``.
-    """
+    """Raise ``ValueError`` when ``multi_modal_inputs`` holds :data:`IMAGE_INPUTS`: the plugin
+    builds a vision-language checkpoint's language model, not its vision tower."""
     from verl.utils.model import extract_multi_modal_inputs
 
     given = extract_multi_modal_inputs(batch.get("multi_modal_inputs", []))
@@ -106,11 +75,9 @@ class ForwardSteps:
     def _mask_free_forward(self, model, batch):
         """One bshd forward without a mask tensor: ``(output, RightPadded, jagged input_ids)``.
 
-        The jagged ``input_ids`` are right-padded to ``[B, S]`` (under context parallelism, this
-        rank's two chunks of every row: ``[B, S/CP]``); right padding under causal attention
-        needs no mask (no real query sees a pad key), so ``attention_mask=None`` and the
-        operator's causal mode (the cached compressed mask) does the rest. ``output`` is this
-        rank's.
+        The model gets ``[B, S]`` right-padded ids (``[B, S/CP]``: this CP rank's two chunks of
+        every row) and ``attention_mask=None``: under causal attention no real query sees a pad
+        key. ``output`` is this rank's.
         """
         input_ids = self.prepare_model_inputs(batch)["input_ids"]
         padded = pad_right(input_ids)
@@ -119,14 +86,9 @@ class ForwardSteps:
         return output, padded, input_ids
 
     def _own_forward(self, batch) -> bool:
-        """True when this micro-batch runs the plugin's forward instead of verl's.
-
-        That is bshd (``use_remove_padding=False``: verl would build a mask per micro-batch) and,
-        for a vision-language checkpoint whose language model the plugin builds, thd too (verl's
-        vision forward would hand it ``[B, S]`` rows and a mask; the batch has no images,
-        :func:`refuse_images`), unless something only verl's forward prepares is on
-        (:meth:`_verl_only`). A vision-language checkpoint with such a thing is refused.
-        """
+        """True when this micro-batch runs the plugin's forward: bshd, and thd of a
+        vision-language checkpoint, unless :meth:`_verl_only` says otherwise (refused for a
+        vision-language checkpoint)."""
         vision = is_vision_config(self.model_config)
         if self.engine_config.use_remove_padding and not vision:
             return False
@@ -158,14 +120,21 @@ class ForwardSteps:
         from verl.models.mcore import get_mcore_engine_forward_fn
 
         forward_fn = get_mcore_engine_forward_fn(self.model_config.hf_config)
-        bucket = (
-            self.engine_config.pad_to_length_bucket if self.engine_config.pad_to_length else None
-        )
+        config = self.engine_config
+        bucket = config.pad_to_length_bucket if config.pad_to_length else None
+        pad_id = self.model_config.tokenizer.pad_token_id
+        layout = self._get_context_parallel_layout(unwrap_model(model))
         return forward_fn(
-            model, batch["input_ids"], {}, vision_model=False, data_format="thd",
-            pad_token_id=self.model_config.tokenizer.pad_token_id, pad_to_length_bucket=bucket,
-            cp_layout=self._get_context_parallel_layout(unwrap_model(model)), **forward_kwargs,
-        )  # fmt: skip
+            model,
+            batch["input_ids"],
+            {},
+            vision_model=False,
+            data_format="thd",
+            pad_token_id=pad_id,
+            pad_to_length_bucket=bucket,
+            cp_layout=layout,
+            **forward_kwargs,
+        )
 
 
 class LMHeadSteps(ForwardSteps):

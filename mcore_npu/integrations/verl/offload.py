@@ -1,25 +1,10 @@
 """verl's ``param_offload`` for a model without DDP (the reference model) on a host-only machine.
 
-verl moves a model that is not wrapped in Megatron's DDP (``forward_only=True``: the reference
-model, whose ``param_offload`` follows the actor's) to the host with
-``offload_megatron_model_to_cpu`` (``verl/utils/megatron_utils.py:779-790``)::
-
-    old_data = param.data
-    param.data = param.data.to("cpu")
-    if _can_safely_resize_storage(old_data):
-        old_data.storage().resize_(0)
-
-On an NPU ``.to("cpu")`` is a copy and the resize frees the device copy. On a machine without
-an accelerator (CPU runs and this project's tests) the parameter is already on the CPU,
-``.to("cpu")`` returns the same storage, and the resize frees the only copy of the weights: the
-next forward fails with "storage of size 0". The DDP-wrapped actor is not affected (verl copies
-its flat buffers into a separate ``cpu_data`` tensor first).
-
-:func:`round_trip_on_host` does the same move on such a machine with real copies: offloading
-copies every parameter into new host storage and frees the old one, loading copies it back into
-new storage and frees the host copy, so the weights survive and the round trip is a real one
-(bit-exact: a copy). The engine calls it in place of verl's model move only there; on an NPU
-(or CUDA) verl's own code runs unchanged.
+verl moves such a model with ``param.data = param.data.to("cpu")`` then frees the old storage
+(``offload_megatron_model_to_cpu``). On a machine without an accelerator ``.to("cpu")`` returns
+the same storage, so that frees the only copy of the weights ("storage of size 0" next forward).
+:func:`round_trip_on_host` makes the same move with real copies (new host storage, the old freed,
+both ways; bit-exact); the engine uses it only there. See docs/verl_engine_io.md.
 """
 
 from __future__ import annotations
@@ -44,10 +29,7 @@ def host_only_model(module) -> bool:
 @torch.no_grad()
 def round_trip_on_host(module) -> int:
     """Move every parameter (and gradient) of ``module``'s chunks into new host storage and free
-    the old storage: the offload or the load of verl's non-DDP path, as real copies.
-
-    Returns the number of bytes copied.
-    """
+    the old storage; returns the number of parameter bytes copied."""
     copied = 0
     for chunk in module:
         for param in chunk.parameters():

@@ -1,17 +1,11 @@
 """verl's optimizer settings, built into Megatron's optimizer with the plugin's Adam.
 
-verl 0.9.1's ``init_megatron_optim_config`` (``verl/utils/megatron/optimizer.py``) turns the
-actor's ``optim`` section into Megatron's ``OptimizerConfig(**kwargs)``: the top-level
-``use_precision_aware_optimizer`` with ``main_grads_dtype`` / ``exp_avg_dtype`` /
-``exp_avg_sq_dtype`` (bf16 models only), then every ``override_optimizer_config`` key verbatim.
-Without Transformer Engine that ends in a raw ``TypeError`` for the precision-aware optimizer, and
-Megatron's CPU offload needs CUDA. Here the same keys, with the same precedence, are split:
-
-- :func:`requested_keys`: the precision and offload keys (:data:`OPTIMIZER_KEYS`), read as verl
-  reads them, plus those the recipe's ``swap_optimizer`` maps to (the recipe's own keys win);
-- :func:`without_plugin_keys`: a copy of verl's ``optim`` config without them, which verl's own
-  ``init_megatron_optim_config`` turns into everything else (lr, clipping, bf16, ...);
-- :func:`build_optimizer`: both into :func:`mcore_npu.optimizer.get_megatron_optimizer`.
+verl's ``init_megatron_optim_config`` passes the precision-aware and offload keys to Megatron's
+``OptimizerConfig``, which cannot build them without Transformer Engine or CUDA. Here the same keys,
+with verl's precedence, are split: :func:`requested_keys` reads them (and those the recipe's
+``swap_optimizer`` maps to), :func:`without_plugin_keys` leaves verl the rest, and
+:func:`build_optimizer` hands both to :func:`mcore_npu.optimizer.get_megatron_optimizer`.
+See docs/optimizer.md.
 """
 
 from __future__ import annotations
@@ -32,14 +26,9 @@ def _override(optim_config) -> dict:
 
 
 def requested_keys(optim_config, *, bf16: bool, recipe_keys: dict | None = None) -> dict:
-    """The precision / offload keys of verl's ``optim`` section, as verl would pass them.
-
-    Args:
-        optim_config: verl's ``McoreOptimizerConfig`` (``actor.optim``).
-        bf16: the model's parameters are bf16 (verl reads the top-level precision-aware keys
-            only then).
-        recipe_keys: keys a recipe key maps to (``swap_optimizer``), below the recipe's own.
-    """
+    """The precision / offload keys of verl's ``optim`` section (``McoreOptimizerConfig``), as
+    verl would pass them: the top-level precision-aware keys only for a ``bf16`` model, then
+    ``override_optimizer_config``; ``recipe_keys`` (from ``swap_optimizer``) lowest."""
     keys = dict(recipe_keys or {})
     if bf16 and optim_config.get("use_precision_aware_optimizer", False):
         keys["use_precision_aware_optimizer"] = True
@@ -49,8 +38,7 @@ def requested_keys(optim_config, *, bf16: bool, recipe_keys: dict | None = None)
 
 
 def without_plugin_keys(optim_config):
-    """A copy of ``optim_config`` without the keys :func:`requested_keys` reads (the user's
-    object is not changed)."""
+    """A copy of ``optim_config`` without the keys :func:`requested_keys` reads."""
     rest = {k: v for k, v in _override(optim_config).items() if k not in OPTIMIZER_KEYS}
     return dataclasses.replace(
         optim_config, use_precision_aware_optimizer=False, override_optimizer_config=rest

@@ -1,35 +1,15 @@
 """The ``verl.plugins`` entry point: loading it registers the NPU Megatron engines.
 
-verl 0.9.x imports every entry point of the ``verl.plugins`` group at the end of
-``verl/__init__.py`` and calls ``EntryPoint.load()`` on it (the loaded attribute is not called).
-``pyproject.toml`` declares::
+``pyproject.toml`` declares ``mcore_npu = "mcore_npu.integrations.verl.plugin:registered"``;
+verl 0.9.x loads every entry point of that group at the end of ``import verl`` (in every process),
+unless ``VERL_USE_EXTERNAL_PLUGINS`` says otherwise (``none``, or a lower-case list of names).
 
-    [project.entry-points."verl.plugins"]
-    mcore_npu = "mcore_npu.integrations.verl.plugin:registered"
-
-so importing this module is what registers the engines. verl decides whether it is loaded:
-``VERL_USE_EXTERNAL_PLUGINS`` = ``auto`` (default: every entry point), ``none`` (no entry
-point), or a comma-separated list of entry-point names (``mcore_npu`` loads this one). verl
-lower-cases the list, so the entry point's name is lower case.
-
-Harmless where it does not apply:
-
-- nothing here imports torch_npu; the engines are registered under ``("npu", "huawei")`` only,
-  a key verl looks up on Ascend machines (or when ``VERL_ENGINE_DEVICE=npu`` and
-  ``VERL_ENGINE_VENDOR=huawei`` are exported), so CUDA and CPU runs pick the same engines as
-  before;
-- without megatron-core nothing is registered (``registered`` is an empty tuple);
-- a failure while registering is logged as a warning (verl itself would only log it at debug
-  level) and leaves verl's registry as it was;
-- imported before verl, ``mcore_npu.integrations.verl.engine`` imports verl, which loads this
-  plugin while the engine module is half built: the plugin then leaves the registration to the
-  engine module's last line (``registered`` stays empty, the engines are registered all the same);
-- cheap where no engine is built: verl loads plugins in every process that imports it (Ray's
-  agent-loop, reward and rollout actors too), and the engines import Megatron (about 3 s of CPU).
-  So the plugin registers them when verl's engine registry, ``verl.workers.engine``, is imported
-  (at once if it already is): a one-shot import hook (:class:`_AfterImport`) runs
-  :func:`register` right after that package's body, before anyone can look an engine up, then
-  removes itself. ``registered`` is then empty; ``EngineRegistry`` holds the engines all the same.
+Cheap and harmless where it does not apply: no torch_npu import; the engines are registered under
+``("npu", "huawei")`` only; without megatron-core nothing is registered; a failure is logged as a
+warning. The engines (and Megatron) are imported only when verl's engine registry
+(``verl.workers.engine``) is: a one-shot import hook (:class:`_AfterImport`) registers them right
+after it. If the engine module itself imported verl (and so this plugin), it registers itself at
+its end (:data:`deferred`). See docs/verl.md.
 """
 
 from __future__ import annotations
@@ -50,11 +30,8 @@ deferred = False
 
 
 def register() -> tuple[type, ...]:
-    """Register the NPU engines with verl's ``EngineRegistry``; return the classes registered.
-
-    Returns an empty tuple (and registers nothing) when megatron-core is not installed or the
-    engines cannot be imported; the reason is logged as a warning.
-    """
+    """Register the NPU engines with verl's ``EngineRegistry``; the classes registered, or ``()``
+    (the reason logged) without megatron-core or when the engines do not import."""
     if importlib.util.find_spec("megatron") is None:
         logger.info("mcore_npu verl plugin: megatron-core is not installed; nothing registered")
         return ()
@@ -75,8 +52,8 @@ _REGISTRY = "verl.workers.engine"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` right after the module ``name`` has been executed, once; nothing else is
-    changed: the module is found and loaded by the finders after this one."""
+    """Runs ``then()`` once, right after the module ``name`` has been executed (the module is
+    found and loaded by the finders after this one)."""
 
     def __init__(self, name: str, then) -> None:
         self.name, self.then = name, then

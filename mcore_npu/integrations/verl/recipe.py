@@ -1,19 +1,10 @@
 """verl's ``override_transformer_config`` through the recipe vocabulary, for the NPU engines.
 
-verl hands ``engine_config.override_transformer_config`` to the bridge, which ends in
-``TransformerConfig(**kwargs)``; MindSpeed-style keys raise a ``TypeError`` there and Megatron's
-TE-only switches raise in its checks. :func:`apply_recipe` translates the dict
-(:func:`mcore_npu.transformer.recipe_keys.translate`) before verl reads it and returns:
-
-- an engine config for this engine alone (``dataclasses.replace``: the user's config object is
-  not changed; verl's ``TrainingWorker`` and the other roles keep theirs) whose
-  ``override_transformer_config`` holds only Megatron fields and whose
-  ``use_distributed_optimizer`` carries the recipe's value (verl reads it there for DDP, the
-  optimizer and the checkpoint manager);
-- the NPU spec keywords (``rms_norm_kernel``, ``swiglu_kernel``, ``rope_kernel``,
-  ``moe_permute_kernel``) for :func:`~mcore_npu.integrations.verl.engine.npu_block_spec`.
-
-A refused key raises ``ValueError`` (one line) before any bridge or model exists.
+MindSpeed-style keys raise in ``TransformerConfig(**kwargs)``. :func:`apply_recipe` translates
+the dict (:func:`mcore_npu.transformer.recipe_keys.translate`) before verl reads it, into an engine
+config for this engine alone (a ``dataclasses.replace`` copy holding only Megatron fields and the
+recipe's ``use_distributed_optimizer``) and the NPU spec keywords; a refused key raises
+``ValueError`` (one line) before any bridge or model exists. See docs/mindspeed.md.
 """
 
 from __future__ import annotations
@@ -33,16 +24,13 @@ LINEAR_ATTENTION = "linear_attention"
 
 
 def has_gated_delta_net(hf_config) -> bool:
-    """Whether the Hugging Face model has gated-delta-net layers: its (text) config's
-    ``layer_types`` names a ``linear_attention`` layer, as transformers' Qwen3.5 / Qwen3-Next
-    configs do (the hub form keeps them in ``text_config``)."""
+    """Whether the (text) config's ``layer_types`` names a ``linear_attention`` layer."""
     text = getattr(hf_config, "text_config", None) or hf_config
     return LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ())
 
 
 def _config_class(hf_config) -> type:
-    """The Megatron config class the bridges build for this model: MLA models (``kv_lora_rank``
-    in the Hugging Face config) get ``MLATransformerConfig``, every other ``TransformerConfig``."""
+    """``MLATransformerConfig`` for MLA models (``kv_lora_rank``), else ``TransformerConfig``."""
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
@@ -57,10 +45,9 @@ def recipe_context(
 ) -> RecipeContext:
     """verl's side of the run: the sizes and switches verl itself gives Megatron.
 
-    Sequence parallelism: mbridge (``vanilla_mbridge``) sets it to ``TP > 1``; Megatron-Bridge
-    takes ``engine_config.sequence_parallel`` (which verl turns off at TP = 1).
-    ``vanilla_mbridge``: the bridge the engine will use, when not the config's (the fallback of
-    :mod:`mcore_npu.integrations.verl.weight_path`).
+    Sequence parallelism: mbridge sets it to ``TP > 1``; Megatron-Bridge takes
+    ``engine_config.sequence_parallel``. ``vanilla_mbridge``: the bridge the engine will use,
+    when not the config's (the fallback of :mod:`.weight_path`).
     """
     text = getattr(hf_config, "text_config", None) or hf_config
     tp = engine_config.tensor_model_parallel_size
@@ -83,14 +70,9 @@ def apply_recipe(
 ) -> tuple[object, dict, RecipePlan]:
     """``(engine config for verl, NPU spec keywords, the plan)``; logs the plan's lines.
 
-    ``mbridge_fallback``: the copy also gets ``vanilla_mbridge=True``, so verl's
-    ``_build_tf_config`` takes its mbridge branch (:mod:`~mcore_npu.integrations.verl.weight_path`;
-    verl's deprecation warning for that value is not shown, the user did not set it).
-    ``provider``: Megatron-Bridge provider fields put under the translated overrides
-    (``weight_path.megatron_bridge_overrides``; a translated value wins).
-
-    Raises:
-        ValueError: a refused recipe key (one line: key, value, why, what to use instead).
+    ``mbridge_fallback``: the copy also gets ``vanilla_mbridge=True`` (verl's deprecation warning
+    for it is not shown). ``provider``: Megatron-Bridge provider fields put under the translated
+    overrides. A refused recipe key raises ``ValueError``.
     """
     vanilla = True if mbridge_fallback else None
     context = recipe_context(engine_config, hf_config, vanilla_mbridge=vanilla)

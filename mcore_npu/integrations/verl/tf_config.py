@@ -1,21 +1,13 @@
 """verl's ``MegatronEngine._build_tf_config`` for mbridge (``vanilla_mbridge=True``), with the
 bridge built by the plugin.
 
-verl 0.9.1 constructs the bridge inline (``AutoBridge.from_config(hf_config, dtype=...)`` in
-``verl/workers/engine/megatron/transformer_impl.py``), and mbridge builds the Megatron config in
-the bridge's constructor: for a bridge whose config cannot be built on this stack
-(``mcore_npu.integrations.mbridge_fixes``: ``deepseek_v3``) neither the bridge nor verl's method
-can be corrected afterwards, and patching mbridge or verl is not an option. For those models the
-NPU engines run :func:`build_mbridge_tf_config` instead of verl's method: verl's steps of the
-vanilla-mbridge branch in verl's order, with verl's own helpers where verl has them, and the
-bridge from ``make_bridge`` (``hf.bridge_from_config``). Every other model keeps verl's method.
-Left out: the context-parallel keys verl adds for ``model_type == "deepseek_v4"`` (no mbridge
-bridge exists for it) and verl's rank-0 print of the config.
-
-``VERL_SOURCE_SHA256`` is the hash of the verl method these steps follow;
-tests/integrations/test_deepseek_config.py fails when the installed verl's method differs (read
-it again and update this function), and checks that this function builds the config verl builds
-for a model verl can build.
+verl 0.9.1 builds the bridge inline with ``AutoBridge.from_config``, and mbridge builds the
+Megatron config in the bridge's constructor, so a bridge whose config this stack cannot build
+(DeepSeek-V3) or that mbridge lacks (Qwen3.5) cannot be fixed afterwards. For those models the
+NPU engines run :func:`build_mbridge_tf_config`: verl's steps in verl's order, with verl's helpers,
+the bridge from ``make_bridge``. Left out: verl's ``deepseek_v4`` context-parallel keys and its
+rank-0 print. tests/integrations/test_deepseek_config.py checks verl's method against
+``VERL_SOURCE_SHA256`` and that this function builds the config verl builds.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Which bridge builds the model: verl's ``vanilla_mbridge`` and what the NPU engines do with it.
 
-verl 0.9.1's ``McoreEngineConfig.vanilla_mbridge`` (default ``False``) picks the bridge that maps
-Hugging Face checkpoints onto Megatron:
-
-- ``True``: mbridge (``verl/models/mcore/mbridge.py``); the NPU engines build through it, or
-  through the plugin's bridge where mbridge's cannot build its config on this stack
-  (:mod:`mcore_npu.integrations.mbridge_fixes`, DeepSeek-V3).
-- ``False`` and ``import megatron.bridge`` succeeds: Megatron-Bridge, as verl does it, with the
-  NPU spec on the provider and :func:`megatron_bridge_overrides` in the engine's copy of
-  ``override_transformer_config`` (verl sets those on the provider before ``finalize()``).
-- ``False`` and the import fails (every Megatron-Bridge release imports Transformer Engine, which
-  Ascend NPUs do not have): for a model family the plugin's Hugging Face path covers
-  (:func:`uncovered_reason` is None) the engine builds exactly as with ``vanilla_mbridge=True``:
-  :func:`mbridge_fallback` says so, and the engine's own copy of its engine config (the recipe's
-  ``dataclasses.replace``, :func:`mcore_npu.integrations.verl.recipe.apply_recipe`) carries
-  ``vanilla_mbridge=True``. One warning line is logged per engine (actor, reference, critic);
-  the user's config object is not changed. Any other family, and verl's QAT (which only
-  Megatron-Bridge builds), is refused with one ``ValueError`` line.
-
-The reference model's ``ref.megatron.vanilla_mbridge`` follows the actor's (verl's
-``megatron_ref.yaml``: ``${oc.select:actor_rollout_ref.actor.megatron.vanilla_mbridge,False}``)
-and the critic has its own ``critic.megatron.vanilla_mbridge``; all three are built by a
-``TrainingWorker`` whose engine is one of the NPU engines, so all three take this path.
+``True``: mbridge (or the plugin's bridge where mbridge's cannot build the config). ``False`` with
+an importable ``megatron.bridge``: Megatron-Bridge, the NPU spec on the provider and
+:func:`megatron_bridge_overrides` in the overrides. ``False`` without it (every release imports
+Transformer Engine): a family the plugin's Hugging Face path covers (:func:`uncovered_reason` is
+None) builds as with ``True`` on the engine's own config copy, with one warning line
+(:func:`mbridge_fallback`); any other family, and verl's QAT, is refused in one line. Actor,
+reference model and critic each decide for themselves. See docs/weight_path.md.
 """
 
 from __future__ import annotations
@@ -33,8 +18,8 @@ logger = logging.getLogger(__name__)
 # the plugin's module classes -> Megatron-Bridge's AutoMapping parallelism type (it finds a
 # weight's tensor-parallel split by the class name of the module holding it)
 MEGATRON_BRIDGE_MODULE_TYPES = {
-    "NPUTopKRouter": "replicated",  # mcore_npu.transformer.router (a TopKRouter)
-    "NPUGroupedColumnLinear": "column",  # mcore_npu.transformer.experts: fc1, TE layout
+    "NPUTopKRouter": "replicated",
+    "NPUGroupedColumnLinear": "column",  # the grouped experts' fc1
     "NPUGroupedRowLinear": "row",  # fc2
 }
 
@@ -62,12 +47,9 @@ def megatron_bridge_import_error() -> ImportError | None:
 def uncovered_reason(hf_config) -> str | None:
     """Why the plugin's Hugging Face path cannot build this model, or None when it can.
 
-    Covered: a language model (no ``vision_config``) whose ``model_type`` has a bridge in
-    mbridge's registry (``AutoBridge.list_supported_models()``) or in the plugin's
-    (``mbridge_fixes.FIXED_BRIDGES``), and the Gated DeltaNet hybrids the plugin bridges itself
-    (``mbridge_fixes.PLUGIN_BRIDGES``: Qwen3.5 dense and MoE, Qwen3-Next), the hub form of Qwen3.5 included
-    (its bridge builds and trains the language model and logs that the vision tower is not
-    trained). These are the models ``vanilla_mbridge=True`` builds.
+    Covered (what ``vanilla_mbridge=True`` builds): the plugin's own bridges (``PLUGIN_BRIDGES``,
+    hub form included), and a language model (no ``vision_config``) with a bridge in mbridge's
+    registry or ``FIXED_BRIDGES``.
     """
     from mcore_npu.integrations.hf import PLUGIN_BRIDGES
     from mcore_npu.integrations.mbridge_fixes import FIXED_BRIDGES
@@ -94,25 +76,11 @@ def uncovered_reason(hf_config) -> str | None:
 
 
 def megatron_bridge_overrides(hf_config) -> dict:
-    """Provider fields for Megatron-Bridge's ``GPTModelProvider`` with the NPU spec.
-
-    verl 0.9.1 applies ``override_transformer_config`` to the provider (``setattr``) before
-    ``provider.finalize()`` runs Megatron's ``TransformerConfig`` checks, so these go into the
-    engine's copy of it (a value the recipe's own translation produced wins):
-
-    - ``moe_permute_fusion=False``: Megatron-Bridge's Qwen3-MoE bridge sets it True, and
-      megatron-core 0.16.1's check then imports ``fused_permute``, which exists only with
-      Transformer Engine (``transformer_config.py``: ``ImportError``). Megatron's field names
-      TE's kernel; the NPU spec's permute kernel is its own spec keyword (the recipe's
-      ``moe_permute_kernel``), so nothing the NPU model runs changes.
-    - ``moe_router_pre_softmax``: the Hugging Face router's softmax form
-      (:func:`mcore_npu.integrations.hf.hf_router_pre_softmax`); Megatron-Bridge, like mbridge,
-      fixes ``False`` for Qwen3-MoE whatever ``norm_topk_prob`` says. Dense models: not set.
-    - ``attention_backend="auto"``: verl sets ``flash`` on this path and mbridge keeps ``auto``;
-      Megatron's GPTModel writes TE's ``NVTE_*`` variables from it and asserts that every model
-      of a process agrees, while the NPU spec runs ``NPUFusionAttention`` whatever it says (the
-      recipe vocabulary ignores the key for that reason).
-    """
+    """Provider fields for Megatron-Bridge's ``GPTModelProvider`` with the NPU spec, which go
+    into the engine's copy of ``override_transformer_config`` (verl sets them before
+    ``provider.finalize()``): ``moe_permute_fusion=False`` (else an ``ImportError`` without TE),
+    the Hugging Face router's ``moe_router_pre_softmax`` (MoE only) and
+    ``attention_backend="auto"``. Why each: docs/weight_path.md."""
     from mcore_npu.integrations.hf import hf_router_pre_softmax
 
     overrides: dict = {"moe_permute_fusion": False, "attention_backend": "auto"}
@@ -123,11 +91,8 @@ def megatron_bridge_overrides(hf_config) -> dict:
 
 
 def register_npu_modules() -> None:
-    """Make the plugin's router and grouped-expert classes known to Megatron-Bridge's
-    ``AutoMapping`` through its own registration hook (``AutoMapping.register_module_type``,
-    ``megatron/bridge/models/conversion/param_mapping.py``); without it loading a Qwen3-MoE
-    stops with "Cannot determine parallelism type for module 'NPUTopKRouter'". Idempotent (the
-    registry is a set per type); needs ``megatron.bridge`` importable."""
+    """Register :data:`MEGATRON_BRIDGE_MODULE_TYPES` with ``AutoMapping.register_module_type``
+    (without it a Qwen3-MoE load stops: "Cannot determine parallelism type"). Idempotent."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     for name, parallelism in MEGATRON_BRIDGE_MODULE_TYPES.items():
@@ -135,17 +100,9 @@ def register_npu_modules() -> None:
 
 
 def refuse_without_bridge(engine_config) -> None:
-    """Refuse ``use_mbridge=False`` in one line, before verl's engine asserts on it.
-
-    verl 0.9.1's ``MegatronEngine.__init__`` starts with ``assert self.engine_config.use_mbridge,
-    "use_mbridge must be True"`` (``verl/workers/engine/megatron/transformer_impl.py:191``): its
-    engines build every model through a bridge, and the pre-bridge loader that
-    ``use_mbridge=False`` selected in older verl is gone. Recipes written for those (the GKD
-    recipe, verl's older Qwen3-MoE sglang script) still set it.
-
-    Raises:
-        ValueError: ``engine_config.use_mbridge`` is false.
-    """
+    """Refuse ``use_mbridge=False`` (``ValueError``, one line) before verl's
+    ``MegatronEngine.__init__`` asserts on it: verl 0.9.1 builds every model through a bridge,
+    but older recipes (GKD, verl's older Qwen3-MoE sglang script) still set it."""
     if getattr(engine_config, "use_mbridge", True):
         return
     raise ValueError(
@@ -157,15 +114,11 @@ def refuse_without_bridge(engine_config) -> None:
 
 
 def mbridge_fallback(engine_config, hf_config) -> bool:
-    """Whether this engine builds through mbridge although ``vanilla_mbridge=False``.
+    """Whether this engine builds through mbridge although ``vanilla_mbridge=False``: True (and
+    one warning line) when ``megatron.bridge`` does not import and the plugin covers the model.
 
-    True when Megatron-Bridge does not import and the plugin's path covers the model (logs one
-    warning naming the fallback and why); False for ``vanilla_mbridge=True`` and when
-    ``megatron.bridge`` imports (verl's Megatron-Bridge path then runs).
-
-    Raises:
-        ValueError: Megatron-Bridge does not import and the model is not covered
-            (:func:`uncovered_reason`), or verl's QAT is on (it needs Megatron-Bridge).
+    Raises ``ValueError`` when it does not import and the model is not covered
+    (:func:`uncovered_reason`) or verl's QAT is on.
     """
     if engine_config.vanilla_mbridge:
         return False
@@ -190,10 +143,8 @@ def mbridge_fallback(engine_config, hf_config) -> bool:
 
 
 def megatron_bridge_unavailable(error: ImportError, uncovered: str | None = None) -> str:
-    """The one-line reason and remedy for a failed ``import megatron.bridge``.
-
-    ``uncovered``: why the mbridge fallback cannot build this model either (None: not asked).
-    """
+    """The one-line reason and remedy for a failed ``import megatron.bridge``; ``uncovered``:
+    why the mbridge fallback cannot build this model either (None: not asked)."""
     missing = error.name or ""
     if missing.startswith("transformer_engine"):
         why = (

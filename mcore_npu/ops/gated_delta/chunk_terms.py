@@ -45,11 +45,9 @@ def intra(q, k, v, g, beta) -> Intra:
     solved = torch.linalg.solve_triangular(lower + eye, rhs, upper=False, unitriangular=True)
     u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     to_end = (gam[..., -1:] - gam).exp()
-    return Intra(
-        gam=gam, rel=rel, lower=lower, u=u, w=w, attn=(q @ k.mT) * rel,
-        q_dec=q * e_gam[..., None], k_out=k * to_end[..., None], to_end=to_end,
-        decay=gam[..., -1].exp()[..., None, None],
-    )  # fmt: skip
+    attn, q_dec, k_out = (q @ k.mT) * rel, q * e_gam[..., None], k * to_end[..., None]
+    decay = gam[..., -1].exp()[..., None, None]
+    return Intra(gam, rel, lower, u, w, attn, q_dec, k_out, to_end, decay)
 
 
 def _rows_minus_cols(e: torch.Tensor) -> torch.Tensor:
@@ -58,11 +56,8 @@ def _rows_minus_cols(e: torch.Tensor) -> torch.Tensor:
 
 
 def input_grads(t: Intra, q, k, v, beta, states, new_values, d_out, d_next, d_new_values):
-    """Gradients of one chunk's q (scaled), k, v, g, beta.
-
-    ``states``: S entering the chunk ``[.., K, V]``; ``new_values``: V' ``[.., C, V]``;
-    ``d_out``: dO; ``d_next``: dS of the state leaving the chunk; ``d_new_values``: dV'.
-    """
+    """Gradients of one chunk's q (scaled), k, v, g, beta, given S entering the chunk
+    (``states``), V' (``new_values``), dO, dS leaving it (``d_next``) and dV'."""
     d_q_dec = d_out @ states.mT
     d_attn_raw = d_out @ new_values.mT  # d P
     d_attn = d_attn_raw * t.rel  # d (Q K^T), lower triangle (Gam masks it)
@@ -80,14 +75,14 @@ def input_grads(t: Intra, q, k, v, beta, states, new_values, d_out, d_next, d_ne
     k_dec = k * e_gam[..., None]
     beta_dl = beta[..., :, None] * d_lower_rel
     d_q = d_q_dec * e_gam[..., None] + d_attn @ k
-    d_k = (d_attn.mT @ q + beta_dl @ k + beta_dl.mT @ k + d_k_out * t.to_end[..., None]
-           + beta[..., None] * d_bk * e_gam[..., None])  # fmt: skip
+    d_k = d_attn.mT @ q + beta_dl @ k + beta_dl.mT @ k + d_k_out * t.to_end[..., None]
+    d_k = d_k + beta[..., None] * d_bk * e_gam[..., None]
     d_v = beta[..., None] * d_bv
     d_beta = (d_bv * v).sum(-1) + (d_bk * k_dec).sum(-1) + (d_lower_rel * (k @ k.mT)).sum(-1)
     d_k_out_sum = (d_k_out * t.k_out).sum(-1)  # [..., C]
-    d_gam = ((d_q_dec * t.q_dec).sum(-1) + beta * (d_bk * k_dec).sum(-1)
-             + _rows_minus_cols(d_attn_raw * t.attn) + _rows_minus_cols(d_lower * t.lower)
-             - d_k_out_sum)  # fmt: skip
+    d_gam = (d_q_dec * t.q_dec).sum(-1) + beta * (d_bk * k_dec).sum(-1)
+    d_gam = d_gam + _rows_minus_cols(d_attn_raw * t.attn) + _rows_minus_cols(d_lower * t.lower)
+    d_gam = d_gam - d_k_out_sum
     d_gam[..., -1] += d_k_out_sum.sum(-1) + d_decay * t.decay[..., 0, 0]
     d_g = d_gam.flip(-1).cumsum(-1).flip(-1)
     return d_q, d_k, d_v, d_g, d_beta

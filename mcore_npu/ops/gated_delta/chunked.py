@@ -1,16 +1,10 @@
-"""The chunked gated delta rule in plain PyTorch, with its own backward.
+"""The chunked gated delta rule in plain PyTorch, with its own backward (docs/gdn_ops.md).
 
-The maths of one chunk is in ``mcore_npu.ops.gated_delta.chunk_terms``. The terms of a block of
-``BLOCK`` chunks are computed together (batched solves); the state then passes through the
-block's chunks one after the other, so memory holds one block's intermediates at a time, never
-the whole sequence's (what keeps fwd+bwd at a fraction of an autograd-through-chunks version).
-Results are written straight into token-layout buffers.
-
-The backward saves only the inputs. It recomputes the chunk states in a forward pass over the
-chunks (keeping S entering each chunk, ``[B, HV, NC, K, V]``), then runs a reverse scan over
-the chunks: each step recomputes its chunk's terms, takes dS from the chunk after it, gives the
-chunk's input gradients (a reverse cumsum for dg) and dS for the chunk before. Accumulation is
-fp32 (fp64 for fp64 inputs); packed segments restart from their own initial state.
+The maths of one chunk is in ``mcore_npu.ops.gated_delta.chunk_terms``. The terms of ``BLOCK``
+chunks are computed together, then the state passes through them in order, so only one block's
+intermediates are alive; results go straight into token-layout buffers. The backward saves the
+inputs only: a forward pass recomputes the state entering each chunk (``[B, HV, NC, K, V]``),
+then a reverse scan gives each chunk's input gradients. Accumulation in fp32 (fp64 for fp64).
 """
 
 from __future__ import annotations
@@ -136,13 +130,12 @@ class ChunkedGatedDelta(torch.autograd.Function):
         if d_final is not None:
             d_finals = list(d_final.to(compute).split(d_final.shape[0] // len(d_finals)))
         grads = _Grads(q, v, g, meta, compute)
-        d_inits = _reverse_scan(chunks, states, d_o, d_finals, grads, meta, compute)
+        d_inits = _reverse_scan(chunks, states, d_o, d_finals, grads, meta)
         d_init = None
         if initial_state is not None and ctx.needs_input_grad[5]:
             d_init = torch.cat(d_inits, dim=0).to(initial_state.dtype)
-        d_q, d_k, d_v, d_g, d_beta = grads.tokens(plan)
-        return (d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), d_g.to(g.dtype),
-                d_beta.to(beta.dtype), d_init, None)  # fmt: skip
+        d_inputs = [d.to(x.dtype) for d, x in zip(grads.tokens(plan), (q, k, v, g, beta))]
+        return (*d_inputs, d_init, None)
 
 
 class _Grads:
@@ -164,7 +157,7 @@ class _Grads:
         return [from_chunks(buf, plan) for buf in self.bufs]
 
 
-def _reverse_scan(chunks: _Chunks, states, d_o, d_finals, grads: _Grads, meta: _Meta, compute):
+def _reverse_scan(chunks: _Chunks, states, d_o, d_finals, grads: _Grads, meta: _Meta):
     """The reverse scan: writes every chunk's input gradients; returns d(initial state)."""
     plan = meta.plan
     d_out_view = None if d_o is None else to_chunks(d_o, plan)
@@ -175,13 +168,14 @@ def _reverse_scan(chunks: _Chunks, states, d_o, d_finals, grads: _Grads, meta: _
         inputs = chunks[first:end]
         block = intra(*inputs)
         for j in reversed(range(first, end)):
-            d_state = _reverse_step(j, _pick(inputs, j - first), _pick(block, j - first),
-                                    d_state, states, d_out_view, d_finals, d_inits, grads,
-                                    compute)  # fmt: skip
+            chunk = (_pick(inputs, j - first), _pick(block, j - first))
+            d_state = _reverse_step(
+                j, *chunk, d_state, states, d_out_view, d_finals, d_inits, grads
+            )
     return d_inits
 
 
-def _reverse_step(j, inputs, t, d_state, states, d_out_view, d_finals, d_inits, grads, compute):
+def _reverse_step(j, inputs, t, d_state, states, d_out_view, d_finals, d_inits, grads):
     """One chunk of the reverse scan; returns dS of the state entering it."""
     plan = grads.meta.plan
     firsts, lasts = plan.first_chunks, plan.last_chunks
@@ -192,11 +186,13 @@ def _reverse_step(j, inputs, t, d_state, states, d_out_view, d_finals, d_inits, 
     q, k, v, _, beta = inputs
     state = states[:, :, j]
     new_values = t.u - t.w @ state
-    d_out = (torch.zeros_like(new_values) if d_out_view is None
-             else d_out_view[:, :, j].to(compute))  # fmt: skip
+    if d_out_view is None:
+        d_out = torch.zeros_like(new_values)
+    else:
+        d_out = d_out_view[:, :, j].to(states.dtype)  # the compute dtype
     d_new_values = t.attn.mT @ d_out + t.k_out @ d_state
-    grads.write(j, *input_grads(t, q, k, v, beta, state, new_values, d_out, d_state,
-                                d_new_values))  # fmt: skip
+    d_inputs = input_grads(t, q, k, v, beta, state, new_values, d_out, d_state, d_new_values)
+    grads.write(j, *d_inputs)
     d_state = t.q_dec.mT @ d_out + t.decay * d_state - t.w.mT @ d_new_values
     if j in firsts:
         d_inits[firsts[j]] = d_state
@@ -216,16 +212,22 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def chunked_gated_delta_rule(
-    q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
-    cu_seqlens=None, chunk_size: int = DEFAULT_CHUNK, bounds: list[int] | None = None,
-):  # fmt: skip
-    """The reference on checked inputs (see ``chunk_gated_delta_rule`` for the shapes).
-
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
-    ``[B or N, HV, K, V]``; cu_seqlens int ``[N + 1]`` (B == 1). Returns ``o [B, T, HV, V]``
-    in v's dtype and the final state ``[B or N, HV, K, V]`` (fp32; fp64 for fp64 inputs) or None.
-    ``chunk_size`` changes round-off only; ``bounds`` (``[0, ..., T]``) saves re-reading
-    cu_seqlens from the device when the caller has it.
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale: float,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size: int = DEFAULT_CHUNK,
+    bounds: list[int] | None = None,
+):
+    """The reference on checked inputs, shapes as ``chunk_gated_delta_rule``'s; the final state
+    is fp32 (fp64 for fp64 inputs). ``chunk_size`` changes round-off only; ``bounds``
+    (``[0, ..., T]``) saves re-reading cu_seqlens from the device.
     """
     tokens = q.shape[1]
     if bounds is None:

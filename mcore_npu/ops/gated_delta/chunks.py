@@ -15,12 +15,8 @@ import torch
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Where T tokens sit in NC chunks of ``size`` slots.
-
-    ``slots``: long ``[T]``, the slot (``chunk * size + position``) of each token, or None when
-    the layout is a plain reshape (one segment, T a multiple of size). ``segments``: per segment,
-    ``(first_chunk, end_chunk)`` (end exclusive; a segment of length 0 has none).
-    """
+    """Where T tokens sit in NC chunks of ``size`` slots: ``slots`` long ``[T]``, each token's
+    ``chunk * size + position`` (None for a plain reshape); ``segments``: ``(first, end)`` chunk."""
 
     tokens: int
     size: int

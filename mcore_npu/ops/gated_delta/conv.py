@@ -10,12 +10,9 @@ from mcore_npu.ops.gated_delta.checks import validate_conv
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
-    """``silu(conv1d(x))`` with left padding ``W - 1`` per channel.
-
-    x: ``[B, T, C]``; weight: ``[C, 1, W]`` (Megatron's ``conv1d.weight``, no bias);
-    cu_seqlens: optional int ``[N + 1]`` segment starts over T (then B == 1): no position sees
-    across a segment boundary. Returns ``[B, T, C]`` in x's dtype.
-    """
+    """``silu(conv1d(x))``, left padding ``W - 1``: x ``[B, T, C]``, weight ``[C, 1, W]``
+    (Megatron's ``conv1d.weight``) -> ``[B, T, C]``; with ``cu_seqlens`` (B == 1) no tap crosses a
+    segment boundary."""
     bounds = validate_conv(x, weight, cu_seqlens)
     registry.resolve("causal_conv1d", "auto", x.device)  # the reference (one warning on an NPU)
     if cu_seqlens is None:

@@ -1,12 +1,9 @@
 """The trainable Ascend C chain of flash-linear-attention-npu (``fla_npu``), with our autograd.
 
-fla_npu ships building blocks, not a trainable operator: the caller writes the autograd. The
-blocks are looked up at call time in ``fla_npu.ops.ascendc`` (its stable Python entry; the same
-operators are the legacy ``torch.ops.npu.*``). Their layout is head-first: q, k, v
-``[B, HV, T, D]`` (q and k repeated to the value heads here), g (cumulated) and beta
-``[B, HV, T]``; packed segments as a Python list ``cu_seqlens`` plus the flat
-``(segment, chunk)`` list ``chunk_indices``. Calls as documented by fla_npu
-(``fla_npu/ops/ascendc/_aclnn_ctypes.py``):
+fla_npu ships building blocks (looked up at call time in ``fla_npu.ops.ascendc``), not a
+trainable operator. Their layout is head-first: q, k, v ``[B, HV, T, D]`` (q and k repeated to
+the value heads here), g (cumulated) and beta ``[B, HV, T]``; packed segments as a list
+``cu_seqlens`` plus the flat ``(segment, chunk)`` list ``chunk_indices``. The chain:
 
 forward: ``npu_chunk_local_cumsum`` -> ``npu_chunk_scaled_dot_kkt`` -> ``npu_solve_tri`` ->
 ``npu_recompute_w_u_fwd`` -> ``npu_chunk_gated_delta_rule_fwd_h`` -> ``npu_chunk_fwd_o``;
@@ -15,10 +12,8 @@ backward: ``npu_recompute_w_u_fwd`` -> ``npu_chunk_gated_delta_rule_fwd_h`` ->
 -> ``npu_prepare_wy_repr_bwd_da`` -> ``npu_prepare_wy_repr_bwd_full`` -> reverse
 ``npu_chunk_local_cumsum`` of dg.
 
-What the blocks take (fla_npu's documented limits): fp16/bf16 q/k/v, K = 128, V in {128, 256};
-no gradient for the initial state or through the final state (their kernels do not produce or
-consume them). ``unsupported`` says so, and ``auto`` then picks another kernel. Not run here (no
-NPU): the contract test checks the calls and layouts with a stand-in ``fla_npu``.
+The blocks take fp16/bf16 q/k/v, K = 128, V in {128, 256}, and no gradient for the initial
+state or through the final state; :func:`unsupported` says why a call is outside that.
 """
 
 from __future__ import annotations
@@ -32,12 +27,10 @@ CHUNK = 64
 DTYPES = (torch.float16, torch.bfloat16)
 KEY_DIMS = (128,)
 VALUE_DIMS = (128, 256)
-OPS = (
-    "npu_chunk_local_cumsum", "npu_chunk_scaled_dot_kkt", "npu_solve_tri",
-    "npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_fwd_o",
-    "npu_chunk_bwd_dv_local", "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg",
-    "npu_prepare_wy_repr_bwd_da", "npu_prepare_wy_repr_bwd_full",
-)  # fmt: skip
+OPS = ("npu_chunk_local_cumsum", "npu_chunk_scaled_dot_kkt", "npu_solve_tri")
+OPS += ("npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_fwd_o")
+OPS += ("npu_chunk_bwd_dv_local", "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg")
+OPS += ("npu_prepare_wy_repr_bwd_da", "npu_prepare_wy_repr_bwd_full")
 
 
 def blocks():
@@ -85,14 +78,13 @@ class _Chain(torch.autograd.Function):
         heads = q.shape[2]
         qh, kh, vh = _head_first(q, v.shape[2]), _head_first(k, v.shape[2]), v.transpose(1, 2)
         gh, bh = g.transpose(1, 2).float().contiguous(), beta.transpose(1, 2).float().contiguous()
-        gc = ops.npu_chunk_local_cumsum(gh, CHUNK, cu_seqlens=cu, chunk_indices_out=idx,
-                                        head_first=True)  # fmt: skip
-        a = _solve(ops, ops.npu_chunk_scaled_dot_kkt(kh, gc, bh, cu_seqlens=cu,
-                                                     chunk_indices=idx, chunk_size=CHUNK),
-                   q.dtype, cu, idx)  # fmt: skip
+        packed_in = dict(cu_seqlens=cu, chunk_indices=idx)
+        cumsum = dict(cu_seqlens=cu, chunk_indices_out=idx, head_first=True)
+        gc = ops.npu_chunk_local_cumsum(gh, CHUNK, **cumsum)
+        kkt = ops.npu_chunk_scaled_dot_kkt(kh, gc, bh, **packed_in, chunk_size=CHUNK)
+        a = _solve(ops, kkt, q.dtype, cu, idx)
         h, v_new, _ = _states(ops, kh, vh, bh, a, gc, initial_state, cu, idx)
-        o = ops.npu_chunk_fwd_o(qh, kh, v_new, h, scale, g=gc, cu_seqlens=cu, chunk_indices=idx,
-                                chunk_size=CHUNK)  # fmt: skip
+        o = ops.npu_chunk_fwd_o(qh, kh, v_new, h, scale, g=gc, **packed_in, chunk_size=CHUNK)
         ctx.save_for_backward(qh, kh, vh, gc, bh, a, initial_state)
         ctx.scale, ctx.packed, ctx.heads, ctx.dtypes = scale, packed, heads, (g.dtype, beta.dtype)
         ctx.set_materialize_grads(False)
@@ -106,24 +98,26 @@ class _Chain(torch.autograd.Function):
         qh, kh, vh, gc, bh, a, initial_state = ctx.saved_tensors
         doh = d_o.transpose(1, 2).contiguous()
         h, v_new, w = _states(ops, kh, vh, bh, a, gc, initial_state, cu, idx, want_w=True)
-        dv = ops.npu_chunk_bwd_dv_local(qh, kh, doh, gc, scale, CHUNK, A=a, cu_seqlens=cu,
-                                        chunk_indices=idx)  # fmt: skip
+        packed_in = dict(cu_seqlens=cu, chunk_indices=idx)
+        dv = ops.npu_chunk_bwd_dv_local(qh, kh, doh, gc, scale, CHUNK, A=a, **packed_in)
         dh, _, dv = ops.npu_chunk_gated_delta_rule_bwd_dhu(
-            qh, kh, w, doh, dv, scale, CHUNK, g=gc, cu_seqlens=cu, chunk_indices=idx
+            qh, kh, w, doh, dv, scale, CHUNK, g=gc, **packed_in
         )
-        dq, dk, dw, dg = ops.npu_chunk_bwd_dqkwg(qh, kh, v_new, gc, h, doh, dh, dv, CHUNK,
-                                                 cu_seqlens=cu, chunk_indices=idx, scale=scale)  # fmt: skip
-        da = ops.npu_prepare_wy_repr_bwd_da(kh, vh, bh, a, dw, dv, gc, chunk_size=CHUNK,
-                                            cu_seqlens=cu, chunk_indices=idx)  # fmt: skip
+        dq, dk, dw, dg = ops.npu_chunk_bwd_dqkwg(
+            qh, kh, v_new, gc, h, doh, dh, dv, CHUNK, **packed_in, scale=scale
+        )
+        da = ops.npu_prepare_wy_repr_bwd_da(
+            kh, vh, bh, a, dw, dv, gc, chunk_size=CHUNK, **packed_in
+        )
         dk_wy, dv, dbeta, dg_wy = ops.npu_prepare_wy_repr_bwd_full(
-            kh, vh, bh, a, da, dw, dv, gc, CHUNK, cu_seqlens=cu, chunk_indices=idx
+            kh, vh, bh, a, da, dw, dv, gc, CHUNK, **packed_in
         )
-        dg = ops.npu_chunk_local_cumsum(dg + dg_wy, CHUNK, cu_seqlens=cu, chunk_indices_out=idx,
-                                        reverse=True, head_first=True)  # fmt: skip
+        reverse = dict(cu_seqlens=cu, chunk_indices_out=idx, reverse=True, head_first=True)
+        dg = ops.npu_chunk_local_cumsum(dg + dg_wy, CHUNK, **reverse)
         dq, dk = _token_first(dq, ctx.heads), _token_first(dk + dk_wy, ctx.heads)
         g_dtype, beta_dtype = ctx.dtypes
-        return (dq, dk, dv.transpose(1, 2), dg.transpose(1, 2).to(g_dtype),
-                dbeta.transpose(1, 2).to(beta_dtype), None, None, None)  # fmt: skip
+        dg, dbeta = dg.transpose(1, 2).to(g_dtype), dbeta.transpose(1, 2).to(beta_dtype)
+        return dq, dk, dv.transpose(1, 2), dg, dbeta, None, None, None
 
 
 def _head_first(x, value_heads: int) -> torch.Tensor:
@@ -142,34 +136,48 @@ def _token_first(dx, heads: int) -> torch.Tensor:
 def _solve(ops, a, dtype, cu, idx):
     """``(I + A)^-1`` per chunk; fla_npu's solver reads ``[B, T, HV, C]`` (or TND packed)."""
     if cu is None:
-        return ops.npu_solve_tri(a.to(dtype).transpose(1, 2).contiguous(),
-                                 layout="bsnd").transpose(1, 2).contiguous()  # fmt: skip
+        solved = ops.npu_solve_tri(a.to(dtype).transpose(1, 2).contiguous(), layout="bsnd")
+        return solved.transpose(1, 2).contiguous()
     tnd = a.to(dtype).transpose(1, 2).squeeze(0).contiguous()
     solved = ops.npu_solve_tri(tnd, cu_seqlens=cu, chunk_indices=idx, layout="tnd")
     return solved.unsqueeze(0).transpose(1, 2).contiguous()
 
 
 def _states(ops, kh, vh, bh, a, gc, initial_state, cu, idx, want_w=False):
-    w, u = ops.npu_recompute_w_u_fwd(kh, vh, bh, a, CHUNK, g=gc, cu_seqlens=cu,
-                                     chunk_indices=idx)  # fmt: skip
+    w, u = ops.npu_recompute_w_u_fwd(kh, vh, bh, a, CHUNK, g=gc, cu_seqlens=cu, chunk_indices=idx)
+    states = dict(initial_state=initial_state, output_final_state=False, chunk_size=CHUNK)
     h, v_new, _ = ops.npu_chunk_gated_delta_rule_fwd_h(
-        kh, w, u, gc, initial_state=initial_state, output_final_state=False, chunk_size=CHUNK,
-        cu_seqlens=cu, chunk_indices=idx,
-    )  # fmt: skip
+        kh, w, u, gc, **states, cu_seqlens=cu, chunk_indices=idx
+    )
     return h, v_new, (w if want_w else None)
 
 
-def run(q, k, v, g, beta, *, scale, initial_state, output_final_state, bounds, cu_seqlens,
-        use_qk_l2norm_in_kernel):  # fmt: skip
+def run(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    bounds,
+    cu_seqlens,
+    use_qk_l2norm_in_kernel,
+):
     """The chain on checked inputs in fla's layout; returns ``(o [B, T, HV, V], None)``."""
     if blocks() is None:
-        raise ImportError("kernel='fla_npu' needs flash-linear-attention-npu (fla_npu) with its "
-                          f"Ascend C operators {', '.join(OPS)}; fix: install it on the Ascend "
-                          "machine, or use kernel='auto'")  # fmt: skip
+        message = "kernel='fla_npu' needs flash-linear-attention-npu (fla_npu) with its "
+        message += f"Ascend C operators {', '.join(OPS)}; "
+        message += "fix: install it on the Ascend machine, or use kernel='auto'"
+        raise ImportError(message)
     why = unsupported(q, v, initial_state, output_final_state)
     if why is not None:
-        raise ValueError(f"chunk_gated_delta_rule: kernel: 'fla_npu' cannot take this call: "
-                         f"{why}\n  fix: use kernel='auto' (it picks a kernel that can)")  # fmt: skip
+        raise ValueError(
+            f"chunk_gated_delta_rule: kernel: 'fla_npu' cannot take this call: "
+            f"{why}\n  fix: use kernel='auto' (it picks a kernel that can)"
+        )
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     packed = (None, None) if cu_seqlens is None else (list(bounds), chunk_indices(bounds))

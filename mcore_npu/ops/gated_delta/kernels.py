@@ -1,15 +1,12 @@
-"""The Ascend kernels of the gated delta rule, called as the registry hands them over
-(``mcore_npu.ops.registry``; looked up at call time, never at import).
+"""The Ascend kernels of the gated delta rule, as the registry hands them over (at call time):
 
-- ``fla``: fla's ``chunk_gated_delta_rule`` (its triton-ascend backend on an NPU), trainable,
-  fla's own calling convention, so the call passes through unchanged.
-- ``torch_npu``: ``torch_npu.npu_chunk_gated_delta_rule(query, key, value, *, beta,
-  initial_state, actual_seq_lengths, scale, g)``, **forward only** (no derivative). Its layout
-  is TND: q/k ``[T, Nk, Dk]``, v ``[T, Nv, Dv]``, beta/g ``[T, Nv]``, states
-  ``[B, Nv, Dv, Dk]`` (transposed against fla's ``[.., K, V]``), bf16 with Dk = Dv = 128 and
-  Nv <= 64 (op-plugin's documented constraints).
-- ``fla_npu``: the trainable Ascend C building blocks of flash-linear-attention-npu
-  (``mcore_npu.ops.gated_delta.fla_npu_chain``).
+- ``fla``: fla's ``chunk_gated_delta_rule`` (triton-ascend on an NPU), trainable, called with
+  fla's own convention.
+- ``torch_npu``: ``npu_chunk_gated_delta_rule(query, key, value, *, beta, initial_state,
+  actual_seq_lengths, scale, g)``, **forward only**, TND: q/k ``[T, Nk, Dk]``, v ``[T, Nv, Dv]``,
+  beta/g ``[T, Nv]``, states ``[B, Nv, Dv, Dk]`` (transposed against fla's); bf16, Dk = Dv = 128,
+  Nv <= 64.
+- ``fla_npu``: the Ascend C building blocks (``mcore_npu.ops.gated_delta.fla_npu_chain``).
 """
 
 from __future__ import annotations
@@ -39,21 +36,30 @@ def torch_npu_unsupported(q, v) -> str | None:
     return None
 
 
-def run_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-            use_qk_l2norm_in_kernel):  # fmt: skip
+def run_fla(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    use_qk_l2norm_in_kernel,
+):
     """fla's kernel with fla's own keywords (the operator's convention is fla's)."""
-    rule = registry.ascend(OP, "fla")
-    return rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
+    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    kwargs.update(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return registry.ascend(OP, "fla")(q, k, v, g, beta, **kwargs)
 
 
-def run_torch_npu(q, k, v, g, beta, *, scale, initial_state, output_final_state, bounds,
-                  use_qk_l2norm_in_kernel):  # fmt: skip
-    """torch_npu's forward-only kernel: fla layout in, TND for the operator, fla layout out.
-
-    ``bounds``: ``[0, T]`` (then every batch row is one sequence) or the packed segments.
-    """
+def run_torch_npu(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, bounds, use_qk_l2norm_in_kernel
+):
+    """torch_npu's forward-only kernel: fla layout in, TND for the operator, fla layout out;
+    ``bounds``: ``[0, T]`` (then every batch row is one sequence) or the packed segments."""
     op = registry.ascend(OP, "torch_npu")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
@@ -64,11 +70,10 @@ def run_torch_npu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
         state = v.new_zeros(len(lengths), hv, dv, q.shape[-1])
     else:
         state = initial_state.transpose(-1, -2).to(v.dtype).contiguous()
-    out, final = op(
-        q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, hv, dv),
-        beta=beta.reshape(b * t, hv).to(v.dtype), initial_state=state,
-        actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32, device=v.device),
-        scale=float(scale), g=g.reshape(b * t, hv).float(),
-    )  # fmt: skip
+    q_t, k_t, v_t = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
+    beta_t, g_t = beta.reshape(b * t, hv).to(v.dtype), g.reshape(b * t, hv).float()
+    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=v.device)
+    kwargs = dict(beta=beta_t, initial_state=state, actual_seq_lengths=lengths_t)
+    out, final = op(q_t, k_t, v_t, **kwargs, scale=float(scale), g=g_t)
     final = final.transpose(-1, -2).float() if output_final_state else None
     return out.reshape(b, t, hv, dv), final

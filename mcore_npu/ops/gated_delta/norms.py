@@ -10,10 +10,7 @@ from mcore_npu.ops._checks import check_finite_nonnegative, check_tensor, fail
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x * rsqrt(sum(x**2, -1) + eps)`` computed in fp32, returned in x's dtype.
-
-    x: ``[..., D]``. This is MindSpeed's ``use_naive_l2norm`` and fla's in-kernel l2norm.
-    """
+    """``x * rsqrt(sum(x**2, -1) + eps)`` in fp32, in x's dtype (MindSpeed's naive l2norm)."""
     check_tensor("l2norm", "x", x, "reference")
     check_finite_nonnegative("l2norm", "eps", eps)
     registry.resolve("l2norm", "auto", x.device)  # the reference (one warning on an NPU)
@@ -22,11 +19,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
-    """The GDN output norm: ``weight * rmsnorm(x) * silu(z)`` per value head.
-
-    x, z: ``[..., V]``; weight: ``[V]`` (not zero-centred: it starts at 1). The statistics run in
-    fp32; ``rmsnorm(x)`` is cast to x's dtype before the weight, the gate runs in fp32.
-    """
+    """``weight * rmsnorm(x) * silu(z)`` per value head: x, z ``[..., V]``, weight ``[V]`` (not
+    zero-centred); ``rmsnorm(x)`` cast to x's dtype before the weight, the gate in fp32."""
     _check_gated(x, z, weight, eps)
     registry.resolve("gated_rms_norm", "auto", x.device)  # the reference (one warning on an NPU)
     xf = x.float()
@@ -39,9 +33,9 @@ def _check_gated(x, z, weight, eps) -> None:
     for name, t in shown:
         check_tensor(op, name, t, "reference", shown)
     if z.shape != x.shape:
-        fail(op, ValueError, "z", f"shape {list(z.shape)} differs from x's {list(x.shape)}",
-             "pass the gate z with x's shape [..., V]", shown)  # fmt: skip
+        problem = f"shape {list(z.shape)} differs from x's {list(x.shape)}"
+        fail(op, ValueError, "z", problem, "pass the gate z with x's shape [..., V]", shown)
     if weight.shape != x.shape[-1:]:
-        fail(op, ValueError, "weight", f"shape {list(weight.shape)}, expected "
-             f"[{x.shape[-1]}] (x's last dimension)", "pass out_norm.weight [V]", shown)  # fmt: skip
+        problem = f"shape {list(weight.shape)}, expected [{x.shape[-1]}] (x's last dimension)"
+        fail(op, ValueError, "weight", problem, "pass out_norm.weight [V]", shown)
     check_finite_nonnegative(op, "eps", eps)

@@ -1,16 +1,9 @@
 """``mcore-npu bench {attention,mask,step,cp,gdn}``: measurements behind docs/figures.md.
 
-Each benchmark module exposes::
-
-    measure(quick: bool) -> dict      # JSON-able: {"name", "rows": [...], "goals": [...], ...}
-    table(result: dict) -> str        # a Markdown table of the rows
-    plot(result: dict, path) -> None  # a PNG
-
-and this module writes ``<out>/<name>.json`` and ``<out>/<name>.png`` and prints the table.
-Memory comes from ``mcore_npu.tools.bench.memory.track_allocations`` (deterministic); times are
-medians of candidates run interleaved in one process, reported as ratios. A result's ``goals``
-list the targets the issues set, each with ``met: true|false``; the command exits 1 if one
-is missed (with ``--quick``, only a memory goal counts: the subset is too small to judge time).
+Each benchmark module has ``measure(quick) -> dict`` (JSON-able: ``name``, ``rows``, ``goals``,
+...), ``table(result) -> str`` (Markdown) and ``plot(result, path)`` (a PNG); :func:`run` writes
+``<out>/<name>.json`` and ``<out>/<name>.png``, prints the table and exits 1 if a goal is missed
+(with ``--quick``, only a memory goal counts: the subset is too small to judge time).
 """
 
 from __future__ import annotations
@@ -40,21 +33,17 @@ def run(args: argparse.Namespace) -> int:
     judged = [g for g in result.get("goals", []) if not args.quick or g["kind"] == "memory"]
     missed = [g for g in judged if not g["met"]]
     for goal in result.get("goals", []):
-        print(
-            f"goal {'met' if goal['met'] else 'MISSED'}: {goal['text']} (measured {goal['measured']})"
-        )
+        verdict = "met" if goal["met"] else "MISSED"
+        print(f"goal {verdict}: {goal['text']} (measured {goal['measured']})")
     print(f"wrote {out / (args.which + '.json')} and {out / (args.which + '.png')}")
     return 1 if missed else 0
 
 
 def goal(text: str, measured: float, limit: float, kind: str) -> dict:
-    """A target ``measured <= limit`` as it appears in a result's ``goals``.
-
-    ``kind`` is ``"memory"`` (deterministic: judged in every run) or ``"time"`` (a ratio of
-    medians: judged in full runs only; a ``--quick`` subset is too small to judge speed).
-    """
-    return {"text": text, "measured": round(measured, 4), "limit": limit, "kind": kind,
-            "met": measured <= limit}  # fmt: skip
+    """A target ``measured <= limit`` as it appears in a result's ``goals``; ``kind``:
+    ``"memory"`` (deterministic: judged in every run) or ``"time"`` (full runs only)."""
+    entry = {"text": text, "measured": round(measured, 4), "limit": limit, "kind": kind}
+    return {**entry, "met": measured <= limit}
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

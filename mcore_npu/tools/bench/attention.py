@@ -1,32 +1,10 @@
 """``mcore-npu bench attention``: the reference kernel against Megatron's local attention and SDPA.
 
 CPU, float32, forward only, b = 1, 16 heads of 64, causal self-attention, S in
-{512, 1024, 2048, 4096} (quick: {512, 1024}). Methods:
-
-``reference (SBH)``
-    the plugin: ``mcore_npu.ops.fusion_attention(q, k, v, 16, "SBH", kernel="reference",
-    atten_mask=compressed_causal_mask(), sparse_mode=2, scale=1/8)``, q/k/v ``[S, 1, 16*64]``.
-``Megatron DPA``
-    Megatron-Core's own ``DotProductAttention`` (the installed one; the local spec's core
-    attention), called as ``SelfAttention`` calls it with ``attention_mask=None``: it builds
-    ``get_default_causal_mask(sq)`` on every call and computes the scores with ``baddbmm``
-    into its ``GlobalMemoryBuffer`` tensor (allocated by the first call at each S and counted in
-    the peak; ``baddbmm`` is out of place, so the buffer sits on top of a fresh score tensor).
-``SDPA (BNSD)``
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on contiguous ``[1, 16, S, 64]``.
-``reference + stats (SBH)``
-    the statistics path that ring attention calls per block:
-    ``mcore_npu.ops.fusion_attention_with_stats(...)`` with the arguments of ``reference (SBH)``,
-    returning the output and ``softmax_max`` / ``softmax_sum`` (float32 ``[1, 16, S, 8]``).
-
-Two diagnostic rows explain the gap between the first and the last (the result's ``ratios``
-``reference_bnsd_time_over_sdpa`` and ``sdpa_sbh_views_time_over_sdpa``): ``reference (BNSD
-input)`` runs the plugin on contiguous BNSD tensors, and
-``SDPA (SBH views)`` runs SDPA directly on the strided ``[B, N, S, D]`` views of the SBH tensors
-that the reference hands to SDPA.
-
-Memory is the peak of ``track_allocations`` over one call (outputs included; the plugin's
-compressed mask is built before, once per process); time is the median of interleaved calls.
+{512, 1024, 2048, 4096} (quick: {512, 1024}); the methods are :data:`METHODS` (docs/bench.md
+says what each runs). Memory is the peak of ``track_allocations`` over one call (outputs
+included; the plugin's compressed mask is built before, once per process); time is the median
+of interleaved calls.
 """
 
 from __future__ import annotations
@@ -42,12 +20,10 @@ from mcore_npu.tools.bench.memory import track_allocations
 from mcore_npu.tools.bench.timing import interleaved_medians
 
 SEQ_LENS = (512, 1024, 2048, 4096)
+# Not smaller: the quick goals are measured at its largest S, and below S = 1024 DPA's [16, S, S]
+# scores still fit in cache, which puts "reference <= 0.5x DPA" within timing noise.
 QUICK_SEQ_LENS = (512, 1024)
-"""Not smaller: the quick run's goals are measured at its largest S, and below S = 1024 Megatron's
-DPA costs only 1.2-3x SDPA on 2 cores (the [16, S, S] scores still fit in cache), which puts the
-"reference <= 0.5x DPA" goal within the timing noise of a shared machine."""
-GOAL_SEQ = 2048
-"""S of the goals; quick runs use their largest S."""
+GOAL_SEQ = 2048  # S of the goals; quick runs use their largest S
 HEADS = 16
 HEAD_DIM = 64
 SCALE = HEAD_DIM**-0.5
@@ -61,25 +37,26 @@ REFERENCE_BNSD = "reference (BNSD input)"
 SDPA_SBH_VIEWS = "SDPA (SBH views)"
 STATS = "reference + stats (SBH)"
 METHODS = (REFERENCE, DPA, SDPA, REFERENCE_BNSD, SDPA_SBH_VIEWS, STATS)
+GOALS = (  # (what, the ratio measured, limit, kind)
+    ("reference time / SDPA time", "reference_time_over_sdpa", 1.1, "time"),
+    ("reference time / Megatron DPA time", "reference_time_over_dpa", 0.5, "time"),
+    ("reference peak / Megatron DPA peak", "reference_peak_over_dpa", 0.25, "memory"),
+    ("reference + stats time / SDPA time", "stats_time_over_sdpa", 1.5, "time"),
+    ("reference + stats peak / SDPA peak", "stats_peak_over_sdpa", 2.0, "memory"),
+)
 
 
 def megatron_dot_product_attention():
-    """Megatron-Core's own ``DotProductAttention``, the local spec's core attention, on the CPU.
-
-    Needs Megatron's parallel state (``measure`` sets up one gloo process with the CPU shims).
-    Called with ``attention_mask=None`` it builds ``get_default_causal_mask(sq)`` on every call
-    (no cache since 0.16), and its scores land in a ``GlobalMemoryBuffer`` tensor that the
-    first call at a new S allocates: ``baddbmm`` is out of place, so that buffer is resident
-    memory on top of a fresh score tensor.
-    """
+    """Megatron-Core's own ``DotProductAttention``, the local spec's core attention, on the CPU
+    (needs the parallel state ``measure`` sets up)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    hidden, cpu = HEADS * HEAD_DIM, {"use_cpu_initialization": True, "masked_softmax_fusion": False}
     config = TransformerConfig(
-        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-        attention_dropout=0.0, use_cpu_initialization=True, masked_softmax_fusion=False,
-    )  # fmt: skip
+        num_layers=1, hidden_size=hidden, num_attention_heads=HEADS, attention_dropout=0.0, **cpu
+    )
     return DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=SCALE)
 
 
@@ -92,10 +69,8 @@ def _inputs(seq: int):
 
 
 def _candidates(seq: int, megatron_attention) -> dict:
-    """Zero-argument callables per method, each returning its own output layout (no conversion).
-
-    SBH methods return ``[S, 1, N*D]``, BNSD ones ``[1, N, S, D]`` (see ``_as_sbh``).
-    """
+    """Zero-argument callables per method, each returning its own layout: SBH methods
+    ``[S, 1, N*D]``, BNSD ones ``[1, N, S, D]`` (see ``_as_sbh``)."""
     (q, k, v), (qb, kb, vb) = _inputs(seq)
     mask = compressed_causal_mask(q.device)
     views = [t.view(seq, 1, HEADS, HEAD_DIM).permute(1, 2, 0, 3) for t in (q, k, v)]
@@ -179,6 +154,7 @@ def measure(quick: bool = False) -> dict:
         runtime.shutdown()
     goal_seq = max(seq_lens) if quick else GOAL_SEQ
     at = next(r for r in ratios if r["S"] == goal_seq)
+    targets = GOALS if goal_seq == GOAL_SEQ else GOALS[:3]  # the stats goals: at S = 2048 only
     return {
         "name": "attention",
         "device": "cpu",
@@ -188,69 +164,36 @@ def measure(quick: bool = False) -> dict:
         "rows": rows,
         "ratios": ratios,
         "goals": [
-            goal(
-                f"reference time / SDPA time at S={goal_seq}",
-                at["reference_time_over_sdpa"],
-                1.1,
-                "time",
-            ),
-            goal(
-                f"reference time / Megatron DPA time at S={goal_seq}",
-                at["reference_time_over_dpa"],
-                0.5,
-                "time",
-            ),
-            goal(
-                f"reference peak / Megatron DPA peak at S={goal_seq}",
-                at["reference_peak_over_dpa"],
-                0.25,
-                "memory",
-            ),
-        ]
-        + (_stats_goals(at) if goal_seq == GOAL_SEQ else []),
+            goal(f"{text} at S={goal_seq}", at[key], limit, kind)
+            for text, key, limit, kind in targets
+        ],
     }
 
 
-def _stats_goals(at: dict) -> list:
-    """The statistics path's goals, stated at S = 2048 only (quick runs do not reach it)."""
-    return [
-        goal(f"reference + stats time / SDPA time at S={GOAL_SEQ}", at["stats_time_over_sdpa"],
-             1.5, "time"),
-        goal(f"reference + stats peak / SDPA peak at S={GOAL_SEQ}", at["stats_peak_over_sdpa"],
-             2.0, "memory"),
-    ]  # fmt: skip
-
-
 def table(result: dict) -> str:
-    """Markdown: per S, median ms and peak MiB of each method, then the goal ratios."""
+    """Markdown: per S, median ms and peak MiB of each method, then the goal ratios (a result
+    saved before the statistics row existed: without its columns)."""
     cells = {(r["S"], r["method"]): r for r in result["rows"]}
-    if not any(r["method"] == STATS for r in result["rows"]):  # a result saved before the row
-        return _table_without_stats(result, cells)
-    headers = ["S", *METHODS, "ref/SDPA time", "ref/DPA time", "ref/DPA peak", "stats/SDPA time",
-               "stats/SDPA peak"]  # fmt: skip
+    stats = any(r["method"] == STATS for r in result["rows"])
+    methods = METHODS if stats else METHODS[:-1]
+    headers = ["S", *methods, "ref/SDPA time", "ref/DPA time", "ref/DPA peak"]
+    digits = dict(reference_time_over_sdpa=3, reference_time_over_dpa=3, reference_peak_over_dpa=4)
+    if stats:
+        headers += ["stats/SDPA time", "stats/SDPA peak"]
+        digits.update(stats_time_over_sdpa=3, stats_peak_over_sdpa=3)
     body = []
     for ratio in result["ratios"]:
-        seq = ratio["S"]
-        body.append(
-            [
-                seq,
-                *(
-                    f"{format_seconds(cells[seq, m]['seconds'])}, "
-                    f"{cells[seq, m]['peak_bytes'] / MIB:.1f} MiB"
-                    for m in METHODS
-                ),
-                f"{ratio['reference_time_over_sdpa']:.3f}",
-                f"{ratio['reference_time_over_dpa']:.3f}",
-                f"{ratio['reference_peak_over_dpa']:.4f}",
-                f"{ratio['stats_time_over_sdpa']:.3f}",
-                f"{ratio['stats_peak_over_sdpa']:.3f}",
-            ]
-        )
+        row = [ratio["S"], *(_cell(cells[ratio["S"], m]) for m in methods)]
+        body.append(row + [f"{ratio[key]:.{n}f}" for key, n in digits.items()])
     title = (
         "Causal self-attention, **forward only**, CPU float32, b=1, 16 heads x 64: median time "
         "and peak bytes allocated per call (outputs included).\n\n"
     )
     return title + markdown_table(headers, body)
+
+
+def _cell(row: dict) -> str:
+    return f"{format_seconds(row['seconds'])}, {row['peak_bytes'] / MIB:.1f} MiB"
 
 
 def plot(result: dict, path) -> None:
@@ -267,15 +210,11 @@ def plot(result: dict, path) -> None:
         points = sorted((r["S"], r) for r in result["rows"] if r["method"] == method)
         xs = [s for s, _ in points]
         style = "-" if method in (REFERENCE, DPA, SDPA, STATS) else ":"
-        left.plot(
-            xs, [r["seconds"] / sdpa[s] for s, r in points], style, marker=marker, label=method
-        )
-        right.plot(
-            xs, [r["peak_bytes"] / MIB for _, r in points], style, marker=marker, label=method
-        )
-    left.axhline(
-        1.1, color="gray", linestyle="--", linewidth=0.8, label="goal: reference <= 1.1x SDPA"
-    )
+        line = {"marker": marker, "label": method}
+        left.plot(xs, [r["seconds"] / sdpa[s] for s, r in points], style, **line)
+        right.plot(xs, [r["peak_bytes"] / MIB for _, r in points], style, **line)
+    goal_line = {"color": "gray", "linestyle": "--", "linewidth": 0.8}
+    left.axhline(1.1, **goal_line, label="goal: reference <= 1.1x SDPA")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
@@ -294,28 +233,3 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _table_without_stats(result: dict, cells: dict) -> str:
-    """The table of a result measured before the statistics row existed (unchanged format)."""
-    methods = METHODS[:-1]
-    headers = ["S", *methods, "ref/SDPA time", "ref/DPA time", "ref/DPA peak"]
-    body = [
-        [
-            r["S"],
-            *(
-                f"{format_seconds(cells[r['S'], m]['seconds'])}, "
-                f"{cells[r['S'], m]['peak_bytes'] / MIB:.1f} MiB"
-                for m in methods
-            ),
-            f"{r['reference_time_over_sdpa']:.3f}",
-            f"{r['reference_time_over_dpa']:.3f}",
-            f"{r['reference_peak_over_dpa']:.4f}",
-        ]
-        for r in result["ratios"]
-    ]
-    title = (
-        "Causal self-attention, **forward only**, CPU float32, b=1, 16 heads x 64: median time "
-        "and peak bytes allocated per call (outputs included).\n\n"
-    )
-    return title + markdown_table(headers, body)

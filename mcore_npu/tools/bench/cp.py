@@ -1,54 +1,13 @@
 """``mcore-npu bench cp``: one attention layer under context parallelism, per rank.
 
-One ``torchrun --standalone --nproc-per-node 2`` launch of :mod:`.cp_worker` (real gloo
-processes, CPU, in their own process session; the whole group is killed on timeout) measures
-one causal ``NPUFusionAttention`` layer (reference kernel, sbhd, fp32) at S = 16384 (quick:
-1024), b = 1, 8 query heads / 2 KV groups of 64 (GQA, as Llama's 4:1), for CP=1 and for CP=2
-with each comm type:
-
-- **peak bytes per rank**, forward and backward separately (``track_allocations``: bytes
-  allocated inside the pass and alive at once, outputs and received buffers included; the
-  layer's inputs exist before and are not counted), the maximum over the ranks;
-- **bytes sent per rank** (``traffic.count_traffic``: every ``c10d`` collective the pass
-  dispatches, charged as its algorithm sends), against the theory below;
-- **host synchronisations per layer**: ``--layers`` chained layers forward and backward at a
-  small S, every call that would make an accelerator wait for the host counted with its site.
-
-Theory, per rank and layer (P = CP, s = S/P local tokens, e = 4 bytes; ``KV`` = bytes of the
-local K (= of V) ``b·s·ng·hn·e``, ``Q`` = of the local Q (= of the output) ``b·s·np·hn·e``)::
-
-    p2p         forward  (P-1) · 2KV            K/V travel P-1 hops (one stacked message)
-                backward (P-1) · 2KV + P · 2KV  K/V again P-1 hops, dK/dV (fp32) P hops: the
-                                                last one brings them home
-    all_gather  forward  2 (P-1) KV             all-gather of K and of V
-                backward 2 (P-1) KV             reduce-scatter of dK and dV ([S] each)
-                         4 (P-1) KV  on gloo    gloo has no reduce-scatter: an all-reduce
-                                                (2 (P-1)/P of the [S] tensor) and a slice
-    a2a         forward  (P-1)/P · (2Q + 2KV)   all-to-all of q, k, v and of the output
-                backward (P-1)/P · (2Q + 2KV)   the same four, transposed
-
-Floors: the fewest bytes a rank must hold at the forward's high-water mark (resident: its
-inputs q, k, v = Q + 2KV included) in the design the issue prescribes, whatever the schedule.
-An operator call returns a fresh output (it cannot write into a slice of another tensor)::
-
-    CP=1        2Q + 2KV  (whole sequence)  q, k, v and the output; the fused kernel keeps no
-                                            scores
-    p2p         Q + 2KV + 3Q/2              one call per block pair: every call returns at
-                                            least a chunk of rows (Q/2), a rank makes two
-                                            calls or more, and the output is one tensor of
-                                            Q. A call that returns all rows (Q) meets an
-                                            earlier result still to merge or a later call's
-                                            (>= Q/2); an output allocated first meets every
-                                            later call's result, or, filled by copies, the
-                                            results it copies (Q)
-    a2a         2 (Q + 2KV) + Q             one call over the whole sequence for 1/P of the
-                                            heads: the inputs, the head-layout q, k, v it
-                                            reads (Q + 2KV) and its output (Q)
-
-At CP=2, over CP=1's floor, the p2p floor is (2.5Q + 2KV) / (4Q + 4KV) >= 0.5625 and the a2a
-floor (3Q + 4KV) / (4Q + 4KV) >= 0.75 (Q, KV local; Q >= KV), for every number of heads and KV
-groups: above the 0.55 the CP issue set. Only K/V messages and calls smaller than a chunk go
-below (not built: they give up the large operator calls and the overlap of the ring).
+One ``torchrun --standalone --nproc-per-node 2`` launch of :mod:`.cp_worker` (gloo, CPU, its own
+process session, the whole group killed on timeout) measures one causal ``NPUFusionAttention``
+layer (reference kernel, sbhd, fp32, GQA 8 / 2 x 64) at S = 16384 (quick: 1024), b = 1, for
+CP=1 and for CP=2 with each comm type: per-rank peak bytes, forward and backward
+(``track_allocations``); bytes sent per rank (``traffic.count_traffic``) against
+:func:`theory_bytes`; host synchronisations per layer (``--layers`` chained layers at a small
+S). :func:`floor_bytes` is the fewest bytes a design must hold at the forward's high-water mark.
+docs/bench.md derives both.
 """
 
 from __future__ import annotations
@@ -62,23 +21,28 @@ import sys
 from mcore_npu.tools.bench import goal, markdown_table
 
 SEQ, QUICK_SEQ = 16384, 1024
-GOAL_SEQ = SEQ
-"""S of the peak goals (quick runs report the ratios but judge no peak goal)."""
+GOAL_SEQ = SEQ  # S of the peak goals (quick runs report the ratios but judge no peak goal)
 SYNC_SEQ, LAYERS = 256, 4
 REPEATS, QUICK_REPEATS = 3, 2
 SHAPE = {"batch": 1, "heads": 8, "groups": 2, "head_dim": 64}
 CP = 2
 COMM_TYPES = ("p2p", "all_gather", "a2a")
-PEAK_GOAL = 0.55
-"""Per-rank peak at CP=2 over CP=1's, ring (p2p) and a2a, forward and backward."""
+PEAK_GOAL = 0.55  # per-rank peak at CP=2 over CP=1's, ring (p2p) and a2a, forward and backward
+# the CPU reference of the operator: on an NPU, torch_npu runs instead
 REFERENCE_KERNEL_FILES = ("mcore_npu/ops/attention_reference.py", "mcore_npu/ops/attention_grad.py")
-"""The CPU reference of the operator: on an NPU, torch_npu runs instead."""
+MEMORY_COLUMNS = (  # (header, phase, figure)
+    ("fwd resident peak MiB", "forward", "resident_peak_bytes"),
+    ("bwd resident peak MiB", "backward", "resident_peak_bytes"),
+    ("fwd transient peak MiB", "forward", "peak_bytes"),
+    ("kept for backward MiB", "forward", "retained_bytes"),
+    ("bwd transient peak MiB", "backward", "peak_bytes"),
+)
 TIMEOUT_S = float(os.environ.get("MCORE_NPU_BENCH_CP_TIMEOUT_S", "3600"))
 MIB = 2**20
 
 
 def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **shape) -> dict:
-    """Bytes one rank sends per layer, ``{"forward": n, "backward": n}`` (module docstring)."""
+    """Bytes one rank sends per layer, ``{"forward": n, "backward": n}`` (docs/bench.md)."""
     q, kv = _local_bytes(seq // cp, shape)
     if comm == "p2p":
         return {"forward": (cp - 1) * 2 * kv, "backward": (cp - 1) * 2 * kv + cp * 2 * kv}
@@ -92,8 +56,8 @@ def theory_bytes(comm: str, seq: int, backend: str = "gloo", cp: int = CP, **sha
 
 
 def floor_bytes(comm: str | None, seq: int, cp: int = CP, **shape) -> int:
-    """The forward's resident floor of one rank (module docstring, "Floors"); ``comm`` None:
-    CP=1 on the whole sequence. ``comm="all_gather"`` has no floor here (no goal covers it)."""
+    """The forward's resident floor of one rank (docs/bench.md); ``comm`` None: CP=1 on the
+    whole sequence. ``comm="all_gather"`` has no floor here (no goal covers it)."""
     q, kv = _local_bytes(seq // (1 if comm is None else cp), shape)
     floors = {None: 2 * q + 2 * kv, "p2p": q + 2 * kv + 3 * q // 2, "a2a": 2 * (q + 2 * kv) + q}
     if comm not in floors:
@@ -111,12 +75,12 @@ def _local_bytes(local: int, shape: dict) -> tuple[int, int]:
 def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
     """Run the worker on 2 gloo ranks; return its ``CPBENCH`` record (every rank's results)."""
     shape = [f"--{key.replace('_', '-')}={value}" for key, value in SHAPE.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "mcore_npu.tools.bench.cp_worker", f"--seq={seq}", f"--layers={LAYERS}",
-           f"--sync-seq={SYNC_SEQ}", f"--repeats={repeats}", *shape]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    worker = ["-m", "mcore_npu.tools.bench.cp_worker", f"--seq={seq}", f"--layers={LAYERS}"]
+    cmd = [*torchrun, *worker, f"--sync-seq={SYNC_SEQ}", f"--repeats={repeats}", *shape]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen(cmd, **pipes, start_new_session=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -124,7 +88,7 @@ def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
         proc.communicate()
         raise RuntimeError(f"bench cp: no exit after {timeout:.0f}s: {' '.join(cmd)}") from None
     records = [
-        line[len("CPBENCH ") :] for line in stdout.splitlines() if line.startswith("CPBENCH ")
+        line.removeprefix("CPBENCH ") for line in stdout.splitlines() if line.startswith("CPBENCH ")
     ]
     if proc.returncode != 0 or len(records) != 1:
         raise RuntimeError(f"bench cp: exit {proc.returncode}: {' '.join(cmd)}\n{stderr[-3000:]}")
@@ -132,11 +96,9 @@ def launch(seq: int, repeats: int, timeout: float = TIMEOUT_S) -> dict:
 
 
 def _pass_row(per_rank: list[list[dict]], phase: str) -> dict:
-    """One phase of one configuration: ``per_rank[rank][repeat]`` measurements.
-
-    Each figure is the worst over ranks and repeats; ``*_best`` is the worst rank's best
-    repeat (the repeats differ only by when gloo's worker thread frees a message buffer).
-    """
+    """One phase of one configuration from ``per_rank[rank][repeat]`` measurements: each figure
+    the worst over ranks and repeats, ``*_best`` the worst rank's best repeat (the repeats differ
+    only by when gloo's worker thread frees a message buffer)."""
     sent = sorted({m[phase]["bytes_sent"] for runs in per_rank for m in runs})
     figures = {
         "peak_bytes": lambda m: m[phase]["peak_bytes"],
@@ -147,19 +109,16 @@ def _pass_row(per_rank: list[list[dict]], phase: str) -> dict:
     for name, figure in figures.items():
         row[name] = max(figure(m) for runs in per_rank for m in runs)
         row[f"{name}_best"] = max(min(figure(m) for m in runs) for runs in per_rank)
-    row["resident_peak_bytes_per_rank"] = [[_resident_peak(m, phase) for m in runs]
-                                           for runs in per_rank]  # fmt: skip
+    resident = [[_resident_peak(m, phase) for m in runs] for runs in per_rank]
+    row["resident_peak_bytes_per_rank"] = resident
     row["bytes_sent"], row["bytes_sent_values"] = max(sent), sent
     row["calls"] = per_rank[0][0][phase]["calls"]
     return row
 
 
 def _resident_peak(layer: dict, phase: str) -> int:
-    """Bytes the layer holds on the rank at the high-water mark of ``phase``.
-
-    Forward: its inputs q/k/v plus the forward's peak. Backward: q/k/v, what the forward kept
-    (saved tensors and the output), dy, plus the backward's peak.
-    """
+    """Bytes the layer holds on the rank at the high-water mark of ``phase``: forward, q/k/v
+    plus its peak; backward, q/k/v, what the forward kept (saved tensors, output), dy, its peak."""
     fwd = layer["forward"]
     if phase == "forward":
         return fwd["input_bytes"] + fwd["peak_bytes"]
@@ -170,13 +129,17 @@ def _resident_peak(layer: dict, phase: str) -> int:
 def _syncs(records: list[dict], layers: int) -> dict:
     """Host syncs of the chained-layer check, per layer per rank (worst rank), split by site."""
     total = max(r["sync_count"] for r in records)
+    kernel = REFERENCE_KERNEL_FILES
     outside = max(
-        sum(n for site, n in r["sync_sites"].items() if not site.startswith(REFERENCE_KERNEL_FILES))
+        sum(n for site, n in r["sync_sites"].items() if not site.startswith(kernel))
         for r in records
     )
     sites = sorted({site for r in records for site in r["sync_sites"]})
-    return {"per_layer": total / layers, "per_layer_outside_reference_kernel": outside / layers,
-            "sites": sites}  # fmt: skip
+    per_layer = {
+        "per_layer": total / layers,
+        "per_layer_outside_reference_kernel": outside / layers,
+    }
+    return {**per_layer, "sites": sites}
 
 
 def rows_from(record: dict) -> list[dict]:
@@ -188,8 +151,8 @@ def rows_from(record: dict) -> list[dict]:
     for key in ("cp1", *COMM_TYPES):
         per_rank = [r["layers"][key] for r in ranks if key in r["layers"]]
         theory = {"forward": 0, "backward": 0} if key == "cp1" else theory_bytes(key, seq)
-        row = {"S": seq, "cp": 1 if key == "cp1" else CP, "comm": None if key == "cp1" else key,
-               "ranks": len(per_rank)}  # fmt: skip
+        cp, comm = (1, None) if key == "cp1" else (CP, key)
+        row = {"S": seq, "cp": cp, "comm": comm, "ranks": len(per_rank)}
         for phase in ("forward", "backward"):
             row[phase] = {**_pass_row(per_rank, phase), "theory_bytes": theory[phase]}
             if key == "all_gather":
@@ -220,12 +183,15 @@ def measure(quick: bool = False) -> dict:
     if seq == GOAL_SEQ:
         for comm in ("p2p", "a2a"):
             for phase in ("forward", "backward"):
-                goals.append(goal(f"{comm} CP=2 / CP=1 per-rank {phase} peak (resident) at S={seq}",
-                                  by[comm][phase]["resident_peak_over_cp1"], PEAK_GOAL,
-                                  "memory"))  # fmt: skip
+                text = f"{comm} CP=2 / CP=1 per-rank {phase} peak (resident) at S={seq}"
+                ratio = by[comm][phase]["resident_peak_over_cp1"]
+                goals.append(goal(text, ratio, PEAK_GOAL, "memory"))
     worst = max(row["sync"]["per_layer_outside_reference_kernel"] for row in rows)
-    goals.append(goal("host syncs per layer and rank, sbhd, CP=1 and CP=2 (every comm type), "
-                      "outside the CPU reference kernel", worst, 0.0, "memory"))  # fmt: skip
+    text = (
+        "host syncs per layer and rank, sbhd, CP=1 and CP=2 (every comm type), "
+        "outside the CPU reference kernel"
+    )
+    goals.append(goal(text, worst, 0.0, "memory"))
     positive = [r["positive_control_syncs"] for r in record["ranks"]]
     return {
         "name": "cp",
@@ -267,20 +233,16 @@ def _cells(phase: dict, figure: str) -> list[str]:
 
 def memory_table(result: dict) -> str:
     """Markdown: per configuration, resident peak, transient peak and retained bytes."""
-    headers = ["config", "fwd resident peak MiB", "/ CP=1", "bwd resident peak MiB", "/ CP=1",
-               "fwd transient peak MiB", "/ CP=1", "kept for backward MiB", "/ CP=1",
-               "bwd transient peak MiB", "/ CP=1"]  # fmt: skip
+    headers = ["config", *(h for header, _, _ in MEMORY_COLUMNS for h in (header, "/ CP=1"))]
     body = []
     for row in result["rows"]:
-        fwd, bwd = row["forward"], row["backward"]
-        body.append([_name(row), *_cells(fwd, "resident_peak_bytes"),
-                     *_cells(bwd, "resident_peak_bytes"), *_cells(fwd, "peak_bytes"),
-                     *_cells(fwd, "retained_bytes"), *_cells(bwd, "peak_bytes")])  # fmt: skip
+        cells = [cell for _, phase, figure in MEMORY_COLUMNS for cell in _cells(row[phase], figure)]
+        body.append([_name(row), *cells])
     return markdown_table(headers, body)
 
 
 def floors_text(result: dict) -> str:
-    """One sentence: each design's forward floor (module docstring) against CP=1's peak."""
+    """One sentence: each design's forward floor against CP=1's peak."""
     parts = [
         f"{_name(row)} {_mib(row['forward']['floor_bytes'])} MiB = "
         f"{_ratio(row['forward']['floor_over_cp1'])}"
@@ -297,8 +259,8 @@ def floors_text(result: dict) -> str:
 
 def traffic_table(result: dict) -> str:
     """Markdown: per configuration, bytes sent per rank and layer vs theory, host syncs."""
-    headers = ["config", "fwd sent MiB (theory)", "bwd sent MiB (theory)",
-               "host syncs / layer: all (outside the CPU reference kernel)"]  # fmt: skip
+    syncs = "host syncs / layer: all (outside the CPU reference kernel)"
+    headers = ["config", "fwd sent MiB (theory)", "bwd sent MiB (theory)", syncs]
     body = []
     for row in result["rows"]:
         cells = [_name(row)]
@@ -341,25 +303,33 @@ def plot(result: dict, path) -> None:
     xs = range(len(rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.38
-    for offset, phase in ((-width / 2, "forward"), (width / 2, "backward")):
-        left.bar([x + offset for x in xs], [r[phase]["resident_peak_bytes"] / MIB for r in rows],
-                 width, label=phase)  # fmt: skip
-    base = rows[0]
+    sides = ((-width / 2, "forward"), (width / 2, "backward"))
+    for offset, phase in sides:
+        peaks = [r[phase]["resident_peak_bytes"] / MIB for r in rows]
+        left.bar([x + offset for x in xs], peaks, width, label=phase)
     for phase, style in (("forward", "--"), ("backward", ":")):
-        left.axhline(PEAK_GOAL * base[phase]["resident_peak_bytes"] / MIB, color="gray",
-                     linestyle=style, linewidth=0.8, label=f"goal: {PEAK_GOAL} x CP=1 {phase}")  # fmt: skip
-    floors = [(x, r["forward"]["floor_bytes"] / MIB) for x, r in zip(xs, rows)
-              if "floor_bytes" in r["forward"]]  # fmt: skip
-    left.scatter([x - width / 2 for x, _ in floors], [f for _, f in floors], marker="_", s=300,
-                 color="black", zorder=3, label="forward floor of the design")  # fmt: skip
+        limit = PEAK_GOAL * rows[0][phase]["resident_peak_bytes"] / MIB
+        label = f"goal: {PEAK_GOAL} x CP=1 {phase}"
+        left.axhline(limit, color="gray", linestyle=style, linewidth=0.8, label=label)
+    floors = [
+        (x, r["forward"]["floor_bytes"] / MIB)
+        for x, r in zip(xs, rows)
+        if "floor_bytes" in r["forward"]
+    ]
+    tick = {"marker": "_", "color": "black", "zorder": 3}
+    label = "forward floor of the design"
+    left.scatter(
+        [x - width / 2 for x, _ in floors], [f for _, f in floors], s=300, **tick, label=label
+    )
     left.set_xticks(list(xs), names)
     left.set(ylabel="MiB", title=f"per-rank resident peak of one layer, S={result['shape']['S']}")
     left.legend(fontsize=7)
-    for offset, phase in ((-width / 2, "forward"), (width / 2, "backward")):
-        right.bar([x + offset for x in xs], [r[phase]["bytes_sent"] / MIB for r in rows], width,
-                  label=f"{phase} measured")  # fmt: skip
-        right.scatter([x + offset for x in xs], [r[phase]["theory_bytes"] / MIB for r in rows],
-                      marker="_", s=400, color="black", zorder=3)  # fmt: skip
+    for offset, phase in sides:
+        at = [x + offset for x in xs]
+        right.bar(
+            at, [r[phase]["bytes_sent"] / MIB for r in rows], width, label=f"{phase} measured"
+        )
+        right.scatter(at, [r[phase]["theory_bytes"] / MIB for r in rows], s=400, **tick)
     right.scatter([], [], marker="_", color="black", label="theory (gloo)")
     right.set_xticks(list(xs), names)
     right.set(ylabel="MiB", title="bytes sent per rank and layer")

@@ -1,22 +1,12 @@
 """One rank of ``mcore-npu bench cp``: run under ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
-Measures one causal ``NPUFusionAttention`` layer (reference kernel, sbhd, fp32, GQA), each
-pass in its own ``track_allocations`` block (peak bytes allocated inside the call: output,
-saved tensors, received buffers; ``live_bytes``: what the pass still holds when it returns;
-``input_bytes``: q/k/v, or dy, which exist before the pass) and under
-``count_traffic`` (bytes sent per rank, host-synchronising calls):
-
-1. CP=1 on the whole sequence ``[S, b, np, hn]``, on rank 0 (no collective; rank 1 waits);
-2. CP=2 for each comm type on both ranks, each with its local chunks ``[S/2, b, np, hn]``;
-3. the host-synchronisation check: ``--layers`` chained layers, forward and backward, at the
-   small length ``--sync-seq``, for CP=1 and each comm type, plus a positive control (a block
-   that calls ``.item()`` and ``.tolist()`` once each: the counter must see 2).
-
-Each layer measurement runs ``--repeats`` times: with gloo, when the buffers a collective used
-are freed depends on when gloo's worker thread drops its reference, so the figures of the
-comm types that run collectives on gloo's threads (all_gather, a2a) vary from run to run.
-Every module and the cached compressed mask are warmed up at a small length first. Rank 0
-prints one line ``CPBENCH {json}`` with every rank's results (``gather_object``).
+Measures one causal ``NPUFusionAttention`` layer (reference kernel, sbhd, fp32, GQA), each pass
+under ``track_allocations`` and ``count_traffic``: (1) CP=1 on the whole sequence
+``[S, b, np, hn]`` on rank 0 (rank 1 waits); (2) CP=2 for each comm type on both ranks, local
+chunks ``[S/2, b, np, hn]``; (3) the host-synchronisation check: ``--layers`` chained layers at
+``--sync-seq``, plus a positive control (``.item()`` and ``.tolist()``: the counter must see 2).
+Each layer runs ``--repeats`` times: when gloo's worker thread frees a collective's buffers
+varies from run to run. Rank 0 prints one line ``CPBENCH {json}`` with every rank's results.
 """
 
 from __future__ import annotations
@@ -41,11 +31,11 @@ def _module(args, cp: int, comm: str | None):
 
     from mcore_npu.transformer.attention import NPUFusionAttention
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=args.heads * args.head_dim, num_attention_heads=args.heads,
-        num_query_groups=args.groups, kv_channels=args.head_dim, attention_dropout=0.0,
-        context_parallel_size=cp, cp_comm_type=comm, use_cpu_initialization=True,
-    )  # fmt: skip
+    sizes = {"hidden_size": args.heads * args.head_dim, "kv_channels": args.head_dim}
+    heads = {"num_attention_heads": args.heads, "num_query_groups": args.groups}
+    parallel = {"context_parallel_size": cp, "cp_comm_type": comm}
+    cpu = {"attention_dropout": 0.0, "use_cpu_initialization": True}
+    config = TransformerConfig(num_layers=1, **sizes, **heads, **parallel, **cpu)
     return NPUFusionAttention(config, 1, AttnMaskType.causal, kernel="reference")
 
 
@@ -66,13 +56,12 @@ def _measure_layer(module, args, seq: int, group_size: int, seed: int) -> dict:
         out = module(q, k, v, None)
     with track_allocations() as bwd_mem, count_traffic(group_size) as bwd:
         out.backward(dy)
-    return {
-        "local_seq": seq,
-        "forward": {"peak_bytes": fwd_mem.peak_bytes, "live_bytes": fwd_mem.live_bytes,
-                    "input_bytes": sum(_nbytes(t) for t in (q, k, v)), **fwd.as_dict()},
-        "backward": {"peak_bytes": bwd_mem.peak_bytes, "live_bytes": bwd_mem.live_bytes,
-                     "input_bytes": _nbytes(dy), **bwd.as_dict()},
-    }  # fmt: skip
+    inputs = {"forward": sum(_nbytes(t) for t in (q, k, v)), "backward": _nbytes(dy)}
+    result = {"local_seq": seq}
+    for phase, memory, traffic in (("forward", fwd_mem, fwd), ("backward", bwd_mem, bwd)):
+        sizes = {"peak_bytes": memory.peak_bytes, "live_bytes": memory.live_bytes}
+        result[phase] = {**sizes, "input_bytes": inputs[phase], **traffic.as_dict()}
+    return result
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -80,11 +69,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _chained_syncs(module, args, seq: int, layers: int, group_size: int) -> dict:
-    """Forward and backward of ``layers`` chained applications of ``module``, counted.
-
-    Layer i + 1 takes layer i's output as its queries and the first ``ng`` heads of it as
-    keys and values, so the backward pass runs through every layer.
-    """
+    """Forward and backward of ``layers`` chained applications of ``module``, counted: layer
+    i + 1 takes layer i's output as queries and its first ``ng`` heads as keys and values."""
     q, k, v, dy = _inputs(args, seq, seed=7)
     with count_traffic(group_size) as traffic:
         x = q
@@ -124,8 +110,8 @@ def run(args) -> dict:
         result["layers"]["cp1"] = [
             _measure_layer(modules[1, None], args, args.seq, 1, seed=3) for _ in range(args.repeats)
         ]
-        result["sync"]["cp1"] = _chained_syncs(modules[1, None], args, args.sync_seq,
-                                               args.layers, 1)  # fmt: skip
+        syncs = _chained_syncs(modules[1, None], args, args.sync_seq, args.layers, 1)
+        result["sync"]["cp1"] = syncs
     dist.barrier()
     for comm in COMM_TYPES:
         module = modules[CP, comm]

@@ -1,23 +1,12 @@
 """``mcore-npu bench gdn``: the chunked gated delta rule against transformers' own.
 
-CPU, float32, b = 1, T = 4096 (quick: 512), 4 heads (q/k and value: transformers' function has
-no grouped value heads), K = V = 128, in-kernel l2norm (as Qwen3.5 calls it), log-decay
-uniform in [-1, 0], beta uniform in (0, 1). Methods:
-
-``reference (chunked)``
-    the plugin: ``mcore_npu.ops.gated_delta.chunk_gated_delta_rule(q, k, v, g, beta,
-    use_qk_l2norm_in_kernel=True, kernel="reference")``, chunk 64, its own backward.
-``transformers``
-    ``transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule`` with the same
-    arguments (chunk 64), differentiated by autograd. transformers is optional: it lives in the
-    verl environment (``make verl-env``; run ``.venv-verl/bin/mcore-npu bench gdn``). Without
-    it the table has the reference alone and no goals.
-
-Two passes per method: ``forward`` (under ``torch.no_grad()``) and ``forward+backward`` (inputs
-require grad; ``o.backward(do)`` with a fixed upstream gradient). Memory is the peak of
-``track_allocations`` over one call (outputs and gradients included); time is the median of
-calls run interleaved in one process. Goals (forward+backward): reference time <= 1.0x and
-peak memory <= 0.5x transformers'.
+CPU, float32, b = 1, T = 4096 (quick: 512), 4 heads, K = V = 128, in-kernel l2norm, log-decay
+uniform in [-1, 0], beta uniform in (0, 1). The plugin's reference (chunk 64, its own backward)
+against ``transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule`` (chunk 64,
+autograd), each ``forward`` (no grad) and ``forward+backward``. transformers is optional (the
+verl environment: ``.venv-verl/bin/mcore-npu bench gdn``); without it the reference alone and no
+goals. Memory is the peak of ``track_allocations`` over one call; time the median of
+interleaved calls.
 """
 
 from __future__ import annotations
@@ -97,11 +86,10 @@ def measure(quick: bool = False) -> dict:
         for method, fn in calls.items():
             with track_allocations() as usage:
                 outputs[method] = fn().detach()
-            rows.append({"T": tokens, "pass": pass_name, "method": method,
-                         "seconds": seconds[method], "peak_bytes": usage.peak_bytes})  # fmt: skip
-    result = {"name": "gdn", "rows": rows, "goals": [], "transformers": rule is not None,
-              "setup": f"CPU fp32, b=1, T={tokens}, {HEADS} heads, K=V={HEAD_DIM}, in-kernel "
-                       "l2norm, chunk 64"}  # fmt: skip
+            row = {"T": tokens, "pass": pass_name, "method": method, "seconds": seconds[method]}
+            rows.append({**row, "peak_bytes": usage.peak_bytes})
+    setup = f"CPU fp32, b=1, T={tokens}, {HEADS} heads, K=V={HEAD_DIM}, in-kernel l2norm, chunk 64"
+    result = {"name": "gdn", "rows": rows, "goals": [], "transformers": bool(rule), "setup": setup}
     if rule is not None:
         result["max_abs_diff"] = (outputs[REFERENCE] - outputs[TRANSFORMERS]).abs().max().item()
         result["goals"] = _goals(rows)
@@ -111,12 +99,11 @@ def measure(quick: bool = False) -> dict:
 def _goals(rows: list[dict]) -> list[dict]:
     cell = {(r["pass"], r["method"]): r for r in rows}
     ours, theirs = cell["forward+backward", REFERENCE], cell["forward+backward", TRANSFORMERS]
+    time, peak = ours["seconds"] / theirs["seconds"], ours["peak_bytes"] / theirs["peak_bytes"]
     return [
-        goal("reference fwd+bwd time / transformers' <= 1.0",
-             ours["seconds"] / theirs["seconds"], 1.0, "time"),
-        goal("reference fwd+bwd peak memory / transformers' <= 0.5",
-             ours["peak_bytes"] / theirs["peak_bytes"], 0.5, "memory"),
-    ]  # fmt: skip
+        goal("reference fwd+bwd time / transformers' <= 1.0", time, 1.0, "time"),
+        goal("reference fwd+bwd peak memory / transformers' <= 0.5", peak, 0.5, "memory"),
+    ]
 
 
 def table(result: dict) -> str:
@@ -132,13 +119,16 @@ def table(result: dict) -> str:
         ]
         if len(methods) == 2:
             ours, theirs = cell[pass_name, REFERENCE], cell[pass_name, TRANSFORMERS]
-            row += [f"{ours['seconds'] / theirs['seconds']:.3f}",
-                    f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f}"]  # fmt: skip
+            row.append(f"{ours['seconds'] / theirs['seconds']:.3f}")
+            row.append(f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f}")
         body.append(row)
-    note = "" if result.get("transformers") else (
-        " transformers is not installed here: the reference alone (run it in .venv-verl).")  # fmt: skip
-    title = (f"Gated delta rule, {result['setup']}: median time and peak bytes allocated per "
-             f"call (ratios: reference / transformers).{note}\n\n")  # fmt: skip
+    note = ""
+    if not result.get("transformers"):
+        note = " transformers is not installed here: the reference alone (run it in .venv-verl)."
+    title = (
+        f"Gated delta rule, {result['setup']}: median time and peak bytes allocated per "
+        f"call (ratios: reference / transformers).{note}\n\n"
+    )
     return title + markdown_table(headers, body)
 
 
@@ -153,8 +143,8 @@ def plot(result: dict, path) -> None:
     methods = sorted({r["method"] for r in result["rows"]}, key=[REFERENCE, TRANSFORMERS].index)
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        rows = [next(r for r in result["rows"] if r["pass"] == p and r["method"] == method)
-                for p in PASSES]  # fmt: skip
+        cell = {r["pass"]: r for r in result["rows"] if r["method"] == method}
+        rows = [cell[p] for p in PASSES]
         xs = [x + i * width for x in range(len(PASSES))]
         left.bar(xs, [r["seconds"] for r in rows], width, label=method)
         right.bar(xs, [r["peak_bytes"] / MIB for r in rows], width, label=method)

@@ -1,32 +1,11 @@
 """``mcore-npu bench mask``: what a causal + padding mask costs per micro-batch, on CPU.
 
-Input: a random right-padded ``[B, S]`` keep mask (True = real token). Every builder below
-returns verl's ``[B, 1, S, S]`` bool mask, **True = masked out** (the operator's polarity),
-except the plugin's causal path, which returns operator arguments and no S-sized tensor at all.
-
-Methods:
-
-``verl before PR 7055``
-    verl's ``_build_npu_attn_mask`` as it was before https://github.com/verl-project/verl/pull/7055:
-    the PR's description quotes the causal block as
-    ``torch.tril(torch.ones(seq_len, seq_len, device=...)).to(torch.bool)``, i.e. built from
-    float32 ones; the rest of the function as after the PR.
-``verl after PR 7055``
-    the same with ``torch.ones(..., dtype=torch.bool)`` (verl ``main``).
-``arange variant``
-    the causal block by index comparison, ``arange(S)[None] <= arange(S)[:, None]``; the rest of
-    verl's function unchanged.
-``build_npu_attention_mask``
-    ``mcore_npu.masks.build_npu_attention_mask``: the same values, filled in place.
-``plugin causal``
-    ``TopLeftCausalMask().operator_args(device)`` after warm-up. A right-padded causal batch
-    needs no padding mask (``mcore_npu.masks.packing``), so this is the whole per-step cost: the
-    cached 4 MiB compressed mask is built once per device (reported as ``one_time_bytes``).
-
-Memory is the peak of ``mcore_npu.tools.bench.memory.track_allocations`` over one call (deterministic);
-time the median of interleaved calls (``mcore_npu.tools.bench.timing.interleaved_medians``), with
-fewer repeats at large S. The full run takes 45 s (idle) to under 3 min (loaded) on 2 CPU cores; it peaks near
-2.3 GiB (verl before the fix at S = 16384, B = 4).
+Input: a random right-padded ``[B, S]`` keep mask (True = real token). Every builder of
+:data:`METHODS` returns verl's ``[B, 1, S, S]`` bool mask, **True = masked out** (the operator's
+polarity), except the plugin's causal path, which returns operator arguments and no S-sized
+tensor (its cached 4 MiB compressed mask is built once per device: ``one_time_bytes``).
+Memory is the peak of ``track_allocations`` over one call; time the median of interleaved calls,
+with fewer repeats at large S. docs/bench.md says what each method runs.
 """
 
 from __future__ import annotations
@@ -42,8 +21,7 @@ SEQ_LENS = (2048, 4096, 8192, 16384)
 BATCHES = (1, 4)
 QUICK_SEQ_LENS = (256, 512)
 QUICK_BATCHES = (1, 2)
-GOAL_CASE = (4096, 4)
-"""(S, B) of the build_npu_attention_mask goal; quick runs use their largest case."""
+GOAL_CASE = (4096, 4)  # (S, B) of the build_npu_attention_mask goal; quick: the largest case
 
 MIB = 2**20
 SEED = 0
@@ -57,15 +35,8 @@ METHODS = (VERL_BEFORE, VERL_AFTER, ARANGE, LEAN, PLUGIN)
 
 
 def verl_before_fix(keep_mask: torch.Tensor) -> torch.Tensor:
-    """verl's mask before PR 7055: the causal block from float32 ones.
-
-    Args:
-        keep_mask: ``[B, S]`` bool, True = real token.
-
-    Returns:
-        ``[B, 1, S, S]`` bool, True = masked out. Temporaries: S x S float32 twice, B x S x S bool
-        three times.
-    """
+    """verl's mask before PR 7055: the causal block from float32 ones. ``keep_mask``: ``[B, S]``
+    bool, True = real token; returns ``[B, 1, S, S]`` bool, True = masked out."""
     _, seq_len = keep_mask.shape
     causal_mask = torch.tril(torch.ones(seq_len, seq_len, device=keep_mask.device)).to(torch.bool)
     attn_mask = keep_mask.unsqueeze(-1) & keep_mask.unsqueeze(-2)  # [B, S, S], True = kept
@@ -131,17 +102,11 @@ def _measure_case(seq: int, batch: int) -> list[dict]:
             build()
     repeats, warmup = _repeats(seq)
     seconds = interleaved_medians(builders, repeats=repeats, warmup=warmup)
-    return [
-        {
-            "S": seq,
-            "B": batch,
-            "method": name,
-            "peak_bytes": usage[name].peak_bytes,
-            "allocated_bytes": usage[name].allocated_bytes,
-            "seconds": seconds[name],
-        }
-        for name in builders
-    ]
+    rows = []
+    for name, used in usage.items():
+        row = {"S": seq, "B": batch, "method": name, "peak_bytes": used.peak_bytes}
+        rows.append({**row, "allocated_bytes": used.allocated_bytes, "seconds": seconds[name]})
+    return rows
 
 
 def _one_time_bytes() -> int:
@@ -160,7 +125,10 @@ def measure(quick: bool = False) -> dict:
     rows = [row for seq in seq_lens for batch in batches for row in _measure_case(seq, batch)]
     goal_seq, goal_batch = (max(seq_lens), max(batches)) if quick else GOAL_CASE
     lean = next(r for r in rows if (r["S"], r["B"], r["method"]) == (goal_seq, goal_batch, LEAN))
-    output_bytes = goal_batch * goal_seq * goal_seq  # [B, 1, S, S] bool
+    lean_ratio = lean["peak_bytes"] / (
+        goal_batch * goal_seq * goal_seq
+    )  # output: [B, 1, S, S] bool
+    lean_goal = "build_npu_attention_mask peak / output"
     per_step = max(r["allocated_bytes"] for r in rows if r["method"] == PLUGIN)
     return {
         "name": "mask",
@@ -168,12 +136,7 @@ def measure(quick: bool = False) -> dict:
         "one_time_bytes": {"plugin causal: compressed 2048x2048 mask, once per device": one_time},
         "rows": rows,
         "goals": [
-            goal(
-                f"build_npu_attention_mask peak / output at S={goal_seq}, B={goal_batch}",
-                lean["peak_bytes"] / output_bytes,
-                1.01,
-                "memory",
-            ),
+            goal(f"{lean_goal} at S={goal_seq}, B={goal_batch}", lean_ratio, 1.01, "memory"),
             goal("causal path bytes per step after warm-up", per_step, 0, "memory"),
         ],
     }
@@ -205,11 +168,8 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    """Log-log peak bytes vs S, one colour per method; the largest B solid, the smallest dashed.
-
-    The plugin's per-step cost is 0 bytes (nothing to draw on a log axis); its one-time
-    compressed mask is drawn as a dotted horizontal line.
-    """
+    """Log-log peak bytes vs S, one colour per method; the largest B solid, the smallest dashed;
+    the plugin's one-time compressed mask dotted (its per-step 0 bytes has no log point)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,19 +1,15 @@
 """A deterministic peak-allocation tracker for CPU (and CUDA) code.
 
-``track_allocations()`` records every allocation and free the PyTorch allocator reports to the
-profiler while the block runs, including buffers that kernels allocate internally, and replays
-them in order. Sizes do not depend on timing or on what else the machine does, so the figures
-are the same on every run of the same code with the same inputs.
+``track_allocations()`` replays, in order, every allocation and free the PyTorch allocator
+reports to the profiler while the block runs (kernels' internal buffers included), so the
+figures do not depend on timing or load. ``peak_bytes``: the most bytes allocated inside the
+block and alive at once; ``allocated_bytes``: the sum of its allocations; ``live_bytes``: what it
+allocated and had not freed at the end (negative if it freed more).
 
     >>> with track_allocations() as usage:
     ...     x = torch.ones(1024, 1024)
     >>> usage.peak_bytes
     4194304
-
-``peak_bytes`` is the highest number of bytes allocated inside the block and still alive at some
-moment (memory that was already allocated before the block is not counted); ``allocated_bytes``
-is the sum of all allocations made inside the block; ``live_bytes`` is what the block allocated
-and had not freed when it ended (negative if it freed more than it allocated).
 """
 
 from __future__ import annotations

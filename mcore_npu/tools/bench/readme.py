@@ -1,12 +1,9 @@
-"""Write (or check) the benchmark section of docs/figures.md from the saved bench results.
+"""Write (or, with ``--check``, check) the benchmark section of docs/figures.md.
 
-    python -m mcore_npu.tools.bench.readme            # rewrite the block in docs/figures.md
-    python -m mcore_npu.tools.bench.readme --check    # exit 1 if the page differs from the JSON
-
-The block sits between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``; it is generated from
-``docs/bench/{attention,mask,step,cp}.json`` (the output of ``mcore-npu bench ... --out
-docs/bench``) by each benchmark module's own ``table()``, so the page cannot drift from what was
-measured. Its plots are linked relative to the page (``bench/<name>.png``).
+The block between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` is generated from
+``docs/bench/*.json`` (``mcore-npu bench ... --out docs/bench``) by each benchmark module's own
+``table()``, so the page cannot drift from what was measured; plots are linked as
+``bench/<name>.png``.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ def render(results_dir: Path) -> str:
         parts += [module.table(result), ""]
         for goal in result.get("goals", []):
             verdict = "met" if goal["met"] else "MISSED"
-            parts.append(
-                f"- goal {verdict}: {goal['text']} = {goal['measured']} (target <= {goal['limit']})"
-            )
+            measured = f"{goal['measured']} (target <= {goal['limit']})"
+            parts.append(f"- goal {verdict}: {goal['text']} = {measured}")
         parts += ["", f"![{name}](bench/{name}.png)", ""]
     parts.append(END)
     return "\n".join(parts)
@@ -64,8 +60,8 @@ def main(argv=None) -> int:
     wanted = splice(current, render(args.results))
     if args.check:
         if current != wanted:
-            print(f"{args.page} is out of date with {args.results}; run "
-                  "python -m mcore_npu.tools.bench.readme", file=sys.stderr)  # fmt: skip
+            fix = "run python -m mcore_npu.tools.bench.readme"
+            print(f"{args.page} is out of date with {args.results}; {fix}", file=sys.stderr)
             return 1
         return 0
     args.page.write_text(wanted)

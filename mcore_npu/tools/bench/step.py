@@ -1,16 +1,11 @@
-"""``mcore-npu bench step``: one training step, NPU spec (reference kernel) vs Megatron's local spec.
+"""``mcore-npu bench step``: one training step, NPU spec (reference kernel) vs Megatron's local.
 
-A second table (``moe_rows``) does the same for the MoE shape of ``configs/gpt_tiny_moe.yaml``
-(4 experts, top-2): the NPU spec with its grouped experts (``npu_grouped_matmul`` reference)
-against the same NPU spec with Megatron's ``SequentialMLP`` experts (``fused.grouped_matmul=off``:
-Megatron's local MoE path; its own router needs Transformer Engine on megatron-core 0.16.1),
-both built and stepped in turns in the same run.
-
-Both trainers are built from ``configs/gpt_tiny.yaml``'s shape in one process and step in
-turns (interleaved), so noise hits both alike. Reported per sequence length: the median step
-time of each (after a warm-up step that also allocates the optimizer state), their ratio, and
-the peak bytes allocated during one step (``track_allocations``: activations, gradients, the
-optimizer update; the grad buffers and Adam state allocated before the step are not counted).
+Both trainers are built from ``configs/gpt_tiny.yaml``'s shape in one process and step in turns
+(interleaved), so noise hits both alike. Per sequence length: the median step time of each
+(after a warm-up step that also allocates the optimizer state), their ratio, and the peak bytes
+allocated during one step (``track_allocations``). ``moe_rows`` do the same for 4 experts
+(top-2): the NPU spec's grouped experts against Megatron's ``SequentialMLP``
+(``fused.grouped_matmul=off``), same router and attention.
 """
 
 from __future__ import annotations
@@ -21,9 +16,15 @@ from mcore_npu.tools.bench.timing import interleaved_medians
 
 BACKENDS = ("npu_fusion", "local")
 DENSE_VARIANTS = {backend: [f"attention.backend={backend}"] for backend in BACKENDS}
-MOE_MODEL = ["attention.backend=npu_fusion", "model.num_moe_experts=4", "model.moe_router_topk=2",
-             "model.moe_ffn_hidden_size=128", "model.moe_token_dispatcher_type=alltoall",
-             "model.moe_router_dtype=fp32", "model.moe_aux_loss_coeff=0.01"]  # fmt: skip
+MOE_MODEL = [
+    "attention.backend=npu_fusion",
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=128",
+    "model.moe_token_dispatcher_type=alltoall",
+    "model.moe_router_dtype=fp32",
+    "model.moe_aux_loss_coeff=0.01",
+]
 MOE_VARIANTS = {"grouped": MOE_MODEL, "sequential": [*MOE_MODEL, "fused.grouped_matmul=off"]}
 COMMON = ["train.metrics_file=null", "train.progress=false", "model.qk_layernorm=true"]
 
@@ -33,8 +34,8 @@ def _trainers(variants: dict, seq_length: int, steps: int) -> dict:
     from mcore_npu.training.config import load_config
     from mcore_npu.training.train import Trainer
 
-    shape = [f"train.seq_length={seq_length}", f"model.max_sequence_length={seq_length}",
-             f"train.steps={steps}", *COMMON]  # fmt: skip
+    shape = [f"train.seq_length={seq_length}", f"model.max_sequence_length={seq_length}"]
+    shape += [f"train.steps={steps}", *COMMON]
     return {name: Trainer(load_config(None, [*extra, *shape])) for name, extra in variants.items()}
 
 
@@ -47,8 +48,8 @@ def _time_and_peak(trainers: dict, repeats: int) -> tuple[dict, dict]:
         with track_allocations() as usage:
             trainer.train_step()
         peaks[name] = usage.peak_bytes
-    times = interleaved_medians({n: t.train_step for n, t in trainers.items()}, repeats=repeats,
-                                warmup=0)  # fmt: skip
+    steps = {name: trainer.train_step for name, trainer in trainers.items()}
+    times = interleaved_medians(steps, repeats=repeats, warmup=0)
     return times, peaks
 
 
@@ -58,13 +59,14 @@ def _rows(variants: dict, lengths, repeats: int) -> list[dict]:
     rows = []
     for seq in lengths:
         times, peaks = _time_and_peak(_trainers(variants, seq, steps=repeats + 4), repeats)
-        rows.append({
+        row = {
             "seq_length": seq,
-            f"{first}_seconds": times[first], f"{second}_seconds": times[second],
+            **{f"{name}_seconds": times[name] for name in variants},
             "time_ratio": times[first] / times[second],
-            f"{first}_peak_bytes": peaks[first], f"{second}_peak_bytes": peaks[second],
+            **{f"{name}_peak_bytes": peaks[name] for name in variants},
             "peak_ratio": peaks[first] / peaks[second],
-        })  # fmt: skip
+        }
+        rows.append(row)
     return rows
 
 
@@ -79,6 +81,7 @@ def measure(quick: bool = False) -> dict:
     finally:
         runtime.shutdown()
     first = rows[0]
+    at = f"at S={first['seq_length']}"
     return {
         "name": "step",
         "setup": "gpt_tiny shape (2 layers, hidden 128, 4 heads / 2 kv groups, SwiGLU, RMSNorm, "
@@ -89,44 +92,32 @@ def measure(quick: bool = False) -> dict:
         "sequential = Megatron's SequentialMLP, same NPU router and attention",
         "moe_rows": moe_rows,
         "goals": [
-            goal(
-                f"npu_fusion / local step time at S={first['seq_length']}",
-                first["time_ratio"],
-                1.0,
-                "time",
-            ),
-            goal(
-                f"npu_fusion / local step peak at S={first['seq_length']}",
-                first["peak_ratio"],
-                1.0,
-                "memory",
-            ),
+            goal(f"npu_fusion / local step time {at}", first["time_ratio"], 1.0, "time"),
+            goal(f"npu_fusion / local step peak {at}", first["peak_ratio"], 1.0, "memory"),
         ],
     }
 
 
 def table(result: dict) -> str:
-    rows = [
-        [r["seq_length"], f"{r['npu_fusion_seconds'] * 1e3:.1f}", f"{r['local_seconds'] * 1e3:.1f}",
-         f"{r['time_ratio']:.2f}x", f"{r['npu_fusion_peak_bytes'] / 2**20:.1f}",
-         f"{r['local_peak_bytes'] / 2**20:.1f}", f"{r['peak_ratio']:.2f}x"]
-        for r in result["rows"]
-    ]  # fmt: skip
-    headers = ["S", "npu_fusion ms", "local ms", "time ratio", "npu_fusion peak MiB",
-               "local peak MiB", "peak ratio"]  # fmt: skip
-    text = markdown_table(headers, rows)
+    text = _table(result["rows"], ("npu_fusion", "local"), ("npu_fusion", "local"))
     if not result.get("moe_rows"):
         return text
-    moe = [
-        [r["seq_length"], f"{r['grouped_seconds'] * 1e3:.1f}",
-         f"{r['sequential_seconds'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x",
-         f"{r['grouped_peak_bytes'] / 2**20:.1f}", f"{r['sequential_peak_bytes'] / 2**20:.1f}",
-         f"{r['peak_ratio']:.2f}x"]
-        for r in result["moe_rows"]
-    ]  # fmt: skip
-    moe_headers = ["S", "grouped ms", "SequentialMLP ms", "time ratio", "grouped peak MiB",
-                   "SequentialMLP peak MiB", "peak ratio"]  # fmt: skip
-    return f"{text}\n\nMoE ({result['moe_setup']}):\n\n{markdown_table(moe_headers, moe)}"
+    moe = _table(result["moe_rows"], ("grouped", "sequential"), ("grouped", "SequentialMLP"))
+    return f"{text}\n\nMoE ({result['moe_setup']}):\n\n{moe}"
+
+
+def _table(rows: list[dict], variants: tuple[str, str], names: tuple[str, str]) -> str:
+    """One line per S: both variants' median ms and peak MiB, and their ratios."""
+    headers = ["S", *(f"{n} ms" for n in names), "time ratio"]
+    headers += [*(f"{n} peak MiB" for n in names), "peak ratio"]
+    body = []
+    for r in rows:
+        ms = [f"{r[f'{v}_seconds'] * 1e3:.1f}" for v in variants]
+        mib = [f"{r[f'{v}_peak_bytes'] / 2**20:.1f}" for v in variants]
+        body.append(
+            [r["seq_length"], *ms, f"{r['time_ratio']:.2f}x", *mib, f"{r['peak_ratio']:.2f}x"]
+        )
+    return markdown_table(headers, body)
 
 
 def plot(result: dict, path) -> None:
@@ -140,10 +131,9 @@ def plot(result: dict, path) -> None:
     left.plot(seqs, [r["time_ratio"] for r in result["rows"]], marker="o")
     left.axhline(1.0, color="grey", linestyle=":")
     left.set(xlabel="sequence length", ylabel="npu_fusion / local", title="step time")
-    right.plot(seqs, [r["npu_fusion_peak_bytes"] / 2**20 for r in result["rows"]], marker="o",
-               label="npu_fusion (reference kernel)")  # fmt: skip
-    right.plot(seqs, [r["local_peak_bytes"] / 2**20 for r in result["rows"]], marker="s",
-               label="Megatron local")  # fmt: skip
+    mib = {v: [r[f"{v}_peak_bytes"] / 2**20 for r in result["rows"]] for v in BACKENDS}
+    right.plot(seqs, mib["npu_fusion"], marker="o", label="npu_fusion (reference kernel)")
+    right.plot(seqs, mib["local"], marker="s", label="Megatron local")
     right.set(xlabel="sequence length", ylabel="MiB", title="peak bytes in one step")
     right.legend()
     fig.tight_layout()

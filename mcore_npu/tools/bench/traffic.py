@@ -1,39 +1,13 @@
 """Count what a block of code sends to other ranks and where it would stall the host.
 
 ``count_traffic(group_size)`` watches every operator the block dispatches (a
-``TorchDispatchMode``, which sees the ``c10d`` collectives too, forward and backward) and every
-tensor method it calls from Python (a ``TorchFunctionMode``). Nothing in the measured code is
-changed or wrapped; the modes only look at the arguments and pass each call on untouched, and
-they allocate no tensors (so peaks measured at the same time are unaffected).
-
-**Bytes sent per rank** are charged per collective as its standard algorithm sends them
-(the bus-bytes convention of the NCCL/HCCL tests), P = group size, ``n`` = bytes of the tensor:
-
-=======================================  ====================================  ===============
-collective (``c10d`` op)                  bytes this rank sends                 why
-=======================================  ====================================  ===============
-all-gather (``allgather_``,               ``(P-1) * n_in``                      its block to
-``_allgather_base_``)                                                           every peer
-reduce-scatter (``_reduce_scatter_base_``  ``(P-1)/P * n_in``                    every slice
-, ``reduce_scatter_``)                                                          but its own
-all-reduce (``allreduce_``)               ``2 (P-1)/P * n``                     ring: reduce-
-                                                                                scatter + gather
-all-to-all (``alltoall_base_``)           ``(P-1)/P * n_in``                    every slice but
-                                                                                its own
-send (``send``)                           ``n``                                 point to point
-=======================================  ====================================  ===============
-
-**Host synchronisation**: on an accelerator these force a device-to-host wait; on the CPU they
-are the same calls, so counting them here says what the code would do on an NPU:
-
-- operators (dispatch level): ``aten._local_scalar_dense`` (``.item()``, ``bool()``,
-  ``int()``, ``float()`` of a tensor), ``nonzero``, ``masked_select``, the ``unique`` family,
-  ``bincount``, ``repeat_interleave`` without ``output_size``, ``equal``, ``is_nonzero``, and
-  ``index`` / ``index_put_`` with a boolean index (its size depends on the data);
-- tensor methods (Python level, invisible to the dispatcher on the CPU): ``tolist``,
-  ``numpy``, ``cpu`` and ``to`` with a CPU device.
-
-Collectives' ``wait()`` is not counted: on an NPU it orders streams, it does not block the host.
+``TorchDispatchMode``: the ``c10d`` collectives too, forward and backward) and every tensor
+method it calls from Python (a ``TorchFunctionMode``); it changes, wraps and allocates nothing.
+Bytes sent per rank are charged per collective as its standard algorithm sends them (the
+bus-bytes convention of the NCCL/HCCL tests: :func:`collective_bytes`). Host synchronisations
+are the calls that make an accelerator wait for the host: :data:`SYNC_OPS`, a boolean index,
+``repeat_interleave`` without ``output_size``, :data:`SYNC_METHODS` and ``to`` a CPU device.
+A collective's ``wait()`` is not counted (on an NPU it orders streams). Tables: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -47,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNC_OPS = (
+SYNC_OPS = (  # need the device's data on the host (matched on the overload packet)
     "aten._local_scalar_dense",
     "aten.nonzero",
     "aten.masked_select",
@@ -59,10 +33,8 @@ SYNC_OPS = (
     "aten.equal",
     "aten.is_nonzero",
 )
-"""Operators whose result needs the device's data on the host (matched on the overload packet)."""
 BOOL_INDEX_OPS = ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_")
-SYNC_METHODS = ("tolist", "numpy", "cpu")
-"""Tensor methods that copy to the host (``to`` with a CPU device is checked separately)."""
+SYNC_METHODS = ("tolist", "numpy", "cpu")  # copy to the host (``to`` a CPU device: separately)
 
 
 @dataclass
@@ -79,9 +51,9 @@ class Traffic:
         self.sync_sites[_project_site()] += 1
 
     def as_dict(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "calls": dict(self.calls),
-                "syncs": dict(self.syncs), "sync_count": sum(self.syncs.values()),
-                "sync_sites": dict(self.sync_sites)}  # fmt: skip
+        counts = {"calls": dict(self.calls), "syncs": dict(self.syncs)}
+        syncs = {"sync_count": sum(self.syncs.values()), "sync_sites": dict(self.sync_sites)}
+        return {"bytes_sent": self.bytes_sent, **counts, **syncs}
 
 
 _NOT_SITES = ("/mcore_npu/cpu/shims.py",) + tuple(
@@ -132,7 +104,7 @@ def collective_bytes(name: str, args, group_size: int) -> int | None:
 
 
 def _synchronises(name: str, args, kwargs) -> bool:
-    """Whether the operator ``name`` needs device data on the host (see the module docstring)."""
+    """Whether the operator ``name`` needs device data on the host."""
     if name in SYNC_OPS:
         return True
     if name in BOOL_INDEX_OPS:
@@ -189,10 +161,8 @@ def _to_cpu(args, kwargs) -> bool:
 
 @contextlib.contextmanager
 def count_traffic(group_size: int):
-    """Context manager yielding a ``Traffic`` that fills in while the block runs.
-
-    ``group_size``: P of the collectives' groups (every collective of the block is on it).
-    """
+    """Context manager yielding a ``Traffic`` that fills in while the block runs;
+    ``group_size``: P of the collectives' groups (every collective of the block is on it)."""
     traffic = Traffic()
     with _MethodCounter(traffic), _OperatorCounter(traffic, group_size):
         yield traffic

@@ -1,20 +1,10 @@
-"""Context parallelism for ``NPUFusionAttention``, one small module per ``cp_comm_type``.
+"""Context parallelism for ``NPUFusionAttention``, one small module per ``cp_comm_type``: ``p2p``
+(:mod:`.ring`), ``all_gather`` (:mod:`.all_gather`), ``a2a`` (:mod:`.ulysses`); ``a2a+p2p`` is
+refused.
 
-=============  ===========================================  ==============================
-comm type      what travels                                 module
-=============  ===========================================  ==============================
-``p2p``        K/V blocks around the ring; dK/dV back       :mod:`.ring`
-``all_gather`` all of K/V; dK/dV reduce-scattered           :mod:`.all_gather`
-``a2a``        q/k/v and the output, by all-to-all          :mod:`.ulysses`
-``a2a+p2p``    refused (hierarchical CP is not built)
-=============  ===========================================  ==============================
-
-Inputs are Megatron's: each CP rank holds chunks r and 2·CP-1-r of every sequence
-(``get_batch_on_this_cp_rank``), sbhd ``[s/CP, b, n, hn]``, or packed thd ``[t/CP, n, hn]``
-where every packed sequence is cut into its own 2·CP chunks (:mod:`.thd`,
-``get_thd_batch_on_this_cp_rank``). The CP group comes from ``pg_collection.cp``, falling back
-to ``parallel_state``.
-"""
+Inputs are Megatron's: CP rank r holds chunks r and 2·CP-1-r of every sequence, sbhd
+``[s/CP, b, n, hn]`` or packed thd ``[t/CP, n, hn]`` (every packed sequence cut into its own 2·CP
+chunks, :mod:`.thd`). The CP group is ``pg_collection.cp``, else ``parallel_state``'s."""
 
 from __future__ import annotations
 
@@ -42,8 +32,8 @@ __all__ = [
 
 
 def layer_comm_type(config, layer_number: int, given: str | None) -> str:
-    """This layer's comm type: the one Megatron passed, else ``config.cp_comm_type`` (a string
-    or a per-layer list, indexed by the 1-based ``layer_number``), else ``"p2p"``."""
+    """This layer's comm type: the one Megatron passed, else ``config.cp_comm_type`` (a string or a
+    per-layer list, by the 1-based ``layer_number``), else ``"p2p"``."""
     chosen = given
     if chosen is None:
         configured = getattr(config, "cp_comm_type", None)
@@ -70,10 +60,8 @@ def attention(comm_type, query, key, value, group, **kwargs):
     """Run ``comm_type``'s algorithm: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``,
     thd ``[t_local, np, hn]`` -> ``[t_local, np * hn]``.
 
-    Keyword arguments: ``heads`` (np), ``scale``, ``causal``, ``kernel``, ``keep_prob``,
-    ``thd_ends`` (packed: the local padded cumulative ends without the leading 0, host ints;
-    None for sbhd), ``window`` (``(left, right)``, -1 = unbounded; None = no window) and
-    ``memo`` (the layer's ``SeqLengthsMemo``, owner of the packed index tensors). A case that
-    :mod:`.rules` refuses raises ``ContextParallelUnsupported`` naming it and the fix.
-    """
+    Keywords: ``heads`` (np), ``scale``, ``causal``, ``kernel``, ``keep_prob``, ``thd_ends``
+    (packed: local padded cumulative ends without the leading 0, host ints; None for sbhd),
+    ``window`` (``(left, right)``, -1 = unbounded) and ``memo`` (the layer's ``SeqLengthsMemo``). A
+    case :mod:`.rules` refuses raises ``ContextParallelUnsupported``."""
     return _ALGORITHMS[comm_type].attention(query, key, value, group, **kwargs)

@@ -1,26 +1,10 @@
 """``cp_comm_type="all_gather"``: all-gather K/V, each local query chunk attends to its prefix.
 
-Per rank: the local queries (chunks r and 2·CP-1-r of every sequence), the whole K/V in
-natural token order. The gather is an autograd function whose backward reduce-scatters the K/V
-gradients to their owners. No S×S mask anywhere: every call uses the compressed mask.
-
-=====================  ============================================  ===========================
-case                   keys of query chunk c (positions in its seq)  operator calls per layer
-=====================  ============================================  ===========================
-sbhd causal            ``[0, (c+1)·chunk)``                          2, SBH, mode 3 (bottom-right)
-sbhd full              all                                           1, SBH, no mask
-sbhd window (l, r)     ``[start - l, end + r)`` clipped              2, SBH, mode 4 (band)
-thd causal             the prefix of its own sequence                1, TND, mode 3
-thd full               its whole sequence (real == padded lengths)   1, TND, no mask
-thd window (l, 0)      ``[start - l, end)`` within its sequence      1, TND, mode 4
-=====================  ============================================  ===========================
-
-For thd the key/value segment of every query chunk is laid out by one ``index_select`` of the
-gathered (rank-ordered) tokens: overlapping prefixes are copied, so the TND call sees one
-``(query segment, key segment)`` pair per chunk, bottom-right aligned. Autograd's backward of
-``index_select`` adds the overlapping gradients back before the reduce-scatter. The index is a
-pure function of the host offsets and is built once per distinct batch layout (a small LRU).
-"""
+Per rank: the local queries (chunks r and 2·CP-1-r of every sequence) against the whole K/V in
+natural order; the gather's backward reduce-scatters the K/V gradients. No S×S mask: sbhd makes two
+SBH calls (causal: mode 3; window: mode 4; full: one call), thd one TND call whose key segment per
+query chunk is laid out by one ``index_select`` of the gathered tokens (built once per batch
+layout). See docs/context_parallel.md."""
 
 from __future__ import annotations
 
@@ -62,24 +46,28 @@ class GatherTokens(torch.autograd.Function):
 
 
 def attention(
-    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None, memo=None,
-):  # fmt: skip
-    """Context-parallel attention by all-gather.
+    query,
+    key,
+    value,
+    group,
+    *,
+    heads,
+    scale,
+    causal,
+    kernel,
+    keep_prob=1.0,
+    thd_ends=None,
+    window=None,
+    memo=None,
+):
+    """Context-parallel attention by all-gather: sbhd ``[s_local, b, np, hn]`` ->
+    ``[s_local, b, np * hn]``, thd ``[t_local, np, hn]`` -> ``[t_local, np * hn]``.
 
     Args:
-        query: sbhd ``[s_local, b, np, hn]`` or thd ``[t_local, np, hn]`` (local chunks);
-            key/value the same with ``ng`` groups.
-        group: the CP process group; heads: np; causal: causal over each whole sequence
-            (else full attention, or the window alone).
-        thd_ends: thd only: the local padded cumulative ends without the leading 0 (host ints),
-            local sequence i spanning ``[ends[i-1], ends[i])``, first half chunk r, second half
-            chunk 2·CP-1-r.
+        causal: causal over each whole sequence (else full attention, or the window alone).
+        thd_ends: thd only: the local padded cumulative ends without the leading 0 (host ints).
         window: ``(left, right)`` sliding window (-1 = unbounded), or None.
         memo: the layer's ``SeqLengthsMemo``: the packed index is built once per layout.
-
-    Returns:
-        sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
     """
     packed = thd_ends is not None
     rules.check(
@@ -107,20 +95,17 @@ def _sbhd(query, key, value, group, heads, causal, window, common):
         first, last, mode = _key_range(start, end, seq, window)
         q_half = q[half * chunk : (half + 1) * chunk]
         keys, values = k[first:last], v[first:last]
-        outs.append(fusion_attention(q_half, keys, values, heads, "SBH", atten_mask=mask,
-                                     **mode, **common))  # fmt: skip
+        outs.append(
+            fusion_attention(q_half, keys, values, heads, "SBH", atten_mask=mask, **mode, **common)
+        )
     return torch.cat(outs)
 
 
 def _key_range(start: int, end: int, seq: int, window) -> tuple[int, int, dict]:
-    """Keys ``[first, last)`` of the queries at positions ``[start, end)`` of a sequence of
-    ``seq`` tokens, and the sparse-mode arguments that make the call exact there.
-
-    Causal: the prefix, mode 3. Window ``(l, r)``: keep ``-l <= key - query <= r``; with
-    ``e = last - end`` extra keys after the chunk, mode 4's band (origin bottom-right, shifted
-    by ``e``) is ``pre = l + e``, ``next = r - e`` (slicing off keys before ``first`` does not
-    move a bottom-right origin).
-    """
+    """Keys ``[first, last)`` of the queries at ``[start, end)`` of a ``seq``-token sequence, and
+    the sparse-mode arguments that make the call exact there: causal: the prefix, mode 3; window
+    ``(l, r)``: mode 4's bottom-right band, ``pre = l + e``, ``next = r - e`` with
+    ``e = last - end``."""
     if window is None:
         return 0, end, {"sparse_mode": 3}
     left, right = window
@@ -142,8 +127,12 @@ def _thd(query, key, value, group, heads, causal, ends, window, common, memo):
     v = GatherTokens.apply(value, group).index_select(0, index)
     kwargs = dict(actual_seq_qlen=list(q_ends), actual_seq_kvlen=list(kv_ends), **common)
     if left is not None:
-        kwargs.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=4,
-                      pre_tockens=left, next_tockens=0)  # fmt: skip
+        kwargs.update(
+            atten_mask=compressed_causal_mask(query.device),
+            sparse_mode=4,
+            pre_tockens=left,
+            next_tockens=0,
+        )
     elif causal:
         kwargs.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=3)
     out = fusion_attention(query, k, v, heads, "TND", **kwargs)
@@ -177,8 +166,8 @@ def _thd_layout_host(ends: tuple[int, ...], size: int, rank: int, causal: bool, 
 
 
 def _gathered_index(pos, chunk, start_local, size, t_local):
-    """Where positions ``pos`` of one sequence (``2·CP`` chunks of ``chunk`` tokens, local
-    offset ``start_local`` on every rank) lie in the rank-ordered gather ``[CP * t_local]``."""
+    """Where positions ``pos`` of one sequence (``2·CP`` chunks of ``chunk`` tokens, local offset
+    ``start_local``) lie in the rank-ordered gather ``[CP * t_local]``."""
     chunk_id = pos // chunk
     late = chunk_id >= size
     owner = torch.where(late, 2 * size - 1 - chunk_id, chunk_id)
@@ -186,19 +175,10 @@ def _gathered_index(pos, chunk, start_local, size, t_local):
 
 
 def thd_layout(ends, size: int, rank: int, causal: bool, left, device, memo=None):
-    """The gather index and TND lengths of one rank's packed attention.
-
-    Args:
-        ends: local padded cumulative ends (no leading 0), host ints; size/rank: CP.
-        causal: one (query chunk, prefix) segment per chunk; else one (both chunks, whole
-            sequence) segment per sequence. left: a causal window's left width, or None.
-
-        memo: a ``SeqLengthsMemo``: built (and copied to ``device``) once per layout.
-
-    Returns:
-        ``(index [Tk] int64 into the rank-ordered gather, q_ends, kv_ends)``; q_ends/kv_ends are
-        the ``actual_seq_qlen`` / ``actual_seq_kvlen`` of the TND call.
-    """
+    """The gather index and TND lengths of one rank's packed attention: ``(index [Tk] int64 into the
+    rank-ordered gather, actual_seq_qlen, actual_seq_kvlen)``. ``causal``: one (query chunk, prefix)
+    segment per chunk; else one (both chunks, whole sequence) per sequence. ``left``: a causal
+    window's left width, or None. Built once per layout with a ``memo``."""
     ends, device = tuple(ends), torch.device(device)
 
     def build():

@@ -1,28 +1,12 @@
 """The ring's block schedule, shared by sbhd and packed thd, and how one block becomes one call.
 
-Rank r holds query chunks (r, 2·CP-1-r) of every sequence, as two *parts*: ``EARLY`` (chunk r)
-and ``LATE`` (chunk 2·CP-1-r); ``BOTH`` is the whole local sequence. At ring step i it holds
-the K/V of rank ``src = (r - i) mod CP``. Without a window each step is one block:
-
-================  ==============================  ===========================================
-step              queries -> keys                 mask
-================  ==============================  ===========================================
-i = 0 (own K/V)   BOTH -> BOTH                    causal: the pair (early, late) is causal
-src < r           BOTH -> src's EARLY             full (no mask); sbhd: one block per query
-                                                  part (``split_rows``), half the rows each
-src > r           LATE -> BOTH                    full (no mask)
-================  ==============================  ===========================================
-
-With a causal sliding window ``(left, 0)`` (sbhd only) a step is up to four chunk-pair blocks.
-Query chunk a against key chunk b, ``delta = (a - b)·c`` tokens apart (c = chunk length),
-keeps ``0 <= delta + i - j <= left`` (i, j: positions inside the chunks): a band shifted by
-delta, i.e. sparse mode 4 with ``pre = left - delta``, ``next = delta``. Blocks the band
-misses are skipped, blocks it covers are full. No S x S mask is ever built.
-
-A *layout* turns parts into rows of the local tensors and a block into the operator's mask
-keywords: :class:`DenseLayout` (sbhd, ``SBH``) and :class:`PackedLayout` (thd, ``TND``, every
-sequence of the pack at once: one operator call per block for all sequences).
-"""
+Rank r holds query parts ``EARLY`` (chunk r) and ``LATE`` (chunk 2·CP-1-r), ``BOTH`` together; at
+ring step i it holds the K/V of rank ``src = (r - i) mod CP``. Without a window a step is one block:
+step 0 ``BOTH -> BOTH`` causal; ``src < r``: ``BOTH -> src's EARLY`` full (sbhd: one block per query
+part); ``src > r``: ``LATE -> BOTH`` full. With a causal window ``(left, 0)`` (sbhd only) a step is
+up to four chunk-pair blocks, each a band shifted by the chunks' distance (sparse mode 4), skipped
+or full where the band misses or covers it. A *layout* (:class:`DenseLayout`, :class:`PackedLayout`)
+turns parts into rows and blocks into mask keywords."""
 
 from __future__ import annotations
 
@@ -40,7 +24,7 @@ CAUSAL, FULL = ("causal",), ("full",)
 @dataclass(frozen=True)
 class Block:
     """One operator call: query part ``rows``, key part ``keys``, ``mask`` = CAUSAL, FULL or
-    ``("band", pre, next)`` (sparse mode 4, bottom-right origin; square blocks)."""
+    ``("band", pre, next)`` (sparse mode 4, bottom-right origin)."""
 
     rows: str
     keys: str
@@ -48,18 +32,21 @@ class Block:
 
 
 def schedule(
-    rank: int, size: int, step: int, *, left: int | None = None, chunk: int = 0,
+    rank: int,
+    size: int,
+    step: int,
+    *,
+    left: int | None = None,
+    chunk: int = 0,
     split_rows: bool = False,
-):  # fmt: skip
-    """The blocks of ring step ``step`` on CP rank ``rank`` (see the module's table).
+):
+    """The blocks of ring step ``step`` on CP rank ``rank``.
 
     Args:
-        left: the causal window's width to the left (keys ``left`` tokens back are kept), or
-            None for plain causal attention.
+        left: the causal window's left width, or None for plain causal attention.
         chunk: c, the tokens of one chunk (needed with a window only).
-        split_rows: make a ``src < r`` step two blocks, one per query part (EARLY -> EARLY,
-            LATE -> EARLY), so that a call returns half the rows: for layouts whose parts are
-            views (sbhd), where the split costs no copy.
+        split_rows: a ``src < r`` step as two blocks, one per query part (for layouts whose parts
+            are views).
     """
     src = (rank - step) % size
     if left is None:
@@ -80,8 +67,8 @@ def schedule(
 
 
 def _window_mask(chunks_apart: int, left: int, chunk: int) -> tuple | None:
-    """Mask of query chunk a against key chunk b = a - ``chunks_apart`` under the causal
-    window ``left``; None when the band keeps nothing of the block."""
+    """Mask of query chunk a against key chunk ``a - chunks_apart`` under the causal window
+    ``left``; None when the band keeps nothing of the block."""
     if chunks_apart < 0:
         return None  # keys after every query
     delta = chunks_apart * chunk
@@ -95,7 +82,7 @@ def _window_mask(chunks_apart: int, left: int, chunk: int) -> tuple | None:
 
 
 class DenseLayout:
-    """sbhd: local q ``[2c, b, np*hn]``, k/v ``[2c, b, ng*hn]`` (SBH); statistics kept as
+    """sbhd: local q ``[2c, b, np*hn]``, k/v ``[2c, b, ng*hn]`` (SBH); statistics
     ``[rows, b, np, 1]`` float32."""
 
     input_layout = "SBH"
@@ -122,8 +109,7 @@ class DenseLayout:
         return out.float().unflatten(-1, (self.heads, -1))
 
     def stats_rows(self, stat: torch.Tensor, part: str) -> torch.Tensor:
-        """``[B, N, r, 8]`` -> ``[r, B, N, 1]``: a copy of the repeated value, so that the
-        operator's 8-wide output is freed."""
+        """``[B, N, r, 8]`` -> ``[r, B, N, 1]`` (a copy: the 8-wide output is freed)."""
         return stat[..., 0].permute(2, 0, 1).unsqueeze(-1).contiguous()
 
     def stats_op(self, stat: torch.Tensor, part: str) -> torch.Tensor:
@@ -137,13 +123,9 @@ class DenseLayout:
 
 class PackedLayout:
     """thd: local q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (TND); sequence i spans
-    ``[ends[i-1], ends[i])`` (chunk r, then chunk 2CP-1-r). Statistics kept as
-    ``[rows, np, 1]`` float32 in token order.
-
-    The operator fills TND statistics segment by segment, N-major (``softmax_layout=""``);
-    :meth:`stats_rows` / :meth:`stats_op` convert with index tensors built once per
-    ``(ends, heads, device)`` from host ints (no device synchronisation).
-    """
+    ``[ends[i-1], ends[i])`` (chunk r, then chunk 2CP-1-r). Statistics ``[rows, np, 1]`` float32 in
+    token order; the operator's are N-major per segment, converted with index tensors built once per
+    layout."""
 
     input_layout = "TND"
     split_rows = False  # parts are index tensors: a block per part would gather copies
@@ -195,12 +177,9 @@ def _segmentation(part: str) -> str:
 
 
 def _packed_plan(ends: tuple[int, ...], heads: int, device: torch.device) -> dict:
-    """Index tensors of one packed layout (built on the host from host ints, then copied).
-
-    ``early`` / ``late``: local rows of every sequence's first / second half; ``half_ends``:
-    cumulative ends of the halves; ``stats_whole`` / ``stats_half``: ``[r, N]`` positions of
-    (token, head) in statistics filled N-major per segment, for the whole sequences / halves.
-    """
+    """Index tensors of one packed layout: ``early`` / ``late`` rows, ``half_ends``, and
+    ``stats_whole`` / ``stats_half`` (``[r, N]`` positions in statistics filled N-major per
+    segment)."""
     lengths = torch.tensor((0, *ends)).diff()
     if bool((lengths % 2).any()) or bool((lengths < 0).any()):
         raise ValueError(
@@ -223,8 +202,8 @@ def _packed_plan(ends: tuple[int, ...], heads: int, device: torch.device) -> dic
 
 
 def _stats_index(lengths: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[T, N]``: where (token t, head n) sits in ``[T * N]`` statistics filled segment by
-    segment, N-major: ``start_s * N + n * L_s + (t - start_s)``."""
+    """``[T, N]``: where (token t, head n) sits in statistics filled N-major per segment:
+    ``start_s * N + n * L_s + (t - start_s)``."""
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     starts = lengths.cumsum(0) - lengths
     token = torch.arange(int(lengths.sum()))

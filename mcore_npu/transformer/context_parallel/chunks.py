@@ -1,10 +1,8 @@
 """Megatron's load-balanced chunk layout under context parallelism, and the collectives on it.
 
-The sequence is cut into 2·CP chunks; CP rank r holds chunks ``r`` and ``2·CP-1-r``, in that
-order (``megatron.core.utils.get_batch_on_this_cp_rank``). With CP=2: rank 0 holds [0, 3],
-rank 1 holds [1, 2]. Gathering the local sequences of all ranks in rank order therefore gives
-the chunks in *rank order* ``[0, 3, 1, 2]``; :func:`natural_index` undoes that.
-"""
+The sequence is cut into 2·CP chunks; CP rank r holds chunks ``r`` and ``2·CP-1-r``
+(``get_batch_on_this_cp_rank``). Gathering all ranks' local sequences in rank order gives the chunks
+in *rank order* (CP=2: ``[0, 3, 1, 2]``); :func:`natural_index` undoes that."""
 
 from __future__ import annotations
 
@@ -42,22 +40,16 @@ def reorder_chunks(x: torch.Tensor, index: torch.Tensor, chunks: int) -> torch.T
 
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """``[s_local, ...]`` from every rank -> ``[cp * s_local, ...]`` in rank order (gathered
-    straight into the result, no per-rank buffers)."""
+    """``[s_local, ...]`` from every rank -> ``[cp * s_local, ...]`` in rank order."""
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
     _gather_single(out, x.contiguous(), group)
     return out
 
 
 def gather_natural(x: torch.Tensor, group) -> torch.Tensor:
-    """``[s_local, ...]`` (chunks r, 2·CP-1-r) from every rank -> ``[cp * s_local, ...]`` in
-    natural order.
-
-    The early chunks (0..CP-1) arrive in rank order, which is their natural order: gathered
-    straight into the first half of the result. The late chunks arrive reversed (rank r holds
-    chunk 2·CP-1-r): gathered into a half-length buffer and copied back in reverse. Besides the
-    result, half of it is allocated (rank order then a reordering copy would take twice it).
-    """
+    """``[s_local, ...]`` (chunks r, 2·CP-1-r) from every rank -> ``[cp * s_local, ...]`` in natural
+    order. The late chunks go through a half-length buffer: besides the result, half of it is
+    allocated."""
     size, half = dist.get_world_size(group), x.shape[0] // 2
     x = x.contiguous()
     out = x.new_empty(size * 2 * half, *x.shape[1:])
@@ -71,17 +63,14 @@ def gather_natural(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """All-gather into one tensor: ``all_gather_single`` where torch has it (2.13+), else its
-    older name ``all_gather_into_tensor`` (torch_npu's releases)."""
+    """``all_gather_single`` (torch 2.13+), else ``all_gather_into_tensor``."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, x, group=group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """``[cp * s_local, ...]`` summed over ranks; rank r keeps slice r ``[s_local, ...]``.
-
-    gloo has no reduce-scatter: there it is an all-reduce followed by the rank's slice.
-    """
+    """``[cp * s_local, ...]`` summed over ranks; rank r keeps slice r ``[s_local, ...]`` (gloo: an
+    all-reduce, then the slice)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     local = x.shape[0] // size
     if dist.get_backend(group) == "gloo":
@@ -102,15 +91,14 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def ring_exchange(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
-    """Send each of ``tensors`` to the next CP rank; receive the previous rank's tensors of the
-    same shapes. One message per tensor, all in one batch (no stacking copy)."""
+    """Send each of ``tensors`` to the next CP rank; receive the previous rank's tensors of the same
+    shapes (one batch of messages)."""
     return RingTransfer(tensors, group).wait()
 
 
 class RingTransfer:
-    """:func:`ring_exchange` started now and finished by :meth:`wait`, so that the transfer of
-    the next K/V block overlaps the attention of the current one. The sent tensors must stay
-    unchanged until :meth:`wait` returns."""
+    """:func:`ring_exchange` started now and finished by :meth:`wait` (overlapping the current
+    block's attention); the sent tensors must stay unchanged until then."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], group) -> None:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -129,6 +117,5 @@ class RingTransfer:
 
 
 def planned(memo, key: tuple, build):
-    """``memo.plan(key, build)`` (the layer's :class:`~mcore_npu.masks.SeqLengthsMemo`: built once
-    per batch layout), or ``build()`` when the caller has no memo."""
+    """``memo.plan(key, build)`` (built once per batch layout), or ``build()`` without a memo."""
     return build() if memo is None else memo.plan(key, build)

@@ -1,35 +1,11 @@
 """``cp_comm_type="p2p"``: ring attention on Megatron's load-balanced layout, sbhd and thd.
 
-K/V blocks travel around the CP ring, the next block's transfer overlapping the current
-block's attention (:class:`.chunks.RingTransfer`). Rank r holds query chunks (r, 2·CP-1-r) of
-every sequence; at step i it holds the K/V of rank ``src = (r - i) mod CP`` and makes the
-calls of :func:`.blocks.schedule` (one or two per step; up to four with a sliding window):
-
-================  =========================================  ===========================
-step              queries -> keys                            operator call
-================  =========================================  ===========================
-i = 0 (own K/V)   both local chunks -> both local chunks     causal: sbhd mode 2, thd
-                                                             mode 3 (square per sequence)
-src < r           both chunks -> src's early chunk           mode 0, no mask (full); sbhd:
-                                                             one call per query chunk
-src > r           the late chunk -> both of src's chunks     mode 0, no mask (full)
-================  =========================================  ===========================
-
-Packed (thd) batches run the same schedule in TND, every sequence of the pack in one call:
-the parts (early/late half of each sequence) are index tensors and the TND lengths
-(``actual_seq_qlen/kvlen``, no leading 0) come from the local padded ends ``thd_ends``.
-
-Partial results merge through the operator's statistics (``softmax_max`` m, ``softmax_sum``
-l, float32)::
-
-    m = max(m_a, m_b);  w_a = l_a exp(m_a - m);  w_b = l_b exp(m_b - m)
-    l = w_a + w_b;      out = (out_a w_a + out_b w_b) / l
-
-The backward pass runs the same ring with the gradient operator (``npu_fusion_attention_grad``
-through ``ops.fusion_attention_grad``), given the merged output and the merged statistics, so
-each call returns its block's exact share; dK/dV travel with their block and a last hop brings
-them home.
-"""
+K/V blocks travel around the CP ring, each transfer overlapping the current block's calls
+(:func:`.blocks.schedule`); thd runs the same schedule in TND for the whole pack. Partial results
+merge through the float32 statistics (m = ``softmax_max``, l = ``softmax_sum``):
+``m = max(m_a, m_b)``, ``w = l exp(m_x - m)``, ``out = (out_a w_a + out_b w_b) / (w_a + w_b)``. The
+backward runs the same ring with ``fusion_attention_grad`` on the merged output and statistics;
+dK/dV travel with their block. See docs/context_parallel.md."""
 
 from __future__ import annotations
 
@@ -39,23 +15,14 @@ import torch.distributed as dist
 from mcore_npu.masks.descriptions import layer_window
 from mcore_npu.ops import fusion_attention_grad, fusion_attention_with_stats
 from mcore_npu.transformer.context_parallel import chunks, rules
-from mcore_npu.transformer.context_parallel.blocks import (
-    BOTH,
-    DenseLayout,
-    PackedLayout,
-    schedule,
-)
+from mcore_npu.transformer.context_parallel.blocks import BOTH, DenseLayout, PackedLayout, schedule
 
 _F32_MIN = torch.finfo(torch.float32).min
 
 
 def _merge(acc, rows, out_b, m_b, l_b):
-    """Merge a block's ``(out [r, ..., n, d] fp32, m, l [r, ..., n, 1])`` into ``acc`` at
-    ``rows`` (a slice or an index tensor of dim 0), in place.
-
-    ``out_b`` is the operator's fresh output and is overwritten: besides it, only the rows of an
-    index tensor are copied (a slice is a view), so a merge holds one block output at most.
-    """
+    """Merge a block's ``(out [r, ..., n, d] fp32, m, l [r, ..., n, 1])`` into ``acc`` at ``rows``
+    (a slice or an index tensor), in place; ``out_b`` is overwritten."""
     m_a, l_a = acc[1][rows], acc[2][rows]
     m = torch.maximum(m_a, m_b)
     w_a, w_b = l_a * torch.exp(m_a - m), l_b * torch.exp(m_b - m)
@@ -68,8 +35,8 @@ def _merge(acc, rows, out_b, m_b, l_b):
 
 
 def _add_rows(total, part, rows, grad, tokens: int):
-    """``total[rows] += grad`` in float32. ``total`` None: the first gradient, kept as it is
-    when it covers every row (``part`` BOTH), else zeros of ``tokens`` rows first."""
+    """``total[rows] += grad`` in float32; the first gradient is kept as it is when it covers every
+    row."""
     grad = grad.float()
     if total is None:
         if part == BOTH:
@@ -95,8 +62,8 @@ def _blocks(layout, rank: int, size: int, step: int, left, tokens: int):
 
 
 class RingAttention(torch.autograd.Function):
-    """q, k, v in ``layout``'s operator form (sbhd: SBH ``[2c, b, n*hn]``; thd: TND
-    ``[t, n, hn]``) -> the merged output in the query's form."""
+    """q, k, v in ``layout``'s operator form (sbhd: SBH ``[2c, b, n*hn]``; thd: TND ``[t, n, hn]``)
+    -> the merged output in the query's form."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, left, kernel, scale):
@@ -109,9 +76,15 @@ class RingAttention(torch.autograd.Function):
             for block in _blocks(layout, rank, size, step, left, tokens):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 out_b, m_b, l_b = fusion_attention_with_stats(
-                    q[rows], kv[0][keys], kv[1][keys], layout.heads, layout.input_layout,
-                    kernel=kernel, scale=scale, **layout.mask_kwargs(block),
-                )  # fmt: skip
+                    q[rows],
+                    kv[0][keys],
+                    kv[1][keys],
+                    layout.heads,
+                    layout.input_layout,
+                    kernel=kernel,
+                    scale=scale,
+                    **layout.mask_kwargs(block),
+                )
                 out_b = layout.out_rows(out_b)
                 m_b, l_b = layout.stats_rows(m_b, block.rows), layout.stats_rows(l_b, block.rows)
                 if acc is None and block.rows == BOTH:
@@ -142,12 +115,19 @@ class RingAttention(torch.autograd.Function):
             for block in _blocks(layout, rank, size, step, ctx.left, tokens):
                 rows, keys = layout.rows(block.rows), layout.rows(block.keys)
                 dq_b, dk_b, dv_b, _ = fusion_attention_grad(
-                    q[rows], kv[0][keys], kv[1][keys], dout[rows], layout.heads,
-                    layout.input_layout, kernel=ctx.kernel, scale_value=ctx.scale,
+                    q[rows],
+                    kv[0][keys],
+                    kv[1][keys],
+                    dout[rows],
+                    layout.heads,
+                    layout.input_layout,
+                    kernel=ctx.kernel,
+                    scale_value=ctx.scale,
                     softmax_max=layout.stats_op(smax[rows], block.rows),
                     softmax_sum=layout.stats_op(ssum[rows], block.rows),
-                    attention_in=out[rows], **layout.mask_kwargs(block),
-                )  # fmt: skip
+                    attention_in=out[rows],
+                    **layout.mask_kwargs(block),
+                )
                 dq = _add_rows(dq, block.rows, rows, dq_b, tokens)
                 dk = _add_rows(dk, block.keys, keys, dk_b, tokens)
                 dv = _add_rows(dv, block.keys, keys, dv_b, tokens)
@@ -167,17 +147,24 @@ def _or_zeros(grad, like: torch.Tensor) -> torch.Tensor:
 
 
 def attention(
-    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None, memo=None,
-):  # fmt: skip
-    """Ring attention: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``; thd (with
-    ``thd_ends``, the local padded cumulative ends without a leading 0, host ints)
-    ``[t_local, np, hn]`` -> ``[t_local, np * hn]``.
-
-    Causal attention only, without dropout (the gradient operator cannot replay a dropout mask
-    that the reference draws). ``window=(left, right)`` (Megatron's ``window_size``): a causal
-    sliding window, sbhd only (a packed pack would need one band per sequence length).
-    """
+    query,
+    key,
+    value,
+    group,
+    *,
+    heads,
+    scale,
+    causal,
+    kernel,
+    keep_prob=1.0,
+    thd_ends=None,
+    window=None,
+    memo=None,
+):
+    """Ring attention: sbhd ``[s_local, b, np, hn]`` -> ``[s_local, b, np * hn]``; thd
+    (``thd_ends``: local padded cumulative ends without a leading 0, host ints)
+    ``[t_local, np, hn]`` -> ``[t_local, np * hn]``. Causal only, without dropout;
+    ``window=(left, right)``: a causal sliding window, sbhd only."""
     packed = thd_ends is not None
     size = dist.get_world_size(group)
     rules.check("p2p", size, causal=causal, dropout=1.0 - keep_prob, window=window, packed=packed)

@@ -1,10 +1,8 @@
 """What the NPU spec's context parallelism takes: one function that answers, with reasons.
 
 The YAML validator, the recipe translator, the attention module and each algorithm ask
-:func:`not_supported_reasons` (or :func:`check`, which raises); none keeps a rule of its own.
-A reason names the argument it is about in Megatron's words (``cp_comm_type``,
-``window_size``, ...); a caller whose users write other keys renders it in theirs.
-"""
+:func:`not_supported_reasons` (or :func:`check`, which raises). A reason names its argument in
+Megatron's words; a caller whose users write other keys renders it in theirs."""
 
 from __future__ import annotations
 
@@ -16,15 +14,14 @@ KNOWN = (*BUILT, "a2a+p2p")
 
 
 class ContextParallelUnsupported(ValueError, NotImplementedError):
-    """A context-parallel call the NPU spec refuses: bad input (a ValueError) or a case that
-    is not built (a NotImplementedError); either ``except`` catches it."""
+    """A refused context-parallel call: both a ValueError and a NotImplementedError."""
 
 
 @dataclass(frozen=True)
 class Reason:
-    """Why a call is refused: ``fact`` is the argument it is about and ``value`` its value;
-    ``problem`` and ``fix`` may name arguments as ``{name}`` fields, which :meth:`render` fills
-    in a caller's words."""
+    """Why a call is refused: ``fact`` is the argument and ``value`` its value; ``problem`` and
+    ``fix`` may name arguments as ``{name}`` fields, which :meth:`render` fills in a caller's words.
+    """
 
     fact: str
     value: object
@@ -60,13 +57,9 @@ def not_supported_reasons(
 ) -> list[Reason]:
     """Why ``comm_type`` over ``cp_size`` ranks cannot run a call (empty: it can).
 
-    Args:
-        causal, dropout, window, packed: the call's mask (``window`` is Megatron's
-            ``window_size``, ``(left, right)``, -1 unbounded), its dropout probability (0 in
-            eval) and whether the batch is packed (thd).
-        heads, groups: query heads and KV groups over ``tp`` tensor-parallel ranks (None: not
-            known yet).
-    """
+    ``window`` is Megatron's ``window_size`` (``(left, right)``, -1 unbounded), ``dropout`` the
+    probability (0 in eval), ``packed`` a thd batch; ``heads`` / ``groups``: query heads and KV
+    groups over ``tp`` tensor-parallel ranks (None: not known yet)."""
     if comm_type not in KNOWN:
         fix = f"use one of {', '.join(BUILT)}"
         return [Reason("cp_comm_type", comm_type, "unknown value", fix)]
@@ -83,8 +76,8 @@ def not_supported_reasons(
 
 
 def check(comm_type: str, cp_size: int, *, where: str = "", **facts) -> None:
-    """:func:`not_supported_reasons`, raised as one :class:`ContextParallelUnsupported`
-    (``where``: what the message starts with, e.g. ``"layer 3"``)."""
+    """:func:`not_supported_reasons`, raised as one :class:`ContextParallelUnsupported` (``where``:
+    the message's prefix, e.g. ``"layer 3"``)."""
     reasons = not_supported_reasons(comm_type, cp_size, **facts)
     if reasons:
         prefix = f"{where}: " if where else ""

@@ -1,19 +1,9 @@
 """Packed (thd) batches under context parallelism: Megatron's per-sequence load balancing.
 
-Every packed sequence ``i`` occupies ``[cu[i], cu[i+1])`` of the ``[T]`` token axis, with a
-padded length ``L_i`` that divides by ``2·CP`` (verl pads to a multiple of tp·cp·2). It is cut
-into its own ``2·CP`` chunks of ``c_i = L_i / (2·CP)`` tokens; CP rank r keeps chunks ``r`` and
-``2·CP-1-r`` of every sequence, sequence after sequence::
-
-    CP=2, two sequences of 8 and 4 tokens (cu = [0, 8, 12]):
-        rank 0 keeps  0 1 | 6 7 || 8 | 11          (chunks 0 and 3 of each)
-        rank 1 keeps  2 3 | 4 5 || 9 | 10          (chunks 1 and 2 of each)
-
-so each rank holds ``T / CP`` tokens and its local ``cu_seqlens`` is ``cu // CP``. This is what
-Transformer Engine's ``tex.thd_get_partitioned_indices`` computes, and what Megatron's
-``get_thd_batch_on_this_cp_rank`` needs (it asserts that TE is installed). Here it is plain
-PyTorch: a few vectorised ops on the device of ``cu_seqlens``, with no host synchronisation.
-"""
+Every packed sequence (padded length divisible by ``2·CP``) is cut into its own ``2·CP`` chunks; CP
+rank r keeps chunks ``r`` and ``2·CP-1-r`` of every sequence (CP=2, sequences of 8 and 4 tokens:
+rank 0 keeps ``0 1 6 7 8 11``, rank 1 ``2 3 4 5 9 10``), so its local ``cu_seqlens`` is
+``cu // CP``. TE's ``thd_get_partitioned_indices`` in plain PyTorch, without host syncs."""
 
 from __future__ import annotations
 
@@ -32,20 +22,10 @@ _NOT_SPLIT = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "ma
 def thd_get_partitioned_indices(
     cu_seqlens: torch.Tensor, total_tokens: int, world_size: int, rank: int
 ) -> torch.Tensor:
-    """The token indices CP rank ``rank`` keeps of a packed batch (TE's signature and result).
-
-    Args:
-        cu_seqlens: ``[B + 1]`` int, the **padded** cumulative sequence lengths with the leading
-            0 (Megatron's ``cu_seqlens_q_padded``); every length divides by ``2 * world_size``.
-        total_tokens: T, the length of the packed token axis: ``cu_seqlens[-1]``, or more when
-            the batch has a padding tail, which is then split like one more sequence (its
-            length must divide by ``2 * world_size`` too).
-        world_size, rank: the context-parallel size and this rank's index in the CP group.
-
-    Returns:
-        ``[T / world_size]`` int64 indices into the token axis, on ``cu_seqlens``'s device:
-        ``tokens.index_select(dim, indices)`` gives this rank's local packed batch.
-    """
+    """The ``[T / world_size]`` int64 token indices CP rank ``rank`` keeps (TE's signature and
+    result). ``cu_seqlens``: ``[B + 1]`` padded offsets with the leading 0, each length divisible by
+    ``2 * world_size``; ``total_tokens`` may exceed ``cu_seqlens[-1]`` (a tail split like a
+    sequence)."""
     _check_args(cu_seqlens, total_tokens, world_size, rank)
     ends = torch.cat([cu_seqlens.long(), cu_seqlens.new_tensor([total_tokens], dtype=torch.long)])
     cu_local = local_cu_seqlens(ends, world_size)  # [B + 2]: the tail is one more sequence
@@ -68,31 +48,26 @@ def get_thd_batch_on_this_cp_rank(
 ):
     """Megatron's ``get_thd_batch_on_this_cp_rank`` without Transformer Engine.
 
-    Args:
-        batch: name -> ``[1, T, ...]`` packed tensors (token axis = dim 1), e.g. tokens,
-            labels, loss_mask, position_ids; ``attention_mask``, ``cu_seqlens``,
-            ``cu_seqlens_padded`` and ``max_seqlen`` entries pass through unsplit, as in Megatron.
-        cu_seqlens: ``[B + 1]`` real cumulative lengths (leading 0), kept global.
-        cu_seqlens_padded: ``[B + 1]`` padded cumulative lengths; each length divides by 2·CP.
-        max_seqlen: the longest sequence, an int (no host sync) or Megatron's ``[1]`` tensor.
-        cp_size, cp_rank: default to Megatron's ``parallel_state``.
-
-    Returns:
-        ``(batch, packed_seq_params)``: the batch with every split tensor ``[1, T / CP, ...]``
-        (this rank's chunks r and 2·CP-1-r of every sequence, sequence after sequence), and
-        ``PackedSeqParams(qkv_format="thd")`` carrying the GLOBAL cu_seqlens (real and padded),
-        which is what ``NPUFusionAttention`` under CP expects.
-    """
+    ``batch``: name -> ``[1, T, ...]`` packed tensors (``attention_mask``, ``cu_seqlens``,
+    ``cu_seqlens_padded``, ``max_seqlen`` pass unsplit); ``cu_seqlens`` / ``cu_seqlens_padded``:
+    ``[B + 1]`` real / padded offsets, kept global; ``max_seqlen``: an int or Megatron's ``[1]``
+    tensor; ``cp_size`` / ``cp_rank`` default to ``parallel_state``'s. Returns ``(batch,
+    packed_seq_params)``: every split tensor ``[1, T / CP, ...]``, and ``PackedSeqParams("thd")``
+    with the GLOBAL offsets, as ``NPUFusionAttention`` under CP expects."""
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if isinstance(max_seqlen, torch.Tensor):
         max_seqlen = int(max_seqlen.reshape(-1)[0].item())
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-    )  # fmt: skip
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
     cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
     cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
     if cp_size == 1:
@@ -120,7 +95,7 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def check_thd_partitionable(cu_seqlens: torch.Tensor, world_size: int) -> None:
     """Raise ``ValueError`` naming the first sequence whose padded length does not divide by
-    ``2 * world_size`` (one device-to-host copy: call it once per batch, not per layer)."""
+    ``2 * world_size`` (one device-to-host copy: once per batch)."""
     lengths = cu_seqlens.diff().tolist()
     for i, length in enumerate(lengths):
         if length % (2 * world_size):

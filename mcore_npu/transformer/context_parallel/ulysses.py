@@ -1,21 +1,10 @@
 """``cp_comm_type="a2a"`` (Ulysses): trade the sequence split for a head split.
 
-An all-to-all (sbhd: the same exchange as point-to-point messages that land each chunk at its
-natural rows, without a reordering copy) turns the local chunks (sbhd ``[s/CP, b, np, hn]``,
-thd ``[t/CP, np, hn]``) into the whole sequence with 1/CP of the heads (``[s, b, np/CP, hn]``,
-``[t, np/CP, hn]``), the load-balanced chunk order is undone, attention runs as without CP,
-and a second all-to-all brings the output back. Query heads and KV groups must divide by CP.
-
-Order after the exchange: the ranks' local tokens one after another. sbhd: the chunks
-``[0, 2CP-1, 1, 2CP-2, ...]`` (:func:`.chunks.natural_index` undoes that). thd: every rank
-holds chunks r and 2CP-1-r *of every packed sequence*, so the permutation back to natural
-order comes from :func:`.thd.thd_get_partitioned_indices` of every rank (built on the host
-from the host ``thd_ends``, once per layout, no device synchronisation).
-
-Masks: the sequence is whole after the exchange, so causal, full and sliding-window attention
-are the one-process arguments (sbhd: layout SBH, mode 2 / mode 4 with ``pre/next_tockens``;
-thd: TND with the global padded lengths, mode 3 / mode 4 per sequence).
-"""
+An all-to-all (sbhd: point-to-point messages that land each chunk at its natural rows) turns the
+local chunks (sbhd ``[s/CP, b, np, hn]``, thd ``[t/CP, np, hn]``) into the whole sequence with 1/CP
+of the heads (``[s, b, np/CP, hn]``, ``[t, np/CP, hn]``) in natural order, attention runs as without
+CP (the one-process mask arguments), and a second all-to-all brings the output back. Query heads and
+KV groups must divide by CP. See docs/context_parallel.md."""
 
 from __future__ import annotations
 
@@ -31,8 +20,8 @@ from mcore_npu.transformer.context_parallel.thd import thd_get_partitioned_indic
 
 class TokenOrder:
     """How the rank-ordered gathered tokens (dim 0) map to natural order and back (sbhd: whole
-    chunks; thd, with ``thd_ends``: every packed sequence's own chunks). Also used by the Gated
-    DeltaNet's all-to-all (:mod:`mcore_npu.transformer.gated_delta_net.context_parallel`)."""
+    chunks; thd: every packed sequence's own chunks). Also used by the Gated DeltaNet's all-to-all.
+    """
 
     def __init__(self, size: int, device, thd_ends=None, memo=None) -> None:
         self.size, self.packed = size, thd_ends is not None
@@ -57,8 +46,8 @@ class TokenOrder:
 
 
 def _packed_order(ends: tuple[int, ...], size: int, device: torch.device):
-    """``(natural, ranked)`` token permutations of a packed batch: ``ranked[p]`` is the global
-    token at rank-order position p (rank after rank, each in its local order)."""
+    """``(natural, ranked)`` token permutations of a packed batch: ``ranked[p]`` is the global token
+    at rank-order position p."""
     cu = torch.tensor((0, *ends)) * size  # global padded cu_seqlens, leading 0
     total = cu[-1].item()
     ranked = torch.cat([thd_get_partitioned_indices(cu, total, size, r) for r in range(size)])
@@ -93,12 +82,8 @@ def _heads_to_seq(x, group, order: TokenOrder):
 
 
 def _dense_seq_to_heads(x, group):
-    """sbhd ``[s_l, b, n, d]`` (chunks r, 2CP-1-r) -> ``[CP*s_l, b, n/CP, d]`` in natural order.
-
-    Point-to-point messages land every peer's two chunks straight at their natural rows, so
-    besides the output only the heads sent to peers are copied ((CP-1)/CP of ``x``); an
-    all-to-all would add a receive buffer and a reordering copy of the whole output.
-    """
+    """sbhd ``[s_l, b, n, d]`` (chunks r, 2CP-1-r) -> ``[CP*s_l, b, n/CP, d]`` in natural order;
+    only the heads sent to peers are copied besides the output."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     s_l, b, n, d = x.shape
     c, nl = s_l // 2, n // size
@@ -111,16 +96,19 @@ def _dense_seq_to_heads(x, group):
                 out[chunk * c : (chunk + 1) * c].copy_(half)
             continue
         send = heads.contiguous()
-        ops += _halves_ops(group, peer, (send[:c], send[c:]),
-                           [out[k * c : (k + 1) * c] for k in chunks.chunk_ids(peer, size)])  # fmt: skip
+        ops += _halves_ops(
+            group,
+            peer,
+            (send[:c], send[c:]),
+            [out[k * c : (k + 1) * c] for k in chunks.chunk_ids(peer, size)],
+        )
     _run(ops)
     return out
 
 
 def _dense_heads_to_seq(x, group):
     """The inverse: ``[CP*s_l, b, n/CP, d]`` natural order -> ``[s_l, b, n, d]`` (chunks r,
-    2CP-1-r). The chunks a peer needs are row ranges of ``x`` (sent without a copy); what a
-    peer sends back is received into one ``[s_l, b, n/CP, d]`` buffer per peer."""
+    2CP-1-r)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     s, b, nl, d = x.shape
@@ -177,8 +165,8 @@ class HeadsToSeq(torch.autograd.Function):
 
 
 def _mask_kwargs(causal: bool, window, packed: bool, device) -> dict:
-    """The one-process mask arguments of the whole sequence (square, so top-left causal =
-    bottom-right causal); ``window`` is Megatron's ``window_size`` ``(left, right)``."""
+    """The one-process mask arguments of the whole (square) sequence; ``window`` is Megatron's
+    ``window_size``."""
     within = layer_window("causal" if causal else "no_mask", window)
     if within is None:
         if not causal:
@@ -189,22 +177,24 @@ def _mask_kwargs(causal: bool, window, packed: bool, device) -> dict:
 
 
 def attention(
-    query, key, value, group, *, heads, scale, causal, kernel, keep_prob=1.0, thd_ends=None,
-    window=None, memo=None,
-):  # fmt: skip
-    """Context-parallel attention by all-to-all.
-
-    Args:
-        query: sbhd ``[s_local, b, np, hn]`` or, with ``thd_ends``, thd ``[t_local, np, hn]``;
-            key/value the same with ng groups.
-        thd_ends: packed batches only: the local padded cumulative ends without a leading 0
-            (host ints); the attention runs in TND over the global padded lengths
-            ``CP * thd_ends``.
-        window: Megatron's ``window_size`` ``(left, right)``, or None.
-
-    Returns:
-        sbhd ``[s_local, b, np * hn]``; thd ``[t_local, np * hn]``.
-    """
+    query,
+    key,
+    value,
+    group,
+    *,
+    heads,
+    scale,
+    causal,
+    kernel,
+    keep_prob=1.0,
+    thd_ends=None,
+    window=None,
+    memo=None,
+):
+    """Context-parallel attention by all-to-all: sbhd ``[s_local, b, np, hn]`` ->
+    ``[s_local, b, np * hn]``; with ``thd_ends`` (local padded cumulative ends without a leading 0,
+    host ints) thd ``[t_local, np, hn]`` -> ``[t_local, np * hn]``, TND over the global padded
+    lengths."""
     size = dist.get_world_size(group)
     rules.check("a2a", size, heads=heads, groups=key.shape[-2])
     packed = thd_ends is not None
@@ -222,6 +212,7 @@ def attention(
         kwargs.update(actual_seq_qlen=ends, actual_seq_kvlen=ends)
         out = fusion_attention(q, k, v, heads // size, "TND", **kwargs)  # [t, np/CP, hn]
     else:
-        out = fusion_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads // size, "SBH",
-                               **kwargs).unflatten(-1, (heads // size, -1))  # fmt: skip
+        out = fusion_attention(
+            q.flatten(2), k.flatten(2), v.flatten(2), heads // size, "SBH", **kwargs
+        ).unflatten(-1, (heads // size, -1))
     return HeadsToSeq.apply(out, group, order).flatten(-2)

@@ -1,17 +1,9 @@
 """``GDNTransformerConfig``: Megatron's ``TransformerConfig`` that admits Gated DeltaNet under CP.
 
-Megatron-Core 0.16.1's ``TransformerConfig.__post_init__`` asserts ``context_parallel_size == 1``
-whenever ``experimental_attention_variant == "gated_delta_net"`` (transformer_config.py, the GDN
-block of ``__post_init__``), next to its other GDN checks (bare ``assert`` s). This subclass runs
-those checks itself, as ``ValueError`` s naming the field, the value and the fix, then runs
-Megatron's ``__post_init__`` on its own instance with the variant hidden for that call only, and
-sets it back. Nothing of Megatron is patched and no user object is written to: the instance being
-constructed is this class's.
-
-Under context parallelism the GDN layers split heads over ``tp * cp`` ranks (all-to-all, sequence
-<-> heads), so both head counts must divide by ``tensor_model_parallel_size *
-context_parallel_size``.
-"""
+Megatron-Core 0.16.1's ``__post_init__`` asserts ``context_parallel_size == 1`` for GDN. This
+subclass runs Megatron's other GDN checks itself (as ``ValueError`` s with the fix), then Megatron's
+``__post_init__`` with the variant hidden for that call only. Nothing is patched. Under CP the GDN
+heads split over ``tp * cp`` ranks, so both head counts must divide by it."""
 
 from __future__ import annotations
 
@@ -31,9 +23,8 @@ _HEAD_FIELDS = (
 
 
 class GDNTransformerConfig(TransformerConfig):
-    """``TransformerConfig`` whose Gated DeltaNet checks allow ``context_parallel_size > 1``.
-
-    Same fields as ``TransformerConfig`` (no new ones); build it with the same keywords.
+    """``TransformerConfig`` whose Gated DeltaNet checks allow ``context_parallel_size > 1`` (no new
+    fields).
 
     Raises:
         ValueError: the installed megatron-core has no Gated DeltaNet fields (before 0.16).
@@ -64,11 +55,7 @@ class GDNTransformerConfig(TransformerConfig):
 
 
 def check_gdn_fields(config) -> None:
-    """Megatron 0.16.1's GDN checks, as ValueErrors, with CP allowed (heads split over TP x CP).
-
-    Raises:
-        ValueError: a field is missing or does not divide as the layer needs.
-    """
+    """Megatron 0.16.1's GDN checks as ValueErrors, with CP allowed (heads split over TP x CP)."""
     if getattr(config, "linear_attention_freq", None) is None:
         raise ValueError(
             "linear_attention_freq: None with experimental_attention_variant='gated_delta_net'; "

@@ -1,35 +1,10 @@
 """Gated DeltaNet under context parallelism, by all-to-all (sequence <-> heads).
 
-The gated delta rule is a recurrence along the whole sequence, so a CP rank cannot run it on its
-two chunks alone. Instead one all-to-all after ``in_proj`` trades the sequence split for a head
-split: each CP rank then holds the WHOLE sequence for 1/CP of the heads, runs the causal conv,
-the rule and the gated norm exactly as one process would, and a second all-to-all before
-``out_proj`` brings the sequence split back::
-
-    in_proj out  [s/CP, b, q|k|v|z|beta|alpha]   chunks r, 2CP-1-r (Megatron's zigzag)
-      scatter_heads ->  [s, b, (q|k|v|z|beta|alpha)/CP]   natural order, heads of CP rank r
-      conv1d / A_log / dt_bias: the rows of this rank's heads (GDNContextParallel.heads)
-      ... rule, gated norm ...  [s, b, HV/CP * dv]
-      gather_heads  ->  [s/CP, b, HV * dv]   chunks r, 2CP-1-r again -> out_proj
-
-Head split: CP rank r takes key heads ``[r*H/CP, (r+1)*H/CP)`` and value heads
-``[r*HV/CP, (r+1)*HV/CP)`` of its tensor-parallel rank. Value head h reads key head
-``h // (HV/H)``, so a rank's value heads read exactly its own key heads: no key head travels
-twice. Both counts (per TP rank) must divide by CP: ``linear_num_key_heads`` and
-``linear_num_value_heads`` divisible by TP * CP.
-
-Order: Megatron's load-balanced layout (rank r holds chunks r and 2CP-1-r of 2CP; packed thd:
-of every sequence, each padded length divisible by 2CP) is undone after the first exchange and
-redone by the second, with the permutations of :class:`..context_parallel.ulysses.TokenOrder`
-(the all-to-all attention's). Both exchanges are autograd functions whose backward is the other
-exchange. Parameter gradients: each CP rank gives its own channels of ``conv1d``, ``A_log`` and
-``dt_bias`` (zeros elsewhere) and its own tokens' share of ``in_proj`` / ``out_proj``; Megatron's
-gradient all-reduce over the data-and-context-parallel group adds them up.
-
-The functions are pure (tensors and host ints in, tensors out); :class:`GDNContextParallel`
-puts them behind the seam ``NPUGatedDeltaNet`` calls (``to_heads`` / ``heads`` /
-``to_sequence``, the methods of the layer's ``NoContextParallel``).
-"""
+The rule is a recurrence along the whole sequence, so :func:`scatter_heads` after ``in_proj`` trades
+the sequence split (chunks r, 2CP-1-r) for a head split (the WHOLE sequence, 1/CP of the heads,
+natural order) and :func:`gather_heads` before ``out_proj`` brings it back. CP rank r takes key
+heads ``[r*H/CP, (r+1)*H/CP)`` and the value heads that read them. :class:`GDNContextParallel` is
+the layer's seam. See docs/gdn_cp.md."""
 
 from __future__ import annotations
 
@@ -41,12 +16,7 @@ import torch.distributed as dist
 from mcore_npu.masks.seqlens import SeqLengthsMemo
 from mcore_npu.transformer.context_parallel.ulysses import HeadsToSeq, SeqToHeads, TokenOrder
 
-__all__ = [
-    "GDNContextParallel",
-    "gather_heads",
-    "packed_local_ends",
-    "scatter_heads",
-]
+__all__ = ["GDNContextParallel", "gather_heads", "packed_local_ends", "scatter_heads"]
 
 
 def _check_split(x: torch.Tensor, sections: Sequence[int], size: int, thd_ends) -> None:
@@ -75,19 +45,9 @@ def _check_split(x: torch.Tensor, sections: Sequence[int], size: int, thd_ends) 
 def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None, memo=None):
     """Sequence split -> head split, zigzag undone (autograd: the backward is the inverse).
 
-    Args:
-        x: ``[s/CP, b, D]`` this rank's chunks r and 2CP-1-r (thd: ``[t/CP, 1, D]``, chunks r
-            and 2CP-1-r of every packed sequence); D = ``sum(sections)``.
-        sections: widths of the head-split sections of the last dim (e.g.
-            :func:`in_proj_sections`), each divisible by CP; rank r gets slice r of each.
-        group: the CP process group.
-        thd_ends: packed only: the local padded cumulative ends without a leading 0, host ints
-            (:func:`packed_local_ends`); None for sbhd.
-        memo: the layer's ``SeqLengthsMemo``: a packed token order is built once per layout.
-
-    Returns:
-        ``[s, b, D/CP]`` (thd ``[t, 1, D/CP]``) in natural token order: the whole sequence,
-        sections ``width/CP`` each, in the order given.
+    ``x``: ``[s/CP, b, D]`` (thd ``[t/CP, 1, D]``), D = ``sum(sections)``, each section divisible by
+    CP (rank r gets slice r of each); ``thd_ends``: packed only, the local padded cumulative ends
+    (:func:`packed_local_ends`). Returns ``[s, b, D/CP]`` (thd ``[t, 1, D/CP]``) in natural order.
     """
     size = dist.get_world_size(group)
     _check_split(x, sections, size, thd_ends)
@@ -99,14 +59,7 @@ def scatter_heads(x: torch.Tensor, sections: Sequence[int], group, thd_ends=None
 
 def gather_heads(x: torch.Tensor, group, thd_ends=None, memo=None) -> torch.Tensor:
     """Head split -> sequence split, zigzag redone: the inverse of :func:`scatter_heads`.
-
-    Args:
-        x: ``[s, b, F]`` natural order, this rank's heads (e.g. ``HV/CP * V`` features);
-            thd ``[t, 1, F]``.
-        group, thd_ends: as in :func:`scatter_heads`.
-
-    Returns:
-        ``[s/CP, b, CP * F]``: chunks r and 2CP-1-r, the features of CP rank 0's heads first.
+    ``[s, b, F]`` (thd ``[t, 1, F]``) -> ``[s/CP, b, CP * F]``, CP rank 0's heads' features first.
     """
     size = dist.get_world_size(group)
     if x.dim() != 3 or x.shape[0] % size:
@@ -121,19 +74,9 @@ def gather_heads(x: torch.Tensor, group, thd_ends=None, memo=None) -> torch.Tens
 def packed_local_ends(
     packed_seq_params, cp_size: int, t_local: int, memo: SeqLengthsMemo | None = None
 ) -> tuple[int, ...]:
-    """This CP rank's local padded cumulative ends (no leading 0) of a packed batch.
-
-    Args:
-        packed_seq_params: Megatron's ``PackedSeqParams`` with the GLOBAL offsets
-            (``cu_seqlens_q_padded``, else ``cu_seqlens_q``), as ``get_thd_batch_on_this_cp_rank``
-            leaves them; every padded length divides by ``2 * cp_size``.
-        t_local: the tokens this rank holds; a padding tail after the last sequence becomes
-            one more sequence of its own.
-        memo: the spec's ``SeqLengthsMemo`` (one host sync per batch for all layers), or None.
-
-    Returns:
-        ``(e_1, ..., e_N)`` with ``e_N == t_local``: local sequence i spans ``[e_{i-1}, e_i)``.
-    """
+    """This CP rank's local padded cumulative ends ``(e_1, ..., e_N)``, ``e_N == t_local``, from the
+    GLOBAL offsets in ``packed_seq_params`` (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); a
+    padding tail becomes one more sequence of its own."""
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     padded = packed_seq_params.cu_seqlens_q if padded is None else padded
     memo = SeqLengthsMemo() if memo is None else memo  # an empty memo is falsy: no `or`
@@ -150,13 +93,8 @@ def packed_local_ends(
 
 
 class GDNContextParallel:
-    """The all-to-all behind ``NPUGatedDeltaNet``'s context-parallel seam.
-
-    Args:
-        group: the CP process group (``pg_collection.cp``).
-        memo: a ``SeqLengthsMemo`` for packed batches (share the spec's: one host sync of the
-            offsets per batch for every layer); by default one of its own.
-    """
+    """The all-to-all behind ``NPUGatedDeltaNet``'s context-parallel seam; ``memo`` (share the
+    spec's) converts packed offsets once per batch."""
 
     def __init__(self, group, memo: SeqLengthsMemo | None = None) -> None:
         self.group = group
@@ -164,10 +102,8 @@ class GDNContextParallel:
         self.memo = SeqLengthsMemo() if memo is None else memo
 
     def to_heads(self, x: torch.Tensor, sections, packed_seq_params) -> torch.Tensor:
-        """``[s/CP, b, C]`` (chunks r, 2CP-1-r; thd ``[t/CP, 1, C]``) -> ``[s, b, C/CP]`` in
-        natural order, this rank's heads of every section (:func:`scatter_heads`).
-
-        ``sections``: ``(heads, head_dim)`` of q, k, v, z, beta, alpha (TP-local heads)."""
+        """``[s/CP, b, C]`` (chunks r, 2CP-1-r; thd ``[t/CP, 1, C]``) -> ``[s, b, C/CP]`` in natural
+        order; ``sections``: ``(heads, head_dim)`` of q, k, v, z, beta, alpha (TP-local heads)."""
         widths = []
         for heads, dim in sections:
             if heads % self.size:

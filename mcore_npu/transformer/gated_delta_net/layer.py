@@ -1,39 +1,11 @@
 """``NPUGatedDeltaNet``: Megatron-Core 0.16.1's Gated DeltaNet layer without fla, CUDA or TE.
 
-The same parameters, names, shapes and checkpoint splits as
-``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (so Megatron GDN checkpoints load and save
-unchanged), the same constructor keywords, and the operators of ``mcore_npu.ops.gated_delta``:
-
-====================  =========================================  ==========================
-name                  shape (per TP rank; tp = TP size)           note
-====================  =========================================  ==========================
-``in_proj.weight``    ``[(2*Hk*K + 2*Hv*V + 2*Hv) / tp, h]``       rows ``[q|k|v|z|beta|alpha]``
-``in_proj.layer_norm_weight``  ``[h]``                           TE layout: the input norm
-``conv1d.weight``     ``[(2*Hk*K + Hv*V) / tp, 1, W]``              depthwise, no bias
-``A_log``, ``dt_bias``  ``[Hv / tp]``
-``out_norm.weight``   ``[V]``                                     gated RMSNorm per head
-``out_proj.weight``   ``[h, Hv*V / tp]``
-====================  =========================================  ==========================
-
-(Hk, Hv = ``linear_num_key_heads`` / ``linear_num_value_heads``, K, V = their head dims,
-W = ``linear_conv_kernel_dim``.) In the local layout the input norm is the layer's
-``input_layernorm`` and ``in_proj`` is a plain ``ColumnParallelLinear``.
-
-Forward, ``[s, b, h] -> ([s, b, h], bias)`` (``[s/tp, b, h]`` in and out under sequence
-parallelism; packed thd is ``[t, 1, h]`` with ``PackedSeqParams``):
-
-    in_proj -> (CP: sequence -> heads) -> causal conv + SiLU on q|k|v (per packed segment)
-    -> g = -exp(A_log) * softplus(alpha + dt_bias) in fp32, beta = sigmoid(beta)
-    -> chunk_gated_delta_rule (l2norm of q, k in the kernel; per packed segment)
-    -> out_norm(o) * silu(z) per value head -> (CP: heads -> sequence) -> out_proj
-
-Beyond Megatron 0.16.1: packed sequences (``cu_seqlens_q_padded``, else ``cu_seqlens_q``, reach
-the convolution and the rule: no token sees across a segment); tensor parallelism with sequence
-parallelism (heads split over TP); selective recompute (``"core_attn"`` in
-``recompute_modules``: everything between the two projections is recomputed in the backward);
-context parallelism through a seam (:class:`NoContextParallel` describes it; ``context_parallel``
-in this package provides the all-to-all one). Inference (a KV/state cache) is refused.
-"""
+Megatron's ``GatedDeltaNet`` keywords, parameter names, shapes and checkpoint splits, on
+``mcore_npu.ops.gated_delta``; ``[s, b, h] -> ([s, b, h], bias)`` (``[s/tp, b, h]`` under SP, packed
+thd ``[t, 1, h]``): ``in_proj`` -> causal conv + SiLU on q|k|v -> g, beta ->
+``chunk_gated_delta_rule`` (per packed segment) -> gated ``out_norm`` -> ``out_proj``. Context
+parallelism goes through a seam (:class:`NoContextParallel`). Inference is refused. See
+docs/gdn_layer.md."""
 
 from __future__ import annotations
 
@@ -61,17 +33,13 @@ class NPUGatedDeltaNetSubmodules:
 
 
 class NoContextParallel:
-    """The context-parallel seam of the layer, at CP = 1 (every method is the identity).
+    """The context-parallel seam of the layer at CP = 1 (the identity). A CP implementation has:
 
-    A CP implementation has the same three methods:
-
-    - ``to_heads(x, sections, packed_seq_params)``: ``x [s/cp, b, C]`` (this rank's sequence
-      part, all TP-local heads; channels in ``sections`` order, each ``(heads, head_dim)``:
-      q, k, v, z, beta, alpha) -> ``[s, b, C/cp]`` (the whole sequence in its original order,
-      this CP rank's share of every section's heads, same section order);
+    - ``to_heads(x, sections, packed_seq_params)``: ``[s/cp, b, C]`` (channels in ``sections``
+      order, each ``(heads, head_dim)``: q, k, v, z, beta, alpha) -> ``[s, b, C/cp]`` (the whole
+      sequence, this CP rank's share of every section's heads);
     - ``heads(count) -> slice``: which of ``count`` TP-local heads this CP rank holds;
-    - ``to_sequence(x, packed_seq_params)``: ``[s, b, Hv/cp * V]`` -> ``[s/cp, b, Hv * V]``.
-    """
+    - ``to_sequence(x, packed_seq_params)``: ``[s, b, Hv/cp * V]`` -> ``[s/cp, b, Hv * V]``."""
 
     size = 1
 
@@ -88,24 +56,31 @@ class NoContextParallel:
 class NPUGatedDeltaNet(MegatronModule):
     """Gated DeltaNet with Megatron 0.16.1's names; ``[s, b, h] -> ([s, b, h], bias)``.
 
-    Args (Megatron's ``GatedDeltaNet`` keywords):
-        config: ``TransformerConfig`` with the ``linear_*`` fields.
-        submodules: ``NPUGatedDeltaNetSubmodules`` (or Megatron's ``GatedDeltaNetSubmodules``).
-        layer_number, bias, conv_init, A_init_range, pg_collection: as Megatron's.
-        conv_bias: only False (Megatron's default; the conv operator has no bias).
+    Args (Megatron's ``GatedDeltaNet`` keywords, and):
+        conv_bias: only False (the conv operator has no bias).
         use_qk_l2norm: l2-normalise q and k (in the rule's kernel).
-        naive_l2norm: normalise q and k with plain torch before the rule instead
-            (``x * rsqrt(sum(x^2) + 1e-6)``, back in the input dtype: MindSpeed's
+        naive_l2norm: normalise q and k with plain torch before the rule instead (MindSpeed's
             ``use_naive_l2norm``).
         kernel: the rule's kernel choice when the operator takes one (None: its default).
-        cp_comm_type: accepted (Megatron passes it to attention slots) and unused.
+        cp_comm_type: accepted and unused.
     """
 
-    def __init__(self, config, submodules, layer_number: int | None = None, bias: bool = False,
-                 conv_bias: bool = False, conv_init: float | None = None,
-                 use_qk_l2norm: bool = True, A_init_range: tuple[float, float] = (1, 16),
-                 pg_collection=None, naive_l2norm: bool = False, kernel: str | None = None,
-                 cp_comm_type=None, **_unused):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number: int | None = None,
+        bias: bool = False,
+        conv_bias: bool = False,
+        conv_init: float | None = None,
+        use_qk_l2norm: bool = True,
+        A_init_range: tuple[float, float] = (1, 16),
+        pg_collection=None,
+        naive_l2norm: bool = False,
+        kernel: str | None = None,
+        cp_comm_type=None,
+        **_unused,
+    ):
         _check_arguments(config, conv_bias, A_init_range)
         super().__init__(config)
         self.layer_number, self.bias, self.conv_bias = layer_number, bias, conv_bias
@@ -118,34 +93,42 @@ class NPUGatedDeltaNet(MegatronModule):
         self.pg_collection = _process_groups(pg_collection)
         self.tp_size = self.pg_collection.tp.size()
         self._set_sizes(config)
+        linear = dict(config=config, bias=bias, is_expert=False, tp_group=self.pg_collection.tp)
         self.in_proj = build_module(
-            submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,
-            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
-            is_expert=False, tp_comm_buffer_name="fc1", tp_group=self.pg_collection.tp,
-        )  # fmt: skip
-        device = _device_of(self.in_proj)
+            submodules.in_proj,
+            self.hidden_size,
+            self.in_proj_dim,
+            init_method=config.init_method,
+            gather_output=False,
+            skip_bias_add=False,
+            tp_comm_buffer_name="fc1",
+            **linear,
+        )
+        factory = dict(dtype=config.params_dtype, device=_device_of(self.in_proj))
+        width, kernel_size = self.conv_dim_local_tp, self.conv_kernel_dim
         self.conv1d = torch.nn.Conv1d(
-            self.conv_dim_local_tp, self.conv_dim_local_tp, kernel_size=self.conv_kernel_dim,
-            groups=self.conv_dim_local_tp, padding=self.conv_kernel_dim - 1, bias=False,
-            device=device, dtype=config.params_dtype,
-        )  # fmt: skip
+            width, width, kernel_size, groups=width, padding=kernel_size - 1, bias=False, **factory
+        )
         heads = self.num_v_heads_local_tp
-        factory = dict(dtype=config.params_dtype, device=device)
         self.dt_bias = torch.nn.Parameter(torch.ones(heads, **factory))
         self.A_log = torch.nn.Parameter(torch.zeros(heads, **factory))
         for param in (self.conv1d.weight, self.dt_bias, self.A_log):
             param.tensor_model_parallel = True
             param.partition_dim = 0
-        self.out_norm = build_module(submodules.out_norm, config=config,
-                                     hidden_size=self.value_head_dim,
-                                     eps=config.layernorm_epsilon,
-                                     tp_group=self.pg_collection.tp)  # fmt: skip
+        norm = dict(hidden_size=self.value_head_dim, eps=config.layernorm_epsilon)
+        self.out_norm = build_module(
+            submodules.out_norm, config=config, tp_group=self.pg_collection.tp, **norm
+        )
         self.out_proj = build_module(
-            submodules.out_proj, self.v_dim, self.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
-            tp_group=self.pg_collection.tp,
-        )  # fmt: skip
+            submodules.out_proj,
+            self.v_dim,
+            self.hidden_size,
+            init_method=config.output_layer_init_method,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            tp_comm_buffer_name="fc2",
+            **linear,
+        )
         self.context_parallel = _context_parallel(self.pg_collection)
         self.recompute_core = config.recompute_granularity == "selective" and "core_attn" in (
             config.recompute_modules or ()
@@ -155,10 +138,8 @@ class NPUGatedDeltaNet(MegatronModule):
     def _set_sizes(self, config) -> None:
         self.hidden_size = config.hidden_size
         self.conv_kernel_dim = config.linear_conv_kernel_dim
-        self.key_head_dim, self.value_head_dim = (
-            config.linear_key_head_dim,
-            config.linear_value_head_dim,
-        )
+        self.key_head_dim = config.linear_key_head_dim
+        self.value_head_dim = config.linear_value_head_dim
         self.num_key_heads = config.linear_num_key_heads
         self.num_value_heads = config.linear_num_value_heads
         self.qk_dim = self.key_head_dim * self.num_key_heads
@@ -169,13 +150,11 @@ class NPUGatedDeltaNet(MegatronModule):
         self.num_k_heads_local_tp = self.num_key_heads // self.tp_size
         self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
 
-    # ----------------------------------------------------------------------------- init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron's initialisation: dt_bias = 1, A_log = log(U(A_init_range)), conv1d uniform
-        (``conv_init``, else torch's Conv1d bound ``1/sqrt(W)``). The values are drawn for all
-        heads from the default generator and this TP rank's rows are kept, so a TP model starts
-        from the weights of the one-process model with the same seed."""
+        """Megatron's initialisation (dt_bias = 1, A_log = log(U(A_init_range)), conv1d uniform),
+        drawn for all heads and sliced to this TP rank, so a TP model starts from the one-process
+        weights."""
         if not self.config.perform_initialization:
             return
         tp_rank = self.pg_collection.tp.rank()
@@ -191,15 +170,21 @@ class NPUGatedDeltaNet(MegatronModule):
         local = [p.chunk(self.tp_size)[tp_rank] for p in parts]
         self.conv1d.weight.copy_(torch.cat(local))
 
-    # -------------------------------------------------------------------------- forward
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
-                inference_context=None, attention_bias=None, packed_seq_params=None,
-                sequence_len_offset=None, *, inference_params=None, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        key_value_states=None,
+        inference_context=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+        **kwargs,
+    ):
         """``[s, b, h]`` (``[s/tp, b, h]`` with SP; thd ``[t, 1, h]``) -> ``(out, bias)``.
-
-        ``attention_mask`` is not read (causal by construction; right padding does not reach
-        the real tokens). Packed thd takes its segments from ``packed_seq_params``.
-        """
+        ``attention_mask`` is not read (causal by construction)."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError(
                 "inference_context: NPUGatedDeltaNet has no recurrent-state cache; run GDN "
@@ -225,7 +210,7 @@ class NPUGatedDeltaNet(MegatronModule):
 
     def _mix(self, qkvzba: torch.Tensor, bounds) -> torch.Tensor:
         """Everything between the projections: ``[s, b, C]`` -> ``[s, b, hv * V]`` (this rank's
-        heads; ``bounds``: int ``[N + 1]`` segment starts over s for packed thd, or None)."""
+        heads; ``bounds``: int ``[N + 1]`` segment starts for packed thd, or None)."""
         seq, batch = qkvzba.shape[:2]
         hk_slice, hv_slice = self._cp_heads()
         hk, hv = hk_slice.stop - hk_slice.start, hv_slice.stop - hv_slice.start
@@ -250,8 +235,9 @@ class NPUGatedDeltaNet(MegatronModule):
         extra = {} if self.kernel is None else {"kernel": self.kernel}
         if bounds is not None and q.shape[0] > 1:  # thd is one row; never reached otherwise
             raise ValueError(f"packed_seq_params: thd needs batch 1, got {q.shape[0]}")
-        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds,
-                                      use_qk_l2norm_in_kernel=in_kernel, **extra)  # fmt: skip
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=bounds, use_qk_l2norm_in_kernel=in_kernel, **extra
+        )
 
     def _cp_heads(self) -> tuple[slice, slice]:
         """This CP rank's slices of the TP-local key and value heads."""
@@ -264,17 +250,14 @@ class NPUGatedDeltaNet(MegatronModule):
         if self.context_parallel.size == 1:
             return weight
         dk, dv = self.key_head_dim, self.value_head_dim
-        q, k, v = weight.split(
-            [self.num_k_heads_local_tp * dk] * 2 + [self.num_v_heads_local_tp * dv]
-        )
+        qk_rows, v_rows = self.num_k_heads_local_tp * dk, self.num_v_heads_local_tp * dv
+        q, k, v = weight.split([qk_rows, qk_rows, v_rows])
         rows = lambda t, s, d: t[s.start * d : s.stop * d]  # noqa: E731
         return torch.cat([rows(q, hk, dk), rows(k, hk, dk), rows(v, hv, dv)])
 
-    # ---------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
-        """Megatron 0.16.1's keys: ``A_log`` / ``dt_bias`` / ``conv1d.weight`` TP-sharded on
-        axis 0, ``in_proj.weight`` split into ``.query .key .value .z .beta .alpha`` and
-        ``conv1d.weight`` into ``.query .key .value`` (see ``sharded.py``)."""
+        """Megatron 0.16.1's keys: ``A_log`` / ``dt_bias`` / ``conv1d.weight`` TP-sharded on axis 0,
+        ``in_proj.weight`` and ``conv1d.weight`` split into their parts (``sharded.py``)."""
         from megatron.core.transformer.utils import (
             make_sharded_tensors_for_checkpoint,
             sharded_state_dict_default,
@@ -289,12 +272,15 @@ class NPUGatedDeltaNet(MegatronModule):
             own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets, **groups
         )
         conv = self.conv1d.state_dict(prefix="", keep_vars=True)
-        result.update(make_sharded_tensors_for_checkpoint(
-            conv, f"{prefix}conv1d.", {"weight": 0}, sharded_offsets, **groups))  # fmt: skip
+        conv_prefix, offsets = f"{prefix}conv1d.", sharded_offsets
+        result.update(
+            make_sharded_tensors_for_checkpoint(conv, conv_prefix, {"weight": 0}, offsets, **groups)
+        )
         for name in ("in_proj", "out_norm", "out_proj"):
-            module = getattr(self, name)
-            result.update(sharded_state_dict_default(
-                module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group))  # fmt: skip
+            module, where = getattr(self, name), f"{prefix}{name}."
+            result.update(
+                sharded_state_dict_default(module, where, offsets, metadata, tp_group=tp_group)
+            )
         tp = self.tp_size
         qk, v, hv = self.qk_dim // tp, self.v_dim // tp, self.num_value_heads // tp
         key = f"{prefix}in_proj.weight"

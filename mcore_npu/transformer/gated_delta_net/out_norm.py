@@ -1,16 +1,9 @@
-"""The GDN output norm (``out_norm``): a gated RMSNorm per value head.
+"""The GDN output norm (``out_norm``): ``y = weight * rmsnorm(x) * silu(z)`` per value head.
 
-``y = weight * rmsnorm(x) * silu(z)`` over each value head's ``V`` channels
-(``mcore_npu.ops.gated_delta.gated_rms_norm``), as Qwen3.5 / Qwen3-Next's ``RMSNormGated``. Its
-``weight`` starts at 1 and is never zero-centred, whatever ``layernorm_zero_centered_gamma``
-says (the Hugging Face models apply ``weight * x_hat``; their other norms are zero-centred).
-
-Names: ``out_norm.weight`` ``[V]``; in the TE layout also an empty ``_extra_state`` (Megatron's
-TE spec builds ``TENorm`` there). Every tensor-parallel rank holds the whole ``weight`` but
-normalises its own heads, so the weight's gradient is summed over the TP group inside the
-forward (``copy_to_tensor_model_parallel_region``), with or without sequence parallelism; the
-weight is therefore not tagged ``sequence_parallel`` (Megatron would sum it a second time).
-"""
+As Qwen3.5 / Qwen3-Next's ``RMSNormGated``: ``weight`` ``[V]`` starts at 1 and is never
+zero-centred; in the te layout also an empty ``_extra_state``. Every TP rank holds the whole weight
+but normalises its own heads, so its gradient is summed over the TP group inside the forward (and it
+is not tagged ``sequence_parallel``)."""
 
 from __future__ import annotations
 
@@ -21,10 +14,7 @@ from mcore_npu.transformer.extra_state import EmptyExtraState
 
 
 class GatedRMSNorm(torch.nn.Module):
-    """``weight * rmsnorm(x) * silu(z)``: x, z ``[..., V]`` -> ``[..., V]`` in x's dtype.
-
-    Takes the keywords Megatron passes to a norm slot (``config, hidden_size, eps``).
-    """
+    """``weight * rmsnorm(x) * silu(z)``: x, z ``[..., V]`` -> ``[..., V]`` in x's dtype."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, tp_group=None, **_unused):
         super().__init__()

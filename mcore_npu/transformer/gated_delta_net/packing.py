@@ -8,10 +8,8 @@ import torch
 def segment_bounds(packed_seq_params, seq: int, batch: int) -> torch.Tensor | None:
     """int64 ``[N + 1]`` starts of the packed segments over the ``seq`` tokens, or None (sbhd).
 
-    Megatron's ``cu_seqlens_q_padded`` when given (each segment then ends in its own padding,
-    which a causal layer never lets reach the real tokens), else ``cu_seqlens_q``. Tokens after
-    the last offset (a batch padded at its end) form one more segment, so nothing before them
-    is changed by them and they see nothing before. Empty segments are dropped.
+    From ``cu_seqlens_q_padded``, else ``cu_seqlens_q``; tokens after the last offset form one more
+    segment; empty segments are dropped.
 
     Raises:
         ValueError: thd with batch > 1, or offsets that do not fit ``seq``.

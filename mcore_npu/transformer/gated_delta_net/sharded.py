@@ -1,11 +1,8 @@
 """Megatron 0.16.1's checkpoint splits of the GDN layer (``GatedDeltaNet.sharded_state_dict``).
 
-A distributed checkpoint stores ``in_proj.weight`` as six tensors
-(``in_proj.weight.{query,key,value,z,beta,alpha}``) and ``conv1d.weight`` as three
-(``conv1d.weight.{query,key,value}``), each sharded over tensor parallelism on its own, so that a
-checkpoint written at one TP size loads at another; ``A_log`` and ``dt_bias`` are TP-sharded on
-axis 0. The functions here build those entries from this layer's local tensors.
-"""
+``in_proj.weight`` is stored as ``in_proj.weight.{query,key,value,z,beta,alpha}`` and
+``conv1d.weight`` as ``conv1d.weight.{query,key,value}``, each TP-sharded on its own, so a
+checkpoint loads at another TP size."""
 
 from __future__ import annotations
 
@@ -19,12 +16,8 @@ CONV_PARTS = ("query", "key", "value")
 
 
 def split_factory(sharded: ShardedTensor, sections: list[int], names) -> ShardedTensorFactory:
-    """A factory that saves ``sharded`` (TP-sharded on axis 0) as one sharded tensor per section.
-
-    Args:
-        sharded: the whole local tensor's ``ShardedTensor`` (rows ``sum(sections)``).
-        sections: local row counts, in order; names: the key suffixes (``key.{name}``).
-    """
+    """A factory that saves ``sharded`` (TP-sharded on axis 0, rows ``sum(sections)``) as one
+    sharded tensor per section, keyed ``key.{name}``."""
     template = sharded.without_data()
     if sum(sections) != template.local_shape[0]:
         raise ValueError(
@@ -34,8 +27,14 @@ def split_factory(sharded: ShardedTensor, sections: list[int], names) -> Sharded
 
     @torch.no_grad()
     def build(key, data, replica_id, flattened_range):
-        whole = dataclasses.replace(template, key=key, data=data, dtype=data.dtype,
-                                    replica_id=replica_id, flattened_range=flattened_range)  # fmt: skip
+        whole = dataclasses.replace(
+            template,
+            key=key,
+            data=data,
+            dtype=data.dtype,
+            replica_id=replica_id,
+            flattened_range=flattened_range,
+        )
         parts, start = [], 0
         for size, name in zip(sections, names, strict=True):
             for part in whole.narrow(0, start, size):

@@ -1,19 +1,10 @@
 """The hybrid Gated DeltaNet block: which layers are GDN, and their ``self_attention`` spec.
 
-Megatron's reading of the pattern (``experimental_attention_variant_module_specs.py``,
-``get_linear_attention_pattern``): ``linear_attention_freq`` an int N -> layer i (from 0) is
-full attention when ``(i + 1) % N == 0``, GDN otherwise; a list -> used as it is (1 = GDN, 0 =
-full attention), one entry per layer. Pipeline stages take their layers by global layer id
-(``pipeline_model_parallel_layout``, or Megatron's offset and count per stage), so the pattern
-is read at each layer's global position.
-
-A GDN layer is the NPU spec's layer for that position with ``self_attention`` replaced: in the
-TE layout the input norm sits in ``in_proj`` (``NormColumnParallelLinear``,
-``in_proj.layer_norm_weight``) and ``input_layernorm`` stays ``IdentityOp``; in the local layout
-``input_layernorm`` stays a norm and ``in_proj`` is a ``ColumnParallelLinear`` (its
-distributed-checkpoint key maps to ``self_attention.in_proj.layer_norm_weight``, as the local
-spec maps attention's). The MLP / MoE part of the layer is untouched.
-"""
+``linear_attention_freq`` is read as Megatron does (``get_linear_attention_pattern``) at each
+layer's global position. A GDN layer is the NPU spec's layer with ``self_attention`` replaced: te
+layout: the input norm in ``in_proj`` (``in_proj.layer_norm_weight``), ``input_layernorm`` stays
+``IdentityOp``; local layout: ``input_layernorm`` stays a norm, its checkpoint key mapped to
+``self_attention.in_proj.layer_norm_weight``. The MLP / MoE part is untouched."""
 
 from __future__ import annotations
 
@@ -23,10 +14,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.transformer.gated_delta_net.config import GDN
-from mcore_npu.transformer.gated_delta_net.layer import (
-    NPUGatedDeltaNet,
-    NPUGatedDeltaNetSubmodules,
-)
+from mcore_npu.transformer.gated_delta_net.layer import NPUGatedDeltaNet, NPUGatedDeltaNetSubmodules
 from mcore_npu.transformer.gated_delta_net.out_norm import GatedRMSNorm, TEGatedRMSNorm
 
 
@@ -36,11 +24,11 @@ def is_gdn(config) -> bool:
 
 
 def linear_attention_pattern(config) -> list[int]:
-    """One entry per layer of the model: 1 = GDN, 0 = full attention (Megatron's reading).
+    """One entry per layer: 1 = GDN, 0 = full attention. An int N makes layer i (from 0) full
+    attention when ``(i + 1) % N == 0``; a 0/1 list of ``num_layers`` entries is used as it is.
 
     Raises:
-        ValueError: ``linear_attention_freq`` is not a positive int or a 0/1 list of
-            ``num_layers`` entries.
+        ValueError: ``linear_attention_freq`` is neither.
     """
     freq, layers = config.linear_attention_freq, config.num_layers
     if isinstance(freq, bool) or not isinstance(freq, int | list):
@@ -61,24 +49,26 @@ def linear_attention_pattern(config) -> list[int]:
 
 
 def local_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
-    """Global ids (from 0) of the decoder layers this pipeline stage builds, as Megatron's
-    block builders slice them."""
+    """Global ids (from 0) of the decoder layers this pipeline stage builds, as Megatron slices
+    them."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
-        return list(layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage,
-                                             pp_rank=pp_rank))  # fmt: skip
+        return list(
+            layout.get_layer_id_list(
+                layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        )
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return list(range(offset, offset + get_num_layers_to_build(config, vp_stage, pp_rank)))
 
 
 def gdn_attention_spec(provider, *, naive_l2norm: bool = False) -> ModuleSpec:
-    """``NPUGatedDeltaNet`` with the provider's layout (``provider.te_layout``); its rule runs
-    the reference when the provider's kernel is ``"reference"``, else ``"auto"`` (on an NPU the
-    trainable Ascend kernels, and torch_npu's forward-only one for calls without gradients)."""
+    """``NPUGatedDeltaNet`` in the provider's layout; its rule runs the reference with the
+    provider's ``"reference"`` kernel, else ``"auto"``."""
     te = provider.te_layout
     in_proj = provider.column_parallel_layer_norm_linear() if te else ColumnParallelLinear
     # the rule's torch_npu kernel is forward-only: "auto" picks the trainable ones on an NPU
@@ -96,10 +86,9 @@ def gdn_attention_spec(provider, *, naive_l2norm: bool = False) -> ModuleSpec:
 
 
 def dense_block_config(config):
-    """The config Megatron's dense block builder is given: ``config`` itself, or for a GDN hybrid a
-    shallow copy with ``experimental_attention_variant=None`` (megatron-core 0.19's
-    ``get_gpt_decoder_layer_specs`` asserts it is None; the GDN positions are swapped in
-    afterwards by :func:`hybrid_layer_specs`). The user's config is not written to."""
+    """The config Megatron's dense block builder is given: ``config``, or for a GDN hybrid a shallow
+    copy with ``experimental_attention_variant=None`` (megatron-core 0.19 asserts it); the GDN
+    positions are swapped in by :func:`hybrid_layer_specs`."""
     if not is_gdn(config):
         return config
     view = copy.copy(config)
@@ -107,17 +96,12 @@ def dense_block_config(config):
     return view
 
 
-def hybrid_layer_specs(layer_specs, config, provider, *, vp_stage=None, pp_rank=None,
-                       naive_l2norm: bool = False) -> list:  # fmt: skip
-    """This stage's layer specs with the GDN positions' attention swapped for GDN.
-
-    Args:
-        layer_specs: this stage's NPU layer specs, in order (one per local layer).
-        config: the model's ``TransformerConfig`` (``linear_attention_freq``, stages).
-        provider: the block's ``NPUSpecProvider`` (its layout).
-        vp_stage, pp_rank: this stage, as given to the block builder.
-        naive_l2norm: see ``NPUGatedDeltaNet``.
-    """
+def hybrid_layer_specs(
+    layer_specs, config, provider, *, vp_stage=None, pp_rank=None, naive_l2norm: bool = False
+) -> list:
+    """This stage's layer specs (one per local layer, in order) with the GDN positions' attention
+    swapped for GDN; ``provider`` is the block's ``NPUSpecProvider``, ``vp_stage`` / ``pp_rank`` as
+    given to the block builder."""
     if getattr(config, "multi_latent_attention", False):
         raise ValueError(
             "multi_latent_attention: True with experimental_attention_variant='gated_delta_net'"

@@ -1,28 +1,10 @@
 """``CpuPlatform``: the verl platform of a dry run on a machine without an accelerator.
 
-verl resolves one platform per process (``verl.plugin.platform.get_platform``) and asks it for the
-device module, the collective backend, the Ray resource and the IPC / allocator abilities. This
-one answers for a CPU torch on which :func:`mcore_npu.training.cpu_support.apply` has run:
-
-=============================  ==============================================================
-verl asks                      answer
-=============================  ==============================================================
-``device_name``                ``"cuda"``: the namespace the project's CPU shims answer for
-                               (``torch.cuda.current_device()`` is the CPU there); ``"cpu"``
-                               would make verl ask for ``cpu:gloo,cpu:gloo``, which torch
-                               refuses as a duplicate device
-``vendor_name``                ``"huawei"``
-``communication_backend_name`` ``"gloo"`` (verl asks ``cpu:gloo,cuda:gloo``)
-``is_available``               False: no device, so verl keeps no device RNG state in its
-                               checkpoints and skips its CUDA seeding
-``ray_resource_name``          ``"NPU"``: the workers are placed as on Ascend (``ray.init`` must
-                               declare ``resources={"NPU": n}``, e.g.
-                               ``+ray_kwargs.ray_init.resources={NPU:2}``)
-``is_ipc_supported``           False; allocator settings, profiler, NVTX: no-ops
-=============================  ==============================================================
-
-The engine is still chosen as on Ascend (``("npu", "huawei")``): the runtime exports
-``VERL_ENGINE_DEVICE=npu`` / ``VERL_ENGINE_VENDOR=huawei`` (:mod:`.runtime`).
+It answers verl for a CPU torch with the CPU shims applied: ``device_name`` ``"cuda"`` (the
+namespace the shims answer; ``"cpu"`` would make verl ask torch for ``cpu:gloo,cpu:gloo``, a
+duplicate), vendor ``"huawei"``, backend ``"gloo"``, ``is_available`` False (no device RNG state,
+no CUDA seeding), Ray resource ``"NPU"`` (``ray.init`` must declare ``resources={"NPU": n}``), no
+IPC; allocator, profiler and NVTX calls are no-ops.
 """
 
 from __future__ import annotations
@@ -117,8 +99,7 @@ class CpuPlatform(PlatformBase):
 
 
 def active() -> bool:
-    """Whether the CPU runtime's ``activate`` has run in this process (this platform is
-    registered)."""
+    """Whether this platform is registered (the CPU runtime's ``activate`` has run)."""
     from verl.plugin.platform import PlatformRegistry
 
     return PlatformRegistry.get(NAME) is CpuPlatform

@@ -1,30 +1,14 @@
 """The CPU rollout ``hf_cpu``: verl's rollout contract met with ``transformers`` on the CPU.
 
-Three parts, each the counterpart of one of vLLM's in verl 0.9.1:
+- :class:`HfCpuRollout`, the adapter in each actor worker: drains the actor's weight generator on
+  **every** rank (a collective) while the replica's first rank sends the tensors to the server;
+- :class:`HfCpuReplica`: one server actor per replica, named ``hf_cpu_server_<replica>_0``;
+- :class:`HfCpuServer`: a ``transformers`` causal LM in fp32 with **random** weights, replaced by
+  each sync's (it refuses to generate before the first), sampling through :func:`.sampler.sample`.
 
-- :class:`HfCpuRollout` (``BaseRollout``), the adapter inside each actor worker: it forwards
-  ``resume`` / ``release`` to its replica's server and, in ``update_weights``, drains the actor's
-  weight generator on **every** rank (it is a collective: TP ranks gather in step) while the
-  replica's first rank collects the tensors and sends them to the server in one Ray call;
-- :class:`HfCpuReplica` (``RolloutReplica``): one server actor per replica (rollout TP x DP x PP
-  actor ranks per replica), named ``hf_cpu_server_<replica>_0``; no HTTP address;
-- :class:`HfCpuServer`, the server actor: a ``transformers`` causal LM built from the model's
-  config with **random** weights, which it replaces by the weights of each sync (it refuses to
-  generate before the first one: it never reads the checkpoint on disk), and
-  ``generate(request_id, prompt_ids, sampling_params, ...) -> TokenOutput`` through
-  :func:`.sampler.sample` (``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
-  ``ignore_eos``, greedy at ``temperature=0``; ``rollout.n`` is verl's agent loop calling it n
-  times).
-
-What it is not: not vLLM or SGLang (one sequence at a time, fp32, no batching), no paged KV
-cache, no NPU IPC (the weights travel through Ray's object store), no HCCL. It checks the
-trainer's loop, the engine in every worker, and that the synced weights reach the sampler
-(``training/rollout_probs_diff_*``); it says nothing of rollout speed or memory.
-
-Two diagnostics, read by the server from its environment: ``MCORE_NPU_HF_CPU_DUMP_DIR`` (save the
-server's weights after each sync as ``replica<r>_step<s>.safetensors``, fp32) and
-``MCORE_NPU_HF_CPU_SKIP_SYNC=1`` (a control: ignore every sync and sample from the random
-initial weights).
+Not vLLM or SGLang: no batching, no paged KV cache, no NPU IPC, no HCCL. Diagnostics:
+``MCORE_NPU_HF_CPU_DUMP_DIR`` (the weights after each sync) and ``MCORE_NPU_HF_CPU_SKIP_SYNC=1``
+(ignore every sync). See docs/verl_main_ppo.md.
 """
 
 from __future__ import annotations
@@ -167,8 +151,9 @@ class HfCpuServer:
                 state, f"{dump_dir}/replica{self.replica_rank}_step{global_steps}.safetensors"
             )
 
-    async def generate(self, request_id, prompt_ids, sampling_params, image_data=None,
-                       video_data=None, **kwargs) -> TokenOutput:  # fmt: skip
+    async def generate(
+        self, request_id, prompt_ids, sampling_params, image_data=None, video_data=None, **kwargs
+    ) -> TokenOutput:
         """One response to ``prompt_ids``: sampled tokens, their log-probs at the temperature."""
         if not (self.synced or self.skip_sync):
             raise RuntimeError(
@@ -232,8 +217,7 @@ class HfCpuServer:
 
 
 def _random_model(hf_config, seed: int):
-    """The causal LM of ``hf_config`` in fp32 with torch's SDPA attention, random weights
-    (seeded), eval mode."""
+    """The causal LM of ``hf_config``: fp32, SDPA attention, seeded random weights, eval mode."""
     import transformers
 
     torch.manual_seed(seed)

@@ -1,22 +1,11 @@
-"""Turn a verl process into a CPU dry-run process: :func:`activate`.
+"""Turn a verl process into a CPU dry-run process: :func:`activate`, run in every verl process
+once the switch is on (:mod:`mcore_npu.integrations.verl.cpu_runtime`).
 
-``activate()`` runs in every verl process (driver, TaskRunner, worker groups, agent-loop and
-reward workers, rollout servers) once the switch is on (:mod:`mcore_npu.integrations.verl.cpu_runtime`).
-It
-
-1. refuses to run next to an accelerator (the shims must never be active beside one);
-2. sets, where the user has not set them already: ``RAY_USAGE_STATS_ENABLED=0`` (Ray reports
-   nothing), ``VERL_ENGINE_DEVICE=npu`` / ``VERL_ENGINE_VENDOR=huawei`` (verl picks the NPU
-   engines, as on Ascend) and ``VERL_PLATFORM=mcore_npu_cpu``;
-3. applies the project's CPU shims (:func:`mcore_npu.cpu.apply`), in this
-   thread and in every thread started later (``apply_in_new_threads``: Ray runs actor tasks in
-   executor threads);
-4. registers :class:`~.platform.CpuPlatform` with verl's ``PlatformRegistry`` and makes it this
-   process's platform (``set_platform`` when verl resolved another one before the switch ran);
-5. registers the CPU rollout (:mod:`.rollout`) in verl's two rollout registries.
-
-Idempotent. Nothing of verl, Megatron or mbridge is patched; the torch entry points the CPU shims
-replace are listed in ``mcore_npu.cpu.PATCHES``.
+It refuses to run next to an accelerator; sets, unless already set, :data:`ENVIRONMENT` (no Ray
+usage stats, the NPU engines as on Ascend, the CPU platform); applies the CPU shims
+(:func:`mcore_npu.cpu.apply`) in this thread and every later one (Ray runs actor tasks in
+executor threads); makes :class:`~.platform.CpuPlatform` this process's verl platform; registers
+the rollout ``hf_cpu``. Idempotent; verl, Megatron and mbridge are not patched.
 """
 
 from __future__ import annotations

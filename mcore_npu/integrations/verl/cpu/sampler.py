@@ -1,17 +1,11 @@
 """Autoregressive sampling on the CPU with a ``transformers`` causal LM (the ``hf_cpu`` server's
-engine): one sequence at a time, the model's own KV cache, no batching, no paged cache.
+engine): one sequence at a time, the model's own KV cache, no batching.
 
-:func:`sample` takes the prompt's token ids and verl's sampling parameters and returns the
-response's token ids, the log-probability of each sampled token and the stop reason:
-
-- ``temperature == 0`` (verl's greedy validation): argmax; the log-probs are those of the raw
-  logits;
-- otherwise the logits are divided by the temperature; ``top_k`` (``<= 0``: off) and ``top_p``
-  (``>= 1``: off) filter the candidates, the token is drawn from what is left, and its log-prob is
-  taken from the temperature-scaled distribution **before** the filters: the quantity verl's
-  actor recomputes (``log_softmax(logits / T)``), which ``training/rollout_probs_diff_*``
-  compares against;
-- the response stops at an end-of-sequence id (unless ``ignore_eos``) or after ``max_tokens``.
+``temperature == 0`` is greedy (log-probs of the raw logits). Otherwise ``top_k`` (``<= 0``: off)
+and ``top_p`` (``>= 1``: off) filter the temperature-scaled logits, and the log-prob returned is
+``log_softmax(logits / T)`` **before** the filters: what verl's actor recomputes and
+``training/rollout_probs_diff_*`` compares. A response stops at an end-of-sequence id (unless
+``ignore_eos``) or after ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -79,8 +73,9 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: list[int], sampling: Sampling, eos_ids: set[int],
-           generator: torch.Generator) -> tuple[list[int], list[float], str]:  # fmt: skip
+def sample(
+    model, prompt_ids: list[int], sampling: Sampling, eos_ids: set[int], generator: torch.Generator
+) -> tuple[list[int], list[float], str]:
     """``(token ids, log-probs, "completed")`` of one response to ``prompt_ids`` (``[P]``)."""
     output = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     tokens: list[int] = []
@@ -91,6 +86,6 @@ def sample(model, prompt_ids: list[int], sampling: Sampling, eos_ids: set[int],
         log_probs.append(log_prob)
         if token in eos_ids and not sampling.ignore_eos:
             break
-        output = model(input_ids=torch.tensor([[token]]),
-                       past_key_values=output.past_key_values, use_cache=True)  # fmt: skip
+        past = output.past_key_values
+        output = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
     return tokens, log_probs, "completed"
