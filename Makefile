@@ -8,12 +8,16 @@ STAMP  := $(VENV)/.installed
 VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
-# The third: MkDocs and the Material theme (requirements-docs.lock; no torch) for `make docs`.
+# Nemotron-H's reference: transformers 5.25 (verl pins < 5.11) next to the same torch.
+NEMO_VENV  ?= .venv-nemotron
+NEMO_BIN   := $(NEMO_VENV)/bin
+NEMO_STAMP := $(NEMO_VENV)/.installed
+# The fourth: MkDocs and the Material theme (requirements-docs.lock; no torch) for `make docs`.
 DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench clean-venv
+.PHONY: demo test test-fast test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench bench-ssd clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -28,6 +32,13 @@ $(VERL_STAMP): requirements-verl.lock pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_BIN)/python -m pip install --quiet -r requirements-verl.lock
 	$(VERL_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+$(NEMO_STAMP): requirements-nemotron.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(NEMO_VENV)
+	$(NEMO_BIN)/python -m pip install --quiet -r requirements-nemotron.lock
+	$(NEMO_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
 
 $(DOCS_STAMP): requirements-docs.lock
@@ -101,5 +112,9 @@ bench: $(STAMP)
 	$(BIN)/mcore-npu bench step --out bench-out
 	$(BIN)/mcore-npu bench cp --out bench-out
 
+# Mamba2's scan against transformers 5.25's pure-torch one (docs/mamba_ops.md), not CI
+bench-ssd: $(NEMO_STAMP)
+	$(NEMO_BIN)/mcore-npu bench ssd --out bench-out
+
 clean-venv:
-	rm -rf $(VENV) $(VERL_VENV) $(DOCS_VENV)
+	rm -rf $(VENV) $(VERL_VENV) $(NEMO_VENV) $(DOCS_VENV)

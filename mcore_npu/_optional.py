@@ -13,6 +13,7 @@ FIXES = {
     ),
     "fla_npu": "pip install flash-linear-attention-npu on the Ascend machine, or use 'auto'",
     "fla": "pip install flash-linear-attention (with triton-ascend) on the Ascend machine",
+    "mamba_ssm": "pip install a triton-ascend build of mamba-ssm on the Ascend machine, or use 'auto'",
 }
 
 

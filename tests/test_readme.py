@@ -110,6 +110,11 @@ def test_readme_headline_figures_match_the_saved_results():
     assert f"S={step['seq_length']}" in row
     assert f"{step['time_ratio']:.2f}× time, {step['peak_ratio']:.2f}× peak" in row
 
+    for name, label in (("gdn", "Gated DeltaNet rule"), ("ssd", "Mamba2 scan")):
+        goals = json.loads((BENCH / f"{name}.json").read_text())["goals"]
+        time, peak = (g["measured"] for g in goals)
+        assert f"{time:.2f}× time" in _headline(label) and f"({peak:.2f}×)" in _headline(label)
+
     cp = json.loads((BENCH / "cp.json").read_text())
     ring = next(r for r in cp["rows"] if r["cp"] == 2 and r["comm"] == "p2p")
     row = _headline("context parallelism")

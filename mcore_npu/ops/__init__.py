@@ -26,6 +26,8 @@ _EXPORTS = {
     "causal_conv1d": "gated_delta",
     "gated_rms_norm": "gated_delta",
     "l2norm": "gated_delta",
+    "mamba_chunk_scan_combined": "mamba",
+    "rms_norm_gated": "mamba",
     "KERNELS": "registry",
     "OPERATORS": "registry",
     "check_kernel": "registry",

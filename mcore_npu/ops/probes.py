@@ -83,3 +83,15 @@ def gated_delta_fla_npu(
     if q is None:
         return None
     return fla_npu_chain.unsupported(q, v, initial_state, output_final_state)
+
+
+def masked_causal_conv1d(_op, *, width=None, dtype=None, grad=False, **_facts) -> str | None:
+    """torch_npu's ``npu_masked_causal_conv1d``: kernel width 3, fp16 / bf16, documented for
+    inference (no public backward)."""
+    if grad:
+        return "torch_npu documents it for inference (no backward) and this call needs gradients"
+    if width is not None and width != 3:
+        return f"it takes kernel width 3 only, this conv has width {width}"
+    if dtype is not None and dtype not in ("float16", "bfloat16"):
+        return f"it takes float16 / bfloat16 only, got {dtype}"
+    return None

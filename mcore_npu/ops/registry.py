@@ -19,12 +19,14 @@ REFERENCE = "reference"
 @dataclass(frozen=True)
 class Kernel:
     """An Ascend kernel: ``module`` holding every one of ``attributes``; ``probe``
-    (``"module:function"``, called ``probe(kernel, **facts)``) returns why it cannot take a call."""
+    (``"module:function"``, called ``probe(kernel, **facts)``) returns why it cannot take a call;
+    ``min_soc``: the lowest ``torch_npu.npu.get_soc_version()`` it runs on (260: Ascend 950)."""
 
     name: str
     module: str
     attributes: tuple[str, ...]
     probe: str | None = None
+    min_soc: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def _npu(*attributes: str, probe: str | None = None) -> tuple[Kernel, ...]:
     return (Kernel("torch_npu", "torch_npu", attributes, probe),)
 
 
-_OPS, _GDN = "mcore_npu.ops", "mcore_npu.ops.gated_delta"
+_OPS, _GDN, _MAMBA = "mcore_npu.ops", "mcore_npu.ops.gated_delta", "mcore_npu.ops.mamba"
 _PROBES = "mcore_npu.ops.probes"
 
 OPERATORS: dict[str, Operator] = {
@@ -112,10 +114,18 @@ OPERATORS: dict[str, Operator] = {
                      Kernel("fla", "fla.ops.gated_delta_rule", ("chunk_gated_delta_rule",)),
                  )),
         Operator("causal_conv1d", f"{_GDN}.conv:causal_conv1d", f"{_GDN}.conv:causal_conv1d",
-                 f"{_GDN}.checks:validate_conv"),
+                 f"{_GDN}.checks:validate_conv",
+                 (Kernel("torch_npu", "torch_npu", ("npu_masked_causal_conv1d",),
+                         f"{_PROBES}:masked_causal_conv1d", min_soc=260),)),
         Operator("l2norm", f"{_GDN}.norms:l2norm", f"{_GDN}.norms:l2norm", None),
         Operator("gated_rms_norm", f"{_GDN}.norms:gated_rms_norm", f"{_GDN}.norms:gated_rms_norm",
                  None),
+        Operator("mamba_chunk_scan_combined", f"{_MAMBA}.scan:mamba_chunk_scan_combined",
+                 f"{_MAMBA}.scan:ssd_reference", f"{_MAMBA}.checks:validate_scan",
+                 (Kernel("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined",
+                         ("mamba_chunk_scan_combined",)),)),
+        Operator("rms_norm_gated", f"{_MAMBA}.norm:rms_norm_gated", f"{_MAMBA}.norm:rms_norm_gated",
+                 f"{_MAMBA}.norm:validate_rms_norm_gated"),
     )
 }  # fmt: skip
 
@@ -212,6 +222,10 @@ def _why_not(kernel: Kernel, facts: dict, *, strict: bool) -> str | None:
     missing = [name for name in kernel.attributes if not callable(getattr(module, name, None))]
     if missing:
         return f"the installed {kernel.module} has no {', '.join(missing)}"
+    if kernel.min_soc is not None:
+        soc = int(load("torch_npu").npu.get_soc_version())
+        if soc < kernel.min_soc:
+            return f"it runs on SoC {kernel.min_soc}+ only (Ascend 950), this NPU is SoC {soc}"
     if kernel.probe is None:
         return None
     target = getattr(module, kernel.attributes[0]) if kernel.attributes else module

@@ -3,9 +3,10 @@
 :func:`load_table` reads a table, tells its kind from its ``kind`` key (none: ``attention``) and
 expands it into :class:`Case` objects of that kind: :class:`AttentionCase` (layout x sparse mode
 x head grouping x lengths x dtype), :class:`FusedCase` (``fused_ops``) and
-:class:`GatedDeltaCase` (``gated_delta``), one per operator entry and dtype. Inputs are drawn in
-float64 from the case's seed, then cast, so one case's inputs agree across dtypes:
-:func:`make_inputs` for attention, ``make_call`` of ``fused_cases`` / ``gdn_cases`` for the others.
+:class:`GatedDeltaCase` (``gated_delta``) and :class:`MambaCase` (``mamba``), one per operator
+entry and dtype. Inputs are drawn in float64 from the case's seed, then cast, so one case's
+inputs agree across dtypes: :func:`make_inputs` for attention, ``make_call`` of
+``fused_cases`` / ``gdn_cases`` / ``mamba_cases`` for the others.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _table(name: str) -> Path:
 DEFAULT_TABLE = _table("attention_cases.yaml")
 FUSED_TABLE = _table("fused_ops_cases.yaml")
 GDN_TABLE = _table("gated_delta_cases.yaml")
+MAMBA_TABLE = _table("mamba_cases.yaml")
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,14 @@ class GatedDeltaCase(OperatorCase):
     quantities = ("forward", "state", "grad0", "grad1", "grad2", "grad3", "grad4", "grad5")
 
 
-KINDS = {cls.kind: cls for cls in (AttentionCase, FusedCase, GatedDeltaCase)}
+class MambaCase(OperatorCase):
+    kind = "mamba"
+    operators = ("mamba_chunk_scan_combined", "rms_norm_gated")
+    # the output, the final state (the scan only), the inputs' gradients in call order
+    quantities = ("forward", "state", *(f"grad{i}" for i in range(9)))
+
+
+KINDS = {cls.kind: cls for cls in (AttentionCase, FusedCase, GatedDeltaCase, MambaCase)}
 
 
 def table_kind(path) -> str | None:

@@ -1,5 +1,7 @@
 """One case's outcome in ``mcore-npu verify``: a :class:`Comparison` per quantity (the largest
-error where it counts, against the case's bound) and the :class:`CaseResult` of the case."""
+error where it counts, against the case's bound) and the :class:`CaseResult` of the case;
+:func:`normal` draws the operator tables' seeded inputs, :func:`compare_outputs` compares an
+operator's output, final state and input gradients."""
 
 from __future__ import annotations
 
@@ -66,3 +68,33 @@ def compare(
     error = (got - want).abs().max().item()  # torch's max propagates NaN
     bound = tolerance.bound(want.abs().max().item())
     return Comparison(name, error, bound, want.numel())
+
+
+def normal(shape, seed: int) -> torch.Tensor:
+    """Seeded standard-normal float64 draws (the operator tables' inputs)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def compare_outputs(case, got, got_leaves, want, want_leaves) -> CaseResult:
+    """``got`` / ``want`` are ``(out, final state or None)``: the output, the state and every
+    input gradient (upstream gradients: seeded normal noise) as forward, state, grad0, ..."""
+    (out, state), (want_out, want_state) = got, want
+    comparisons = [compare("forward", out, want_out, None, case.forward)]
+    if want_state is not None:
+        comparisons.append(compare("state", state, want_state, None, case.forward))
+    if case.param("no_grad"):
+        return CaseResult(case.id, tuple(comparisons))
+    up_out = normal(want_out.shape, case.seed + 99)
+    up_state = None if want_state is None else normal(want_state.shape, case.seed + 98)
+
+    def grads(result, leaves):
+        o, st = result
+        loss = (o * up_out.to(o)).sum()
+        if st is not None:
+            loss = loss + (st * up_state.to(st)).sum()
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    for i, (g, w) in enumerate(zip(grads(got, got_leaves), grads(want, want_leaves))):
+        g = torch.zeros_like(got_leaves[i]) if g is None else g
+        comparisons.append(compare(f"grad{i}", g, w, None, case.grad))
+    return CaseResult(case.id, tuple(comparisons))

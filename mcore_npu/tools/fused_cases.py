@@ -14,7 +14,7 @@ import torch
 
 from mcore_npu.tools import permute_cases
 from mcore_npu.tools.cases import FUSED_TABLE, FusedCase, load_table, table_kind
-from mcore_npu.tools.comparison import CaseResult, compare
+from mcore_npu.tools.comparison import CaseResult, compare, normal
 
 OPERATORS = FusedCase.operators
 QUANTITIES = FusedCase.quantities
@@ -29,10 +29,6 @@ def load_fused_cases(path=None) -> list[FusedCase]:
     return load_table(path or FUSED_TABLE)
 
 
-def _normal(shape, seed) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
 def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
     """``(leaves, kwargs)``: rms_norm ``[x, gamma]``; swiglu ``[x]``; grouped matmul ``[x,
     *weights]`` (x split per group by the call for ``group_type=None``); rotary_mul ``[x, r1,
@@ -44,21 +40,21 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
         return _rotary_call(case, dtype, device)
     if case.operator == "npu_rms_norm":
         shape = case.param("shape")
-        x = _normal(shape, s) * 2
-        gamma = _normal(shape[len(shape) - case.param("gamma_rank") :], s + 1)
+        x = normal(shape, s) * 2
+        gamma = normal(shape[len(shape) - case.param("gamma_rank") :], s + 1)
         leaves = [x, gamma]
         kwargs = {"epsilon": case.param("epsilon")}
     elif case.operator == "npu_swiglu":
-        leaves, kwargs = [_normal(case.param("shape"), s) * 2], {"dim": case.param("dim")}
+        leaves, kwargs = [normal(case.param("shape"), s) * 2], {"dim": case.param("dim")}
     else:
         counts, k, n = case.param("counts"), case.param("k"), case.param("n")
         if case.param("group_type") == 2:
-            leaves = [_normal((n, sum(counts)), s), _normal((sum(counts), k), s + 1)]
+            leaves = [normal((n, sum(counts)), s), normal((sum(counts), k), s + 1)]
         else:
-            weights = [_normal((k, n), s + 1 + e) / k**0.5 for e in range(len(counts))]
-            leaves = [_normal((sum(counts), k), s), *weights]
+            weights = [normal((k, n), s + 1 + e) / k**0.5 for e in range(len(counts))]
+            leaves = [normal((sum(counts), k), s), *weights]
             if case.param("bias"):  # one [N] bias per group: leaves [x, *weights, *biases]
-                leaves += [_normal((n,), s + 101 + e) for e in range(len(counts))]
+                leaves += [normal((n,), s + 101 + e) for e in range(len(counts))]
         cumulative = case.param("group_list_type") != 1
         group_list = list(itertools.accumulate(counts)) if cumulative else counts
         kwargs = {k: case.param(k) for k in ("split_item", "group_type", "group_list_type")}
@@ -69,8 +65,8 @@ def make_call(case: FusedCase, dtype: torch.dtype, device="cpu"):
 
 
 def _rotary_call(case: FusedCase, dtype, device):
-    angles = _normal(case.param("angle_shape"), case.seed + 1) * 3
-    leaves = [_normal(case.param("shape"), case.seed), torch.cos(angles), torch.sin(angles)]
+    angles = normal(case.param("angle_shape"), case.seed + 1) * 3
+    leaves = [normal(case.param("shape"), case.seed), torch.cos(angles), torch.sin(angles)]
     leaves = [t.to(dtype).to(device).requires_grad_(True) for t in leaves]
     return leaves, {"rotary_mode": case.param("rotary_mode")}
 
@@ -177,7 +173,7 @@ def check_reference_fused_case(case: FusedCase, device="cpu"):
     exact, _ = make_call(case, case.dtype, "cpu")
     exact = [t.detach().double().requires_grad_(True) for t in exact]  # the same rounded inputs
     want = oracle(case, exact)
-    upstream = _normal(want.shape, case.seed + 99)
+    upstream = normal(want.shape, case.seed + 99)
     return _compare_all(case, got, leaves, want, exact, upstream)
 
 
@@ -190,5 +186,5 @@ def check_kernel_fused_case(case: FusedCase, device):
     rounded, cpu_kwargs = make_call(case, case.dtype, "cpu")
     wide = [t.detach().float().requires_grad_(True) for t in rounded]
     want = call_operator(case, getattr(reference, case.operator), wide, cpu_kwargs)
-    upstream = _normal(want.shape, case.seed + 99)
+    upstream = normal(want.shape, case.seed + 99)
     return _compare_all(case, got, leaves, want, wide, upstream)

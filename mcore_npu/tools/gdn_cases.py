@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 
 from mcore_npu.tools.cases import GDN_TABLE, GatedDeltaCase, load_table, table_kind
-from mcore_npu.tools.comparison import CaseResult, compare
+from mcore_npu.tools.comparison import compare_outputs, normal
 
 OPERATORS = GatedDeltaCase.operators
 QUANTITIES = GatedDeltaCase.quantities
@@ -28,10 +28,6 @@ def is_gated_delta_table(path) -> bool:
 
 def load_gated_delta_cases(path=None) -> list[GatedDeltaCase]:
     return load_table(path or GDN_TABLE)
-
-
-def _normal(shape, seed) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def _uniform(shape, seed) -> torch.Tensor:
@@ -55,17 +51,19 @@ def make_call(case: GatedDeltaCase, dtype: torch.dtype, device="cpu"):
     elif case.operator == "causal_conv1d":
         b, t, bounds = _layout(case)
         c, w = case.param("channels"), case.param("width")
-        leaves = [_normal((b, t, c), s), _normal((c, 1, w), s + 1) / w**0.5]
+        leaves = [normal((b, t, c), s), normal((c, 1, w), s + 1) / w**0.5]
+        if case.param("bias"):
+            leaves.append(0.5 * normal((c,), s + 2))
         kwargs = {"cu_seqlens": _bounds_tensor(bounds, device)}
     elif case.operator == "l2norm":
-        x = _normal(case.param("shape"), s)
+        x = normal(case.param("shape"), s)
         if case.param("tiny"):
             x = x * 1e-4  # rows small enough for eps to matter
         leaves, kwargs = [x], {}
     else:
         shape = case.param("shape")
-        weight = 1 + 0.3 * _normal(shape[-1:], s + 2)
-        leaves = [_normal(shape, s), _normal(shape, s + 1), weight]
+        weight = 1 + 0.3 * normal(shape[-1:], s + 2)
+        leaves = [normal(shape, s), normal(shape, s + 1), weight]
         kwargs = {"eps": case.param("eps")}
     leaves = [t.to(dtype).to(device).requires_grad_(not case.param("no_grad")) for t in leaves]
     return leaves, kwargs
@@ -78,7 +76,7 @@ def _bounds_tensor(bounds, device):
 def _rule_inputs(case: GatedDeltaCase, s: int, device):
     b, t, bounds = _layout(case)
     (h, hv), (dk, dv) = case.param("heads"), case.param("dims")
-    q, k = _normal((b, t, h, dk), s), _normal((b, t, h, dk), s + 1)
+    q, k = normal((b, t, h, dk), s), normal((b, t, h, dk), s + 1)
     if not case.param("l2norm"):  # the caller's q and k arrive unit-norm
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
     decay = case.param("decay")
@@ -86,11 +84,11 @@ def _rule_inputs(case: GatedDeltaCase, s: int, device):
         g = torch.full((b, t, hv), decay, dtype=torch.float64)
     else:
         g = decay * _uniform((b, t, hv), s + 3)
-    beta = torch.sigmoid(_normal((b, t, hv), s + 4))
-    leaves = [q, k, _normal((b, t, hv, dv), s + 2), g, beta]
+    beta = torch.sigmoid(normal((b, t, hv), s + 4))
+    leaves = [q, k, normal((b, t, hv, dv), s + 2), g, beta]
     if case.param("initial"):
         rows = b if bounds is None else len(bounds) - 1
-        leaves.append(0.5 * _normal((rows, hv, dk, dv), s + 5))
+        leaves.append(0.5 * normal((rows, hv, dk, dv), s + 5))
     kwargs = {"cu_seqlens": _bounds_tensor(bounds, device), "output_final_state": True}
     kwargs["use_qk_l2norm_in_kernel"] = bool(case.param("l2norm"))
     return leaves, kwargs
@@ -123,7 +121,9 @@ def oracle(case: GatedDeltaCase, leaves, kwargs):
         return recurrent_rule(q, k, v, g, beta, initial_state=state, bounds=bounds, l2norm=l2norm)
     if case.operator == "causal_conv1d":
         bounds = kwargs["cu_seqlens"]
-        return conv_oracle(*leaves, None if bounds is None else bounds.tolist()), None
+        x, weight, *bias = leaves
+        bounds = None if bounds is None else bounds.tolist()
+        return conv_oracle(x, weight, bounds, bias[0] if bias else None), None
     if case.operator == "l2norm":
         (x,) = leaves
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), None
@@ -167,8 +167,9 @@ def recurrent_rule(q, k, v, g, beta, *, initial_state=None, bounds=None, l2norm=
     return out, torch.stack(finals)
 
 
-def conv_oracle(x, weight, bounds=None):
-    """``silu(sum_j w[c, j] x[t - (W - 1) + j, c])`` over taps inside the token's segment."""
+def conv_oracle(x, weight, bounds=None, bias=None):
+    """``silu(bias[c] + sum_j w[c, j] x[t - (W - 1) + j, c])`` over taps inside the token's
+    segment."""
     b, t, c = x.shape
     width = weight.shape[-1]
     starts = [0] * t
@@ -176,37 +177,13 @@ def conv_oracle(x, weight, bounds=None):
         starts[s:e] = [s] * (e - s)
     rows = []
     for i in range(t):
-        acc = x.new_zeros(b, c)
+        acc = x.new_zeros(b, c) if bias is None else bias.expand(b, c)
         for j in range(width):
             src = i - (width - 1) + j
             if src >= starts[i]:
                 acc = acc + weight[:, 0, j] * x[:, src]
         rows.append(acc / (1 + torch.exp(-acc)))
     return torch.stack(rows, dim=1)
-
-
-def _compare_all(case, got, got_leaves, want, want_leaves):
-    """Forward, state and every input gradient (seeded upstream gradients)."""
-    (out, state), (want_out, want_state) = got, want
-    comparisons = [compare("forward", out, want_out, None, case.forward)]
-    if want_state is not None:
-        comparisons.append(compare("state", state, want_state, None, case.forward))
-    if case.param("no_grad"):
-        return CaseResult(case.id, tuple(comparisons))
-    up_out = _normal(want_out.shape, case.seed + 99)
-    up_state = None if want_state is None else _normal(want_state.shape, case.seed + 98)
-
-    def grads(result, leaves):
-        o, st = result
-        loss = (o * up_out.to(o)).sum()
-        if st is not None:
-            loss = loss + (st * up_state.to(st)).sum()
-        return torch.autograd.grad(loss, leaves, allow_unused=True)
-
-    for i, (g, w) in enumerate(zip(grads(got, got_leaves), grads(want, want_leaves))):
-        g = torch.zeros_like(got_leaves[i]) if g is None else g
-        comparisons.append(compare(f"grad{i}", g, w, None, case.grad))
-    return CaseResult(case.id, tuple(comparisons))
 
 
 def _grad_mode(case):
@@ -222,7 +199,7 @@ def check_reference_gdn_case(case: GatedDeltaCase, device="cpu"):
     exact = [t.detach().double().requires_grad_(not case.param("no_grad")) for t in exact]
     with _grad_mode(case):
         want = oracle(case, exact, cpu_kwargs)
-    return _compare_all(case, got, leaves, want, exact)
+    return compare_outputs(case, got, leaves, want, exact)
 
 
 def check_kernel_gdn_case(case: GatedDeltaCase, device):
@@ -234,4 +211,4 @@ def check_kernel_gdn_case(case: GatedDeltaCase, device):
     wide = [t.detach().float().requires_grad_(not case.param("no_grad")) for t in rounded]
     with _grad_mode(case):
         want = call_operator(case, wide, cpu_kwargs, "reference")
-    return _compare_all(case, got, leaves, want, wide)
+    return compare_outputs(case, got, leaves, want, wide)

@@ -1,7 +1,7 @@
 """specs/gated_delta_cases.yaml: the table covers what the operators take, its cases pass
 reference vs float64 oracle, and ``verify``'s hardware mode calls the kernel ``auto`` picks.
 
-The full table (32 cases) runs in ``mcore-npu verify --cases specs/gated_delta_cases.yaml``; here
+The full table (34 cases) runs in ``mcore-npu verify --cases specs/gated_delta_cases.yaml``; here
 the cheaper half runs (the long fp32 rule cases repeat tests/ops/test_gated_delta.py)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_reference_matches_the_float64_oracle(case: GatedDeltaCase):
     )
     if not case.param("no_grad"):
         assert names[-1] == {"chunk_gated_delta_rule": "grad5" if case.param("initial") else "grad4",
-                             "causal_conv1d": "grad1", "l2norm": "grad0",
+                             "causal_conv1d": "grad2" if case.param("bias") else "grad1", "l2norm": "grad0",
                              "gated_rms_norm": "grad2"}[case.operator]  # fmt: skip
 
 
@@ -46,7 +46,8 @@ def test_the_table_covers_the_operator_contract():
     assert {p["l2norm"] for p in rule} == {True, False} and {p["initial"] for p in rule} == {
         True, False}  # fmt: skip
     assert any(p.get("no_grad") and p["dims"] == (128, 128) for p in rule)
-    assert any(c.param("segments") for c in CASES if c.operator == "causal_conv1d")
+    conv = [c for c in CASES if c.operator == "causal_conv1d"]
+    assert any(c.param("segments") for c in conv) and any(c.param("bias") for c in conv)
     assert {str(c.dtype) for c in CASES} == {"torch.float32", "torch.bfloat16"}
 
 

@@ -38,12 +38,14 @@ GOOD_FACTS = {
     "rotary_mul": {"rotary_mode": "half", "head_dim": 128},
     "grouped_matmul": {"keywords": ()},
     "chunk_gated_delta_rule": {"grad": False, "q": BF16, "v": BF16},
+    "causal_conv1d": {"width": 3, "dtype": "bfloat16"},
 }
+ASCEND_950 = 260  # torch_npu.npu.get_soc_version() of an Ascend 950
 KERNELLED = [(name, kernel.name) for name, op in registry.OPERATORS.items()
              for kernel in op.kernels]  # fmt: skip
 
 
-def _stand_ins(monkeypatch, *, missing=(), without=()) -> None:
+def _stand_ins(monkeypatch, *, missing=(), without=(), soc=ASCEND_950) -> None:
     """Every registered Ascend module in ``sys.modules`` with every attribute the table names
     (fla_npu's building blocks too), except the modules in ``missing`` (their import fails)
     and the attributes in ``without``."""
@@ -55,6 +57,7 @@ def _stand_ins(monkeypatch, *, missing=(), without=()) -> None:
             for name in names:
                 if name not in without:
                     setattr(module, name, lambda *args, **kwargs: None)
+    modules["torch_npu"].npu = types.SimpleNamespace(get_soc_version=lambda: soc)
     for name in {n for m in modules for n in _parents(m)}:
         monkeypatch.setitem(sys.modules, name, modules.get(name, types.ModuleType(name)))
     for name in missing:
@@ -206,3 +209,19 @@ def test_the_docs_table_is_the_registry():
     text = (ROOT / "docs" / "ops.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert rows == [_docs_row(op) for op in registry.OPERATORS.values()]
+
+
+def test_a_kernel_for_a_newer_soc_is_passed_over_naming_the_soc(monkeypatch):
+    """npu_masked_causal_conv1d runs on the Ascend 950 only (SoC 260); an A2 (SoC 223) falls
+    back, and asking for it there raises; its probe refuses other widths and dtypes."""
+    _stand_ins(monkeypatch, soc=223)
+    with pytest.warns(UserWarning, match="causal_conv1d: .*SoC 260\\+ only .* SoC 223"):
+        assert registry.resolve("causal_conv1d", "auto", NPU, width=3).kernel == "reference"
+    with pytest.raises(ValueError, match="kernel 'torch_npu' cannot run this call: .*SoC 223"):
+        registry.resolve("causal_conv1d", "torch_npu", NPU, width=3)
+    _stand_ins(monkeypatch)
+    refusals = ({"width": 4}, "width 3 only"), ({"dtype": "float32"}, "bfloat16 only"), (
+        {"grad": True}, "no backward")  # fmt: skip
+    for facts, why in refusals:
+        with pytest.raises(ValueError, match=why):
+            registry.resolve("causal_conv1d", "torch_npu", NPU, **facts)

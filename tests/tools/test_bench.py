@@ -118,3 +118,32 @@ def test_cp_floors_stay_above_the_goal_for_every_head_shape(heads, groups):
     assert cp.PEAK_GOAL < 0.5625 <= ring <= 0.625 and 0.75 <= ulysses <= 0.875
     with pytest.raises(ValueError, match="all_gather"):
         cp.floor_bytes("all_gather", seq, **shape)
+
+
+@pytest.mark.parametrize("which", ["gdn", "ssd"])
+def test_an_operator_contest_without_transformers_measures_the_reference_alone(which, tmp_path):
+    """``bench gdn`` / ``bench ssd`` here (no transformers in this environment): the reference
+    alone, no goal judged, and the table says where the comparison runs."""
+    done = run_command(
+        [sys.executable, "-m", "mcore_npu.tools.bench", which, "--quick", "--out", str(tmp_path)],
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / f"{which}.json").read_text())
+    assert {r["method"] for r in result["rows"]} == {"reference (chunked)"}
+    assert result["goals"] == [] and result["where"] in done.stdout
+
+
+def test_a_contest_compares_two_calls_side_by_side():
+    """The two-method path, with the reference standing in for transformers' function (same
+    call, so: equal outputs, both passes measured, two goals, ratios near 1)."""
+    import dataclasses
+
+    from mcore_npu.tools.bench import ssd, versus
+
+    contest = dataclasses.replace(ssd.CONTEST, theirs_at="mcore_npu.ops.mamba:ssd_reference",
+                                  quick_tokens=64)  # fmt: skip
+    result = versus.measure(contest, quick=True)
+    assert result["max_abs_diff"] == 0.0
+    assert len(result["rows"]) == 4 and all(r["seconds"] > 0 for r in result["rows"])
+    assert [g["kind"] for g in result["goals"]] == ["time", "memory"]
+    assert "time ratio" in versus.table(result)

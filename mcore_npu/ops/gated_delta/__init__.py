@@ -2,7 +2,7 @@
 
 * ``chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
   output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False) -> (o, final_state)``
-* ``causal_conv1d(x, weight, *, cu_seqlens=None) -> y`` (depthwise, SiLU)
+* ``causal_conv1d(x, weight, bias=None, *, cu_seqlens=None) -> y`` (depthwise, SiLU)
 * ``l2norm(x, eps=1e-6)`` and ``gated_rms_norm(x, z, weight, eps)``
 
 Shapes are given in each function's docstring.

@@ -140,7 +140,7 @@ def check_cu_seqlens(op: str, cu_seqlens, *, batch: int, tokens: int) -> list[in
     return bounds
 
 
-def validate_conv(x, weight, cu_seqlens) -> list[int]:
+def validate_conv(x, weight, cu_seqlens, bias=None) -> list[int]:
     """Check one ``causal_conv1d`` call; returns the segment bounds."""
     shown = (("x", x), ("weight", weight))
     check_tensor(CONV, "x", x, "reference", shown)
@@ -153,4 +153,11 @@ def validate_conv(x, weight, cu_seqlens) -> list[int]:
         problem += "(depthwise, x's C channels)"
         fix = "pass Megatron's conv1d.weight [C, 1, kernel_width]"
         fail(CONV, ValueError, "weight", problem, fix, shown)
+    if bias is not None:
+        check_tensor(CONV, "bias", bias, "reference", shown)
+        if tuple(bias.shape) != (x.shape[2],):
+            problem = f"shape {list(bias.shape)}, expected [{x.shape[2]}]"
+            fail(
+                CONV, ValueError, "bias", problem, "pass Megatron's conv1d.bias [C], or None", shown
+            )
     return check_cu_seqlens(CONV, cu_seqlens, batch=x.shape[0], tokens=x.shape[1])

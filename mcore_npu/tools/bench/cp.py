@@ -251,7 +251,7 @@ def floors_text(result: dict) -> str:
     ]
     return (
         "Forward resident floors (the fewest bytes the design can hold at its high-water mark, "
-        "whatever the schedule: `mcore_npu/tools/bench/cp.py`), over CP=1's measured peak: "
+        "whatever the schedule: docs/bench.md), over CP=1's measured peak: "
         + "; ".join(parts)
         + "."
     )
