@@ -35,6 +35,8 @@ _EXPORTS = {
     "get_gpt_decoder_block_npu_spec": "mcore_npu.transformer.layer_specs",
     "get_gpt_mtp_block_npu_spec": "mcore_npu.transformer.layer_specs",
     "get_gpt_layer_spec": "mcore_npu.transformer.layer_specs",
+    "get_hybrid_stack_npu_spec": "mcore_npu.transformer.mamba.spec",
+    "NPUMambaMixer": "mcore_npu.transformer.mamba",
     "resolve_backend": "mcore_npu.transformer.backends",
     "PARAM_LAYOUTS": "mcore_npu.transformer.backends",
     "NormColumnParallelLinear": "mcore_npu.transformer.norm_linear",

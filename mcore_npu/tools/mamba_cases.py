@@ -109,12 +109,29 @@ def oracle(case: MambaCase, leaves, kwargs):
     named = dict(zip(kwargs["names"], (t.double() for t in leaves), strict=True))
     if case.operator == "rms_norm_gated":
         return norm_oracle(**named, **{k: v for k, v in kwargs.items() if k != "names"}), None
-    return scan_oracle(**named, seq_idx=kwargs["seq_idx"], softplus=kwargs["dt_softplus"],
-                       dt_limit=kwargs["dt_limit"])  # fmt: skip
+    return scan_oracle(
+        **named,
+        seq_idx=kwargs["seq_idx"],
+        softplus=kwargs["dt_softplus"],
+        dt_limit=kwargs["dt_limit"],
+    )
 
 
-def scan_oracle(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, *,
-                seq_idx=None, softplus=False, dt_limit=(0.0, float("inf"))):  # fmt: skip
+def scan_oracle(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    *,
+    seq_idx=None,
+    softplus=False,
+    dt_limit=(0.0, float("inf")),
+):
     """The SSD recurrence token by token in float64: ``(y [b, t, h, p], final [b, h, p, n])``;
     the state is zero where ``seq_idx`` changes (``initial_states`` reach sequence 0 only)."""
     b, t, h, p = x.shape

@@ -52,6 +52,12 @@ def get_gpt_layer_npu_spec(*, pg_collection=None, **kwargs) -> ModuleSpec:
         ``get_gpt_decoder_block_npu_spec(config)``, whose final norm supports it.
     """
     provider = NPUSpecProvider(NPUSpecOptions.take(kwargs))
+    return npu_layer_spec(provider, pg_collection=pg_collection, **kwargs)
+
+
+def npu_layer_spec(provider: NPUSpecProvider, *, pg_collection=None, **kwargs) -> ModuleSpec:
+    """Megatron's local layer spec for ``kwargs`` (``get_gpt_layer_local_spec``'s keywords)
+    swapped by ``provider``, which a model's layers share."""
     _check_keywords(kwargs, megatron_specs.get_gpt_layer_local_spec)
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**kwargs))
     grouped = bool(kwargs.get("moe_grouped_gemm", False))

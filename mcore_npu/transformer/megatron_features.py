@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,15 @@ def _shared_expert_overlap_state() -> bool:
     return _attribute(f"{_MOE}.shared_experts", "overlap_state_check") is not None
 
 
+def _checkpoint_groups() -> bool:
+    utils = "megatron.core.transformer.utils"
+    return "tp_group" in _parameters(utils, "make_sharded_tensors_for_checkpoint")
+
+
+def _hybrid_model() -> bool:
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
 def _checkpoint_common_file() -> bool:
     return "common_strategy" in _parameters("megatron.core.dist_checkpointing", "save")
 
@@ -183,6 +193,18 @@ FEATURES: dict[str, Feature] = {
     "shared_expert_overlap_state": Feature(
         "shared_experts.overlap_state_check and SharedExpertState",
         _shared_expert_overlap_state,
+        since="0.18",
+    ),
+    "checkpoint_groups": Feature(
+        "make_sharded_tensors_for_checkpoint and sharded_state_dict_default take tp_group (and "
+        "dp_cp_group); before, they read parallel_state's",
+        _checkpoint_groups,
+        since="0.16",
+    ),
+    "hybrid_model": Feature(
+        "megatron.core.models.hybrid: HybridModel and HybridStack (before, MambaModel and "
+        "MambaStack in megatron.core.ssm)",
+        _hybrid_model,
         since="0.18",
     ),
     "checkpoint_common_file": Feature(

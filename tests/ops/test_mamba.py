@@ -34,9 +34,17 @@ def _inputs(b=2, t=33, h=4, p=3, g=2, n=5, seed=0, grad=False):
     def draw(*shape):
         return torch.randn(*shape, generator=gen)
 
-    named = dict(x=draw(b, t, h, p), dt=draw(b, t, h), A=-(0.2 + draw(h).abs()),
-                 B=draw(b, t, g, n), C=draw(b, t, g, n), D=draw(h), z=draw(b, t, h, p),
-                 dt_bias=0.5 * draw(h), initial_states=draw(b, h, p, n))  # fmt: skip
+    named = dict(
+        x=draw(b, t, h, p),
+        dt=draw(b, t, h),
+        A=-(0.2 + draw(h).abs()),
+        B=draw(b, t, g, n),
+        C=draw(b, t, g, n),
+        D=draw(h),
+        z=draw(b, t, h, p),
+        dt_bias=0.5 * draw(h),
+        initial_states=draw(b, h, p, n),
+    )
     return {k: v.requires_grad_(grad) for k, v in named.items()}
 
 
@@ -79,8 +87,10 @@ def test_seq_idx_segments_equal_each_segment_alone():
     packed, final = _scan(named, 8, seq_idx=seq_idx)
     start = 0
     for i, length in enumerate(lengths):
-        alone = {k: v[:, start : start + length] if v.dim() >= 3 and k != "initial_states" else v
-                 for k, v in named.items()}  # fmt: skip
+        alone = {
+            k: v[:, start : start + length] if v.dim() >= 3 and k != "initial_states" else v
+            for k, v in named.items()
+        }
         if i:
             alone["initial_states"] = torch.zeros_like(named["initial_states"])
         y, last = _scan(alone, 8)
@@ -110,11 +120,14 @@ def test_very_negative_a_gives_finite_outputs_and_gradients():
     (y.sum() + final.sum()).backward()
     assert torch.isfinite(y).all() and torch.isfinite(final).all()
     assert all(torch.isfinite(v.grad).all() for v in named.values())
-    exact, _ = scan_oracle(*(named[k].detach().double() for k in ("x", "dt", "A", "B", "C")),
-                           D=named["D"].detach().double(), z=named["z"].detach().double(),
-                           dt_bias=named["dt_bias"].detach().double(),
-                           initial_states=named["initial_states"].detach().double(),
-                           softplus=True)  # fmt: skip
+    exact, _ = scan_oracle(
+        *(named[k].detach().double() for k in ("x", "dt", "A", "B", "C")),
+        D=named["D"].detach().double(),
+        z=named["z"].detach().double(),
+        dt_bias=named["dt_bias"].detach().double(),
+        initial_states=named["initial_states"].detach().double(),
+        softplus=True,
+    )
     torch.testing.assert_close(y.detach().double(), exact, atol=1e-5, rtol=1e-4)
 
 
@@ -193,10 +206,18 @@ def test_mamba_ssm_is_called_in_its_own_convention(monkeypatch):
     got = _scan(named, 16, kernel="mamba_ssm")
     want = _scan(named, 16, kernel="reference")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    (x, chunk, kwargs), = calls  # fmt: skip
+    ((x, chunk, kwargs),) = calls
     assert x is named["x"] and chunk == 16
-    assert set(kwargs) == {"D", "z", "dt_bias", "initial_states", "seq_idx", "dt_softplus",
-                           "dt_limit", "return_final_states"}  # fmt: skip
+    assert set(kwargs) == {
+        "D",
+        "z",
+        "dt_bias",
+        "initial_states",
+        "seq_idx",
+        "dt_softplus",
+        "dt_limit",
+        "return_final_states",
+    }
     assert kwargs["dt_limit"] == (0.0, float("inf")) and kwargs["return_final_states"] is True
     assert registry.resolve("mamba_chunk_scan_combined", "auto", NPU).kernel == "mamba_ssm"
 
@@ -223,8 +244,9 @@ def test_rms_norm_gated_refuses_bad_arguments():
 
 def test_the_conv_takes_a_bias_and_packed_segments():
     gen = torch.Generator().manual_seed(3)
-    x, w, bias = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in
-                  ((1, 12, 6), (6, 1, 4), (6,)))  # fmt: skip
+    x, w, bias = (
+        torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((1, 12, 6), (6, 1, 4), (6,))
+    )
     bounds = [0, 5, 6, 12]
     got = ops.causal_conv1d(x, w, bias, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
     torch.testing.assert_close(got, conv_oracle(x, w, bounds, bias))

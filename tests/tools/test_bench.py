@@ -140,8 +140,9 @@ def test_a_contest_compares_two_calls_side_by_side():
 
     from mcore_npu.tools.bench import ssd, versus
 
-    contest = dataclasses.replace(ssd.CONTEST, theirs_at="mcore_npu.ops.mamba:ssd_reference",
-                                  quick_tokens=64)  # fmt: skip
+    contest = dataclasses.replace(
+        ssd.CONTEST, theirs_at="mcore_npu.ops.mamba:ssd_reference", quick_tokens=64
+    )
     result = versus.measure(contest, quick=True)
     assert result["max_abs_diff"] == 0.0
     assert len(result["rows"]) == 4 and all(r["seconds"] > 0 for r in result["rows"])

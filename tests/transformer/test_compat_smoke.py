@@ -12,7 +12,7 @@ parameter layout), and the test checks:
   give the same logits, bit for bit.
 
 A new model kind (Gated DeltaNet, ...) is one more entry: a builder ``seed -> GPTModel`` and the
-NPU classes it must contain.
+NPU classes it must contain; ``hybrid`` is Megatron's hybrid model class instead.
 """
 
 from __future__ import annotations
@@ -85,6 +85,15 @@ def _gdn_refusal() -> str | None:
     return None if "experimental_attention_variant" in names else "came with megatron-core 0.16"
 
 
+def hybrid(seed: int):
+    """Megatron's hybrid model (MambaModel / HybridModel) from get_hybrid_stack_npu_spec: Mamba,
+    attention, MLP and (0.16+, where the stack has the slot) MoE layers."""
+    from tests.transformer.test_hybrid_stack import PATTERN
+    from tests.transformer.mamba_models import hybrid_model
+
+    return hybrid_model(PATTERN, seed=seed, vocab=VOCAB)
+
+
 MODELS = {
     "dense": Entry(dense, ("NPUFusionAttention", "NPUMLP", "NPURMSNorm")),
     "moe": Entry(
@@ -92,6 +101,7 @@ MODELS = {
     ),
     "mla": Entry(mla, ("NPUMLASelfAttention", "NPUFusionAttention", "NPUMLP")),
     "gdn": Entry(gdn, ("NPUGatedDeltaNet", "NPUFusionAttention"), _gdn_refusal),
+    "hybrid": Entry(hybrid, ("NPUMambaMixer", "NPUFusionAttention", "NPUMLP")),
 }
 
 
@@ -100,13 +110,14 @@ def _npu_classes() -> dict[str, type]:
     from mcore_npu.transformer.attention import NPUFusionAttention
     from mcore_npu.transformer.experts import NPUGroupedMLP
     from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
+    from mcore_npu.transformer.mamba import NPUMambaMixer
     from mcore_npu.transformer.mla import NPUMLASelfAttention
     from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
     from mcore_npu.transformer.norms import NPURMSNorm
     from mcore_npu.transformer.router import NPUTopKRouter
 
-    found = (NPUFusionAttention, NPUGatedDeltaNet, NPUGroupedMLP, NPUMLASelfAttention, NPUMLP,
-             NPUSharedExpertMLP, NPURMSNorm, NPUTopKRouter)  # fmt: skip
+    found = (NPUFusionAttention, NPUGatedDeltaNet, NPUGroupedMLP, NPUMambaMixer,
+             NPUMLASelfAttention, NPUMLP, NPUSharedExpertMLP, NPURMSNorm, NPUTopKRouter)  # fmt: skip
     return {cls.__name__: cls for cls in found}
 
 

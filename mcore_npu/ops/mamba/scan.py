@@ -25,17 +25,37 @@ OP = "mamba_chunk_scan_combined"
 
 
 def mamba_chunk_scan_combined(
-    x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-    seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
-    *, kernel: str = "auto",
-):  # fmt: skip
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    *,
+    kernel: str = "auto",
+):
     """``y [b, t, h, p]`` (x's dtype), or ``(y, final_states [b, h, p, n] fp32)``; ``kernel``:
     ``auto`` (an Ascend build of mamba_ssm where one imports on NPU tensors, else the
     reference), ``mamba_ssm`` or ``reference``."""
     args = (x, dt, A, B, C, chunk_size)
-    options = dict(D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
-                   dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
-                   return_final_states=return_final_states)  # fmt: skip
+    options = dict(
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        initial_states=initial_states,
+        seq_idx=seq_idx,
+        dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit),
+        return_final_states=return_final_states,
+    )
     validate_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
     choice = registry.resolve(OP, kernel, x.device).kernel
     if choice != registry.REFERENCE:
@@ -44,9 +64,21 @@ def mamba_chunk_scan_combined(
 
 
 def ssd_reference(
-    x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-    seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
-):  # fmt: skip
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+):
     """The pure-PyTorch scan (arguments as :func:`mamba_chunk_scan_combined`, checked there)."""
     step = _step_sizes(dt, dt_bias, dt_softplus, dt_limit)
     y, final = _chunked(x, step, A, B, C, chunk_size, initial_states, seq_idx)

@@ -88,8 +88,15 @@ def measure(contest: Contest, quick: bool = False) -> dict:
             row = {"T": tokens, "pass": pass_name, "method": method, "seconds": seconds[method]}
             rows.append({**row, "peak_bytes": usage.peak_bytes})
     setup = contest.setup.format(tokens=tokens)
-    result = {"name": contest.name, "title": contest.title, "rows": rows, "goals": [],
-              "transformers": fn is not None, "setup": setup, "where": contest.where}  # fmt: skip
+    result = {
+        "name": contest.name,
+        "title": contest.title,
+        "rows": rows,
+        "goals": [],
+        "transformers": fn is not None,
+        "setup": setup,
+        "where": contest.where,
+    }
     if fn is not None:
         result["max_abs_diff"] = (outputs[REFERENCE] - outputs[TRANSFORMERS]).abs().max().item()
         result["goals"] = _goals(rows)

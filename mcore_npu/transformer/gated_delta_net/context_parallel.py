@@ -109,8 +109,9 @@ class GDNContextParallel:
             if heads % self.size:
                 raise ValueError(
                     f"sections: {heads} heads per tensor-parallel rank do not divide by "
-                    f"context_parallel_size={self.size}; fix: linear_num_key_heads and "
-                    "linear_num_value_heads divisible by tensor x context parallel size"
+                    f"context_parallel_size={self.size}; fix: the layer's heads and groups "
+                    "divisible by tensor x context parallel size (GDN: linear_num_key_heads, "
+                    "linear_num_value_heads; Mamba: mamba_num_heads, mamba_num_groups)"
                 )
             widths.append(heads * dim)
         ends = self._ends(packed_seq_params, x.shape[0])

@@ -21,6 +21,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from mcore_npu.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm
 from mcore_npu.transformer.gated_delta_net.packing import segment_bounds
 from mcore_npu.transformer.gated_delta_net.sharded import CONV_PARTS, IN_PROJ_PARTS, split_factory
+from mcore_npu.transformer.mixer_support import (
+    device_of,
+    process_groups,
+    sharded_default,
+    sharded_tensors,
+)
 
 
 @dataclass
@@ -90,7 +96,7 @@ class NPUGatedDeltaNet(MegatronModule):
 
             check_kernel(kernel, op="chunk_gated_delta_rule")
         self.use_qk_l2norm, self.naive_l2norm, self.kernel = use_qk_l2norm, naive_l2norm, kernel
-        self.pg_collection = _process_groups(pg_collection)
+        self.pg_collection = process_groups(pg_collection)
         self.tp_size = self.pg_collection.tp.size()
         self._set_sizes(config)
         linear = dict(config=config, bias=bias, is_expert=False, tp_group=self.pg_collection.tp)
@@ -104,7 +110,7 @@ class NPUGatedDeltaNet(MegatronModule):
             tp_comm_buffer_name="fc1",
             **linear,
         )
-        factory = dict(dtype=config.params_dtype, device=_device_of(self.in_proj))
+        factory = dict(dtype=config.params_dtype, device=device_of(self.in_proj))
         width, kernel_size = self.conv_dim_local_tp, self.conv_kernel_dim
         self.conv1d = torch.nn.Conv1d(
             width, width, kernel_size, groups=width, padding=kernel_size - 1, bias=False, **factory
@@ -258,29 +264,15 @@ class NPUGatedDeltaNet(MegatronModule):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
         """Megatron 0.16.1's keys: ``A_log`` / ``dt_bias`` / ``conv1d.weight`` TP-sharded on axis 0,
         ``in_proj.weight`` and ``conv1d.weight`` split into their parts (``sharded.py``)."""
-        from megatron.core.transformer.utils import (
-            make_sharded_tensors_for_checkpoint,
-            sharded_state_dict_default,
-        )
-
-        metadata = _with_dp_cp_group(metadata)
         tp_group = tp_group if tp_group is not None else self.pg_collection.tp
-        groups = dict(tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
+        where = dict(offsets=sharded_offsets, metadata=metadata, tp_group=tp_group)
         own = {}
         self._save_to_state_dict(own, "", keep_vars=True)
-        result = make_sharded_tensors_for_checkpoint(
-            own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets, **groups
-        )
+        result = sharded_tensors(own, prefix, {"A_log": 0, "dt_bias": 0}, **where)
         conv = self.conv1d.state_dict(prefix="", keep_vars=True)
-        conv_prefix, offsets = f"{prefix}conv1d.", sharded_offsets
-        result.update(
-            make_sharded_tensors_for_checkpoint(conv, conv_prefix, {"weight": 0}, offsets, **groups)
-        )
+        result.update(sharded_tensors(conv, f"{prefix}conv1d.", {"weight": 0}, **where))
         for name in ("in_proj", "out_norm", "out_proj"):
-            module, where = getattr(self, name), f"{prefix}{name}."
-            result.update(
-                sharded_state_dict_default(module, where, offsets, metadata, tp_group=tp_group)
-            )
+            result.update(sharded_default(getattr(self, name), f"{prefix}{name}.", **where))
         tp = self.tp_size
         qk, v, hv = self.qk_dim // tp, self.v_dim // tp, self.num_value_heads // tp
         key = f"{prefix}in_proj.weight"
@@ -307,19 +299,6 @@ def _check_arguments(config, conv_bias: bool, A_init_range) -> None:
         )
 
 
-def _process_groups(pg_collection):
-    if pg_collection is not None:
-        return pg_collection
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-
-
-def _device_of(module) -> torch.device:
-    weight = getattr(module, "weight", None)
-    return weight.device if weight is not None else torch.device("cpu")
-
-
 def _context_parallel(pg_collection):
     """The CP seam: :class:`NoContextParallel` at CP = 1, else the all-to-all implementation."""
     cp_group = getattr(pg_collection, "cp", None)
@@ -333,9 +312,3 @@ def _context_parallel(pg_collection):
             f"(mcore_npu.transformer.gated_delta_net.context_parallel: {err}); run with CP 1"
         ) from err
     return GDNContextParallel(cp_group)
-
-
-def _with_dp_cp_group(metadata):
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
-    return ensure_metadata_has_dp_cp_group(metadata)

@@ -1,0 +1,89 @@
+"""``get_hybrid_stack_npu_spec`` in Megatron's own builder: ``MambaModel`` (megatron-core <= 0.17)
+or ``HybridModel`` (0.18+) with a pattern of every layer kind the installed stack has, forward and
+backward on CPU, Megatron's TE names, the NPU final norm, and what is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mcore_npu.transformer.mamba.stack import StackSubmodules
+from tests.transformer.mamba_models import hybrid_config, hybrid_model
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
+
+SLOTS = {field.name for field in dataclasses.fields(StackSubmodules)}
+PATTERN = "M*-" + ("E" if "moe_layer" in SLOTS else "") + ("M" if "moe_layer" in SLOTS else "")
+GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+           linear_num_key_heads=2, linear_num_value_heads=4)  # fmt: skip
+
+
+def _run(model, batch=2, seq=12, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (batch, seq), generator=gen)
+    positions = torch.arange(seq).expand(batch, seq)
+    logits = model(ids, positions, attention_mask=None)
+    logits.float().square().mean().backward()
+    return logits
+
+
+def test_every_layer_kind_runs_forward_and_backward_with_finite_gradients():
+    model = hybrid_model(PATTERN)
+    logits = _run(model)
+    assert logits.shape == (2, 12, 64) and torch.isfinite(logits).all()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    kinds = [type(layer).__name__ for layer in model.decoder.layers]
+    assert kinds[:3] == ["MambaLayer", "TransformerLayer", "MLPLayer"]
+
+
+def test_names_are_megatrons_te_names_and_the_final_norm_is_the_npu_norm():
+    model = hybrid_model(PATTERN)
+    keys = {k for k in model.state_dict() if "_extra_state" not in k}
+    assert {"decoder.layers.0.mixer.in_proj.layer_norm_weight", "decoder.layers.0.mixer.A_log",
+            "decoder.layers.0.mixer.conv1d.bias", "decoder.layers.0.mixer.norm.weight",
+            "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.2.mlp.linear_fc1.layer_norm_weight", "decoder.final_norm.weight",
+            } <= keys  # fmt: skip
+    assert not any(k.startswith("decoder.layers.1.mlp") for k in keys)  # attention only
+    assert not any(k.startswith("decoder.layers.2.self_attention") for k in keys)  # MLP only
+    if "E" in PATTERN:
+        assert "decoder.layers.3.pre_mlp_layernorm.weight" in keys
+        assert any(k.startswith("decoder.layers.3.mlp.experts.") for k in keys)
+    assert type(model.decoder.final_norm).__module__.startswith("mcore_npu.")
+
+
+@pytest.mark.skipif("gdn_layer" not in SLOTS, reason="the G slot came with megatron-core 0.17")
+def test_gated_deltanet_layers_in_the_pattern():
+    model = hybrid_model("MG*G", hybrid_config(num_layers=4, **GDN))
+    _run(model)
+    assert type(model.decoder.layers[1].self_attention).__name__ == "NPUGatedDeltaNet"
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_the_local_layout_and_dsa_are_refused_by_name():
+    with pytest.raises(ValueError, match="param_layout: 'local'.*pass param_layout='te'"):
+        hybrid_model("M*", param_layout="local")
+    if "dsa_layer" in SLOTS:
+        with pytest.raises(ValueError, match="hybrid pattern: 'D'"):
+            hybrid_model("MD")
+
+
+def test_a_checkpoint_of_the_hybrid_model_round_trips(tmp_path):
+    """dist_checkpointing save and load: the model's sharded state (the mixer's split keys
+    included) comes back bit-exact into a model built from another seed."""
+    from megatron.core import dist_checkpointing
+
+    saved = hybrid_model(PATTERN, seed=0)
+    dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path))
+    loaded = hybrid_model(PATTERN, seed=1)
+    assert not torch.equal(
+        loaded.decoder.layers[0].mixer.A_log, saved.decoder.layers[0].mixer.A_log
+    )
+    state = dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path))
+    loaded.load_state_dict(state)
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
