@@ -88,8 +88,8 @@ def _gdn_refusal() -> str | None:
 def hybrid(seed: int):
     """Megatron's hybrid model (MambaModel / HybridModel) from get_hybrid_stack_npu_spec: Mamba,
     attention, MLP and (0.16+, where the stack has the slot) MoE layers."""
-    from tests.transformer.test_hybrid_stack import PATTERN
     from tests.transformer.mamba_models import hybrid_model
+    from tests.transformer.test_hybrid_stack import PATTERN
 
     return hybrid_model(PATTERN, seed=seed, vocab=VOCAB)
 
