@@ -17,7 +17,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench bench-ssd clean-venv
+.PHONY: demo test test-fast test-verl test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench bench-ssd clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -50,14 +50,15 @@ $(DOCS_STAMP): requirements-docs.lock
 demo: $(STAMP)
 	$(BIN)/mcore-npu train --config configs/gpt_tiny.yaml
 
-# tests/integrations need the verl environment: `make test` leaves them out, `make test-verl`
-# runs only them. Both run on TEST_WORKERS pytest-xdist workers (0: in one process); a test
-# module stays on one worker, so its module fixtures are made once.
+# tests/integrations need the verl environment, tests/nemotron the Nemotron-H one: `make test`
+# leaves them out, `make test-verl` / `make test-nemotron` run only them. All run on TEST_WORKERS
+# pytest-xdist workers (0: in one process); a test module stays on one worker, so its module
+# fixtures are made once.
 TEST_WORKERS ?= 2
 PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations
+	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron
 
 # the inner loop: the operator, mask, CPU-runtime and spec unit tests, no torchrun and no
 # trainer runs in a subprocess (docs/contributing.md: run it first; under 2 minutes on 2 cores)
@@ -67,6 +68,10 @@ test-fast: $(STAMP)
 
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
+
+# Nemotron-H against transformers 5.25 (verl pins < 5.11): the environment of its own
+test-nemotron: $(NEMO_STAMP)
+	$(NEMO_BIN)/python -m pytest -q $(PARALLEL) tests/nemotron
 
 # opt-in, not CI: verl's Megatron-Bridge path (vanilla_mbridge=False) against a scratch
 # megatron-bridge 0.3.1 (--no-deps, its TE/Triton-only modules replaced by stand-ins) in
