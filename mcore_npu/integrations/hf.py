@@ -10,8 +10,9 @@ spec the bridge builds changes, on the bridge instance (mbridge is not patched):
 
 :func:`use_npu_spec` also fixes the Hugging Face config fields transformers >= 5 leaves off and
 the router's softmax form. DeepSeek-V3 gets the plugin's subclass (:mod:`.mbridge_fixes`),
-Qwen3.5 / Qwen3-Next the plugin's own bridge (:mod:`.hf_qwen3_5`). Needs ``mcore-npu[hf]``;
-``import mcore_npu`` never imports this module. See docs/hf_weights.md.
+Qwen3.5 / Qwen3-Next and Nemotron-H the plugin's own bridges (:mod:`.hf_qwen3_5`,
+:mod:`.hf_nemotron_h`). Needs ``mcore-npu[hf]``; ``import mcore_npu`` never imports this module.
+See docs/hf_weights.md.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
 
     Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
     ``bridge.config`` at build time, so a later ``bridge.set_extra_args(...)`` still applies.
-    MTP layers: from the NPU spec for MiMo, else refused (:func:`refuse_mbridge_mtp`).
+    MTP layers: from the NPU spec for MiMo, else refused (:func:`refuse_mbridge_mtp`). A hybrid
+    bridge (``hybrid_stack``: Nemotron-H) builds its own NPU hybrid spec with ``kernel``.
     """
+    if getattr(bridge, "hybrid_stack", False):
+        bridge.npu_kernel = kernel
+        expose_hf_config_fields(bridge.hf_config)
+        return bridge
     if not hasattr(bridge, "_get_transformer_layer_spec"):
         raise TypeError(
             f"bridge: {type(bridge).__name__} has no _get_transformer_layer_spec; pass an mbridge "
@@ -98,7 +104,12 @@ def bridge_from_config(hf_config, **bridge_kwargs):
     from mcore_npu.integrations import mbridge_fixes
 
     expose_hf_config_fields(hf_config)
-    if getattr(hf_config, "model_type", None) in PLUGIN_BRIDGES:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in mbridge_fixes.NEMOTRON_H_TYPES:
+        from mcore_npu.integrations import hf_nemotron_h  # registers its bridge with mbridge
+
+        return hf_nemotron_h.NemotronHBridge(hf_config, **bridge_kwargs)
+    if model_type in PLUGIN_BRIDGES:
         from mcore_npu.integrations import hf_qwen3_5  # registers its bridge with mbridge
 
         return hf_qwen3_5.Qwen3_5Bridge(hf_config, **bridge_kwargs)
@@ -245,8 +256,9 @@ def npu_bridge(
 
 
 def build_model(bridge, *, pre_process: bool | None = None, post_process: bool | None = None):
-    """This pipeline stage's ``GPTModel`` from the bridge's model provider, with no ``.cuda()``,
-    DDP or mixed-precision wrapper (so it works on a CPU). Needs Megatron's parallel state."""
+    """This pipeline stage's ``GPTModel`` (the hybrid model for Nemotron-H) from the bridge's
+    model provider, with no ``.cuda()``, DDP or mixed-precision wrapper (so it works on a CPU).
+    Needs Megatron's parallel state."""
     from megatron.core import parallel_state
 
     if pre_process is None:

@@ -20,12 +20,12 @@ import torch
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.safetensor_io import SafeTensorIO
 
-from mcore_npu.integrations.mbridge_fixes import PLUGIN_BRIDGES
+from mcore_npu.integrations.mbridge_fixes import QWEN3_5_TYPES
 from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = PLUGIN_BRIDGES
+MODEL_TYPES = QWEN3_5_TYPES
 HUB_PREFIX, TEXT_PREFIX = "model.language_model.", "model."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")

@@ -67,6 +67,7 @@ class ModelSection:
     rotary_percent: float = 1.0  # share of each head's dims RoPE rotates (Qwen3.5: 0.25)
     share_embeddings_and_output_weights: bool = False
     param_layout: str = "te"  # npu_fusion parameter names: te (TE spec's) | local (local spec's)
+    hybrid_pattern: str | None = None  # Megatron's hybrid model: "M*-E...", one symbol per layer
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -425,6 +426,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _validate_experts(cfg, world_size)
     _validate_mla(cfg)
     _validate_gdn(cfg)
+    _validate_hybrid(cfg)
     _validate_rotary_percent(cfg)
     _validate_train(cfg)
     _validate_optimizer(cfg)
@@ -494,6 +496,67 @@ def _validate_gdn(cfg) -> None:
         key, _, problem = str(err).partition(": ")
         fix = problem.partition("; ")[2] or "see docs/gdn_layer.md"
         _fail(f"model.{key}", getattr(fields, key, None), problem.split(";")[0], fix)
+
+
+def is_hybrid(cfg) -> bool:
+    """Whether the model is Megatron's hybrid model (``model.hybrid_pattern``)."""
+    return cfg.model.hybrid_pattern is not None
+
+
+def _validate_hybrid(cfg) -> None:
+    """``model.hybrid_pattern``: symbols the installed stack builds, one per layer; npu_fusion,
+    te names, no MTP; ``E`` needs experts. See docs/mamba_layer.md."""
+    if not is_hybrid(cfg):
+        return
+    from mcore_npu.transformer.hybrid_pattern import check_pattern
+
+    m, pattern = cfg.model, cfg.model.hybrid_pattern
+    try:
+        check_pattern(pattern, m.num_layers)
+    except ValueError as err:
+        problem, _, fix = str(err).partition(": ")[2].rpartition("; ")
+        _fail("model.hybrid_pattern", pattern, problem, fix)
+    if _resolved_backend(cfg) != "npu_fusion" or m.param_layout != "te":
+        problem = "is built by the npu_fusion spec in the te layout only"
+        _fail(
+            "model.hybrid_pattern",
+            pattern,
+            problem,
+            "use attention.backend=npu_fusion, model.param_layout=te",
+        )
+    if m.extra.get("mtp_num_layers"):
+        problem = "multi-token prediction in a hybrid model is not built"
+        _fail("model.mtp_num_layers", m.extra["mtp_num_layers"], problem, "remove it")
+    _validate_mamba_sizes(cfg)
+    if "E" in pattern and not m.extra.get("num_moe_experts"):
+        _fail(
+            "model.hybrid_pattern",
+            pattern,
+            "has MoE layers (E) without experts",
+            "set model.num_moe_experts",
+        )
+
+
+def _validate_mamba_sizes(cfg) -> None:
+    """Mamba heads and groups as ``NPUMambaMixer`` checks them (Megatron's defaults otherwise)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore_npu.transformer.mamba.mixer import check_sizes
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    names = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+    fields = SimpleNamespace(**{n: cfg.model.extra.get(n, defaults[n]) for n in names})
+    heads = fields.mamba_num_heads or 2 * cfg.model.hidden_size // fields.mamba_head_dim
+    p = cfg.parallel
+    try:
+        check_sizes(heads, fields.mamba_num_groups, p.tensor, fields, p.context)
+    except ValueError as err:
+        key, _, problem = str(err).partition(": ")
+        key = key.removeprefix("config.")
+        section = "parallel" if key.endswith("parallel_size") else "model"
+        _fail(f"{section}.{key}", getattr(fields, key, None), *problem.rsplit("; ", 1))
 
 
 def is_mla(cfg) -> bool:

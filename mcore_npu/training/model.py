@@ -1,5 +1,5 @@
-"""Config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel`` (``build_model(cfg)``,
-once Megatron's parallel state exists)."""
+"""Config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel``, or Megatron's hybrid
+model for ``model.hybrid_pattern`` (``build_model(cfg)``, once Megatron's parallel state exists)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def transformer_config(cfg):
         **_stage_fields(p, m.num_layers),
     )
     fields.update(_plain(m.extra))
+    if m.hybrid_pattern is not None:
+        fields["is_hybrid_model"] = True  # Megatron's output-layer init for hybrids
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     if is_mla(cfg):
@@ -195,15 +197,28 @@ def build_model(cfg, config=None, *, pre_process=None, post_process=None):
     """This pipeline stage's ``GPTModel`` (in a ``Float16Module`` for bf16/fp16), MTP included;
     ``config`` defaults to ``transformer_config(cfg)``, the stages to Megatron's pipeline state."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     config = config or transformer_config(cfg)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    if cfg.model.hybrid_pattern is not None:
+        model = hybrid_model(cfg, config, pre_process=pre_process, post_process=post_process)
+    else:
+        model = _gpt_model(cfg, config, pre_process, post_process)
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def _gpt_model(cfg, config, pre_process: bool, post_process: bool):
+    from megatron.core.models.gpt import GPTModel
+
     block = layer_spec(cfg, config)
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=block,
         mtp_block_spec=mtp_spec(cfg, config, block),
@@ -216,8 +231,40 @@ def build_model(cfg, config=None, *, pre_process=None, post_process=None):
         rotary_base=cfg.model.rotary_base,
         rotary_percent=float(cfg.model.rotary_percent),
     )
-    if config.bf16 or config.fp16:
-        from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(config, model)
-    return model
+
+def hybrid_model(cfg, config, *, pre_process: bool, post_process: bool):
+    """Megatron's hybrid model (``HybridModel`` 0.18+, ``MambaModel`` before) for
+    ``model.hybrid_pattern``, its stack from ``get_hybrid_stack_npu_spec``."""
+    from mcore_npu.transformer import megatron_features
+    from mcore_npu.transformer.mamba.spec import get_hybrid_stack_npu_spec
+
+    m = cfg.model
+    spec = get_hybrid_stack_npu_spec(
+        kernel=cfg.attention.kernel,
+        rms_norm_kernel=cfg.fused.rms_norm,
+        swiglu_kernel=cfg.fused.swiglu,
+        grouped_matmul_kernel=cfg.fused.grouped_matmul,
+        moe_permute_kernel=cfg.fused.moe_permute,
+        rope_kernel=rope_kernel(cfg),
+        qk_layernorm=m.qk_layernorm,
+        num_experts=m.extra.get("num_moe_experts"),
+    )
+    common = dict(
+        config=config,
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+        rotary_percent=float(m.rotary_percent),
+    )
+    if megatron_features.has("hybrid_model"):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=m.hybrid_pattern, **common)
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern=m.hybrid_pattern, **common)

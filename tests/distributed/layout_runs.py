@@ -45,8 +45,9 @@ def _gpt(trainer: Trainer):
 def _modules(trainer: Trainer) -> str:
     """``attention=..., router=..., experts=...`` of the model's last decoder layer."""
     layer = _gpt(trainer).decoder.layers[-1]
-    mlp = layer.mlp
-    parts = {"attention": type(layer.self_attention).__name__,
+    mlp = getattr(layer, "mlp", None)  # a hybrid model's Mamba layer has a mixer instead
+    attention = getattr(layer, "self_attention", getattr(layer, "mixer", None))
+    parts = {"attention": type(attention).__name__,
              "router": type(getattr(mlp, "router", None)).__name__,
              "experts": type(getattr(mlp, "experts", None)).__name__}  # fmt: skip
     return ", ".join(f"{key}={value}" for key, value in parts.items())

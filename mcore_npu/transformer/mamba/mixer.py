@@ -149,7 +149,7 @@ class NPUMambaMixer(MegatronModule):
         else:
             self.nheads = int(self.expand * self.d_model) // self.headdim
         self.d_inner = self.nheads * self.headdim
-        _check_sizes(self.nheads, self.ngroups, tp, config)
+        check_sizes(self.nheads, self.ngroups, tp, config)
         self.nheads_local_tp, self.ngroups_local_tp = self.nheads // tp, self.ngroups // tp
         self.d_inner_local_tp = self.d_inner // tp
         self.conv_dim_local_tp = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
@@ -248,7 +248,7 @@ class NPUMambaMixer(MegatronModule):
             kernel=self.kernel,
         ).reshape(batch, seq, h * p)
         if self.rmsnorm:
-            y = self.norm(y, z.reshape(batch, seq, h * p))
+            y = self.norm(y, z.reshape(batch, seq, h * p), slice(heads.start * p, heads.stop * p))
         return y.transpose(0, 1).contiguous()
 
     def _cp_slices(self) -> tuple[slice, slice]:
@@ -317,7 +317,8 @@ def _check_arguments(bias, norm_before_gate, A_init_range, dt_min, dt_max) -> No
         raise ValueError(f"dt_min, dt_max: {dt_min}, {dt_max}; pass 0 < dt_min <= dt_max")
 
 
-def _check_sizes(nheads: int, ngroups: int, tp: int, config) -> None:
+def check_sizes(nheads: int, ngroups: int, tp: int, config, cp: int = 1) -> None:
+    """ValueError naming the config field when the Mamba sizes cannot split over TP x CP."""
     for name, value in (
         ("mamba_state_dim", config.mamba_state_dim),
         ("mamba_head_dim", config.mamba_head_dim),
@@ -335,6 +336,12 @@ def _check_sizes(nheads: int, ngroups: int, tp: int, config) -> None:
             f"tensor_model_parallel_size: {tp} must divide the {nheads} Mamba heads and the "
             f"{ngroups} groups (config.mamba_num_heads / mamba_num_groups); pick a TP size that "
             "divides both"
+        )
+    if (nheads // tp) % cp or (ngroups // tp) % cp:
+        raise ValueError(
+            f"context_parallel_size: {cp} must divide the {nheads // tp} Mamba heads and "
+            f"{ngroups // tp} groups of each TP rank (the all-to-all splits them); pick mamba_num_"
+            "heads / mamba_num_groups divisible by tensor x context parallel size"
         )
 
 

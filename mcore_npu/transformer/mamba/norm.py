@@ -29,10 +29,12 @@ class MambaGatedRMSNorm(torch.nn.Module):
         self.weight.partition_dim = 0
         self.tp_group = tp_group
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None, rows=None) -> torch.Tensor:
+        """``rows``: the slice of ``weight`` that ``y``'s channels are (a CP rank's heads)."""
+        weight = self.weight if rows is None else self.weight[rows]
         return rms_norm_gated(
             y,
-            self.weight,
+            weight,
             z,
             eps=self.eps,
             group_size=self.group_size,

@@ -1,0 +1,216 @@
+"""A tiny Nemotron-H through the plugin's Hugging Face bridge (``integrations.hf_nemotron_h``)
+into Megatron's hybrid model from the NPU spec, against transformers 5.25's own model.
+
+The checkpoint is nemotron_models.py's (``M*M-M*``: Mamba2, attention, MLP; chunk 8 < every
+sequence; every norm, ``D`` and ``dt_bias`` away from its init). fp32, reference kernels, one
+process (conftest.py's CPU runtime). Checked: logits within 1e-4 (absolute) of transformers for
+7, 12 and 33 tokens, batch 1 and 2; the three packed into one thd row give each one's logits
+within 1e-5; export is bit-exact; the TP split / merge of the sectioned tensors are inverse;
+the plugin model imports none of mamba_ssm, causal_conv1d, triton, transformer_engine.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mbridge")
+pytest.importorskip("transformers.models.nemotron_h")
+
+import safetensors.torch
+
+from tests.nemotron.nemotron_models import PATTERN, VOCAB, save_tiny, tiny_config
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
+
+TOLERANCE = 1e-4  # max |logit difference|, absolute (the logits' max |value| is printed)
+PACKED_TOLERANCE = 1e-5
+LENGTHS = (7, 12, 33)
+BLOCKED = ("mamba_ssm", "causal_conv1d", "triton", "transformer_engine")
+CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
+                bias_activation_fusion=False, bias_dropout_fusion=False,
+                gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
+
+
+class _Blocker(importlib.abc.MetaPathFinder):
+    """Refuses every import of the packages in ``BLOCKED``; records ``(name, importing file)``."""
+
+    def __init__(self):
+        self.attempts: list[tuple[str, str]] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            frame = sys._getframe(1)
+            while frame.f_code.co_filename.startswith("<frozen"):
+                frame = frame.f_back
+            self.attempts.append((name, frame.f_code.co_filename))
+            raise ModuleNotFoundError(f"blocked by the test: {name}")
+        return None
+
+
+def _batches():
+    """length -> ``[2, length]`` token ids."""
+    gen = torch.Generator().manual_seed(1)
+    return {n: torch.randint(0, VOCAB, (2, n), generator=gen) for n in LENGTHS}
+
+
+def _npu_logits(model, ids, **kwargs):
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, positions, None, **kwargs)
+
+
+def _packed_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ends = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return ends, PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
+                                 max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The checkpoint, transformers' logits, and the plugin's bridge, model and logits (sbhd and
+    packed thd), the plugin built and run with ``BLOCKED`` refused at import."""
+    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
+
+    path = tmp_path_factory.mktemp("tiny_nemotron_h")
+    hf_model = save_tiny(path)
+    batches = _batches()
+    with torch.no_grad():
+        hf = {n: hf_model(input_ids=ids).logits for n, ids in batches.items()}
+    before = {m for m in sys.modules if m.split(".")[0] in BLOCKED}
+    blocker = _Blocker()
+    sys.meta_path.insert(0, blocker)
+    try:
+        bridge = npu_bridge(str(path), kernel="reference", dtype=torch.float32)
+        bridge.set_extra_args(**CPU_ARGS)
+        model = build_model(bridge).eval()
+        load_hf_weights(model, str(path), bridge=bridge)
+        npu = {n: _npu_logits(model, ids) for n, ids in batches.items()}
+        single = {n: _npu_logits(model, ids[:1]) for n, ids in batches.items()}
+        _, params = _packed_params()
+        packed = _npu_logits(model, torch.cat([batches[n][0] for n in LENGTHS])[None],
+                             packed_seq_params=params)[0]  # fmt: skip
+    finally:
+        sys.meta_path.remove(blocker)
+    new = {m for m in sys.modules if m.split(".")[0] in BLOCKED} - before
+    return types.SimpleNamespace(path=str(path), hf=hf, bridge=bridge, model=model, npu=npu,
+                                 single=single, packed=packed, attempts=blocker.attempts,
+                                 new_modules=new)  # fmt: skip
+
+
+def test_npu_bridge_builds_the_hybrid_model_from_the_npu_spec(run):
+    from mbridge import AutoBridge
+
+    from mcore_npu.integrations.hf_nemotron_h import NemotronHBridge
+    from mcore_npu.transformer.mamba import NPUMambaMixer
+
+    assert isinstance(run.bridge, NemotronHBridge)
+    assert AutoBridge.list_supported_models().count("nemotron_h") == 1
+    kinds = [type(layer).__name__ for layer in run.model.decoder.layers]
+    assert kinds == ["MambaLayer", "TransformerLayer", "MambaLayer", "MLPLayer", "MambaLayer",
+                     "TransformerLayer"]  # fmt: skip
+    mixer = run.model.decoder.layers[0].mixer
+    assert isinstance(mixer, NPUMambaMixer)
+    assert (mixer.d_conv, mixer.chunk_size, mixer.kernel) == (4, 8, "reference")
+    assert run.bridge.pattern == PATTERN and run.bridge.config.is_hybrid_model
+
+
+def test_logits_match_transformers(run):
+    errors, scale = [], 0.0
+    for n in LENGTHS:
+        for got in (run.npu[n], run.single[n]):
+            want = run.hf[n][: got.shape[0]]
+            errors.append(float((got - want).abs().max()))
+            scale = max(scale, float(want.abs().max()))
+    print(f"tiny nemotron_h: max |logit - transformers| for {LENGTHS} tokens, batch 2 and 1: "
+          f"{[f'{e:.2e}' for e in errors]}; max |logit| {scale:.2f}")  # fmt: skip
+    assert max(errors) <= TOLERANCE, errors
+
+
+def test_packed_thd_gives_each_sequences_logits(run):
+    ends, _ = _packed_params()
+    own, hf = [], []
+    for n, a, b in zip(LENGTHS, ends[:-1], ends[1:], strict=True):
+        own.append(float((run.packed[a:b] - run.single[n][0]).abs().max()))
+        hf.append(float((run.packed[a:b] - run.hf[n][0]).abs().max()))
+    print(f"packed thd: max |logit - unpacked| per sequence {[f'{e:.2e}' for e in own]}, "
+          f"- transformers {[f'{e:.2e}' for e in hf]}")  # fmt: skip
+    assert max(own) <= PACKED_TOLERANCE and max(hf) <= TOLERANCE, (own, hf)
+
+
+def test_export_is_bit_exact(run):
+    from mcore_npu.integrations.hf import export_hf_weights
+
+    saved = safetensors.torch.load_file(str(next(Path(run.path).glob("*.safetensors"))))
+    exported = dict(export_hf_weights(run.model, run.bridge))
+    assert exported.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    print(f"export: {len(saved)} tensors, every one torch.equal to the checkpoint's")
+
+
+def test_no_cuda_only_package_is_imported(run):
+    """Built, loaded and run with the packages refused at import: none is in ``sys.modules``, and
+    no module of the plugin asked for one (torch and Megatron probe them in ``try`` blocks)."""
+    probes = sorted({f"{name} <- {Path(where).parent.name}/{Path(where).name}"
+                     for name, where in run.attempts})  # fmt: skip
+    print(f"blocked optional imports (probes): {probes}")
+    assert run.new_modules == set()
+    assert not [where for _, where in run.attempts if "/mcore_npu/" in where]
+
+
+def test_tensor_parallel_split_and_merge(run):
+    """For TP = 2, rank r gets the r-th half of each of z, x, B, C, dt (``in_proj``) and of x, B,
+    C (``conv1d``), as NPUMambaMixer holds them; merging the two ranks' parts gives the whole
+    tensor back. The per-head tensors split and merge on rows."""
+    bridge, mixer = run.bridge, run.model.decoder.layers[0].mixer
+    sections = {"in_proj.weight": (64, 64, 32, 32, 4), "conv1d.weight": (64, 32, 32),
+                "conv1d.bias": (64, 32, 32), "A_log": (4,), "D": (4,), "dt_bias": (4,),
+                "norm.weight": (64,)}  # fmt: skip
+    tp2 = types.SimpleNamespace(tp_size=2)
+    for suffix, parts in sections.items():
+        name = f"decoder.layers.0.mixer.{suffix}"
+        param = mixer.get_parameter(suffix)
+        whole = torch.arange(param.shape[0], dtype=torch.float32)
+        whole = whole.view(-1, *[1] * (param.dim() - 1)).expand(param.shape).contiguous()
+        half = param[: param.shape[0] // 2]
+        split = list(bridge._weight_split_across_tp(name, whole, half, 2))
+        bounds = torch.tensor([0, *parts]).cumsum(0)
+        for rank, got in enumerate(split):
+            rows = torch.cat([torch.arange(a + rank * (b - a) // 2, a + (rank + 1) * (b - a) // 2)
+                              for a, b in zip(bounds[:-1], bounds[1:])])  # fmt: skip
+            assert torch.equal(got.reshape(got.shape[0], -1)[:, 0], rows.float()), (suffix, rank)
+        mpu, bridge.mpu = bridge.mpu, tp2
+        try:
+            merged = bridge._weight_merge_across_tp(name, split, param)
+        finally:
+            bridge.mpu = mpu
+        assert torch.equal(merged, whole), suffix
+
+
+def test_the_config_refuses_what_the_hybrid_model_cannot_compute():
+    from mcore_npu.integrations.hf_nemotron_h import config_keywords, hybrid_pattern
+
+    keywords = config_keywords(tiny_config())
+    assert keywords["num_layers"] == 6 and keywords["gated_linear_unit"] is False
+    assert (keywords["mamba_num_heads"], keywords["mamba_num_groups"]) == (4, 2)
+    assert hybrid_pattern(tiny_config(hybrid_override_pattern="M-*")) == "M-*"
+    refused = {
+        "moe": dict(hybrid_override_pattern="M*E"),
+        "layer_norm_epsilon": dict(layer_norm_epsilon=1e-6),
+        "use_bias": dict(use_bias=True),
+        "mlp_bias": dict(mlp_bias=True),
+        "time_step_limit": dict(time_step_limit=(0.0, 1.0)),
+        "mlp_hidden_act": dict(mlp_hidden_act="silu"),
+        "tie_word_embeddings": dict(tie_word_embeddings=True),
+    }
+    for field, overrides in refused.items():
+        with pytest.raises(ValueError, match=field):
+            config_keywords(tiny_config(**overrides))
