@@ -17,7 +17,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env docs lint format bench bench-ssd clean-venv
+.PHONY: demo test test-fast test-verl test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env nemotron-env docs lint format bench bench-ssd clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -87,7 +87,8 @@ test-megatron-bridge: $(VERL_STAMP)
 test-compat:
 	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --workers $(TEST_WORKERS) $(COMPAT_VERSIONS)
 
-# the CI smoke (.ci/run): dense, MoE and MLA from the NPU spec on megatron-core 0.15.3 and 0.19.2
+# the CI smoke (.ci/run): dense, MoE, MLA, GDN and hybrid models from the NPU spec on megatron-core
+# 0.15.3 and 0.19.2
 # (tests/transformer/test_compat_smoke.py); compat-smoke-envs only builds their environments
 compat-smoke-envs:
 	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --smoke --build-only
@@ -95,8 +96,10 @@ compat-smoke-envs:
 compat-smoke:
 	$(PYTHON) -m scripts.compat_matrix --python $(PYTHON) --smoke --workers 0
 
-# the verl environment alone (CI builds it while `make test` runs)
+# the verl and the Nemotron-H environments alone (CI builds them while `make test` runs)
 verl-env: $(VERL_STAMP)
+
+nemotron-env: $(NEMO_STAMP)
 
 # the documentation site (mkdocs.yml) into site/; strict: a broken link or anchor, or a page
 # missing from the nav, fails it (CI builds it while `make test` runs)

@@ -74,7 +74,8 @@ def test_ci_runs_only_what_the_readme_shows():
     lines = [line.lstrip("{ ") for line in ci.splitlines()]
     commands = [" ".join(line.split()[:2]) for line in lines if line.startswith("make ")]
     assert commands == [
-        "make lint", "make verl-env", "make docs", "make test", "make test-verl", "make compat-smoke",
+        "make lint", "make verl-env", "make docs", "make test", "make test-verl",
+        "make test-nemotron", "make compat-smoke",
     ]  # fmt: skip
     assert all(f"`{command}`" in text for command in commands)
 

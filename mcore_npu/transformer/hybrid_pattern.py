@@ -10,6 +10,8 @@ import dataclasses
 
 SLOTS = {"M": "mamba_layer", "*": "attention_layer", "-": "mlp_layer", "E": "moe_layer",
          "G": "gdn_layer", "+": "mla_layer"}  # fmt: skip
+SINCE = {"E": "0.16", "G": "0.17", "+": "0.19"}
+"""The megatron-core release whose hybrid stack first has the symbol's slot."""
 
 
 def symbols() -> str:
@@ -27,10 +29,13 @@ def check_pattern(pattern, num_layers: int) -> str:
     known = symbols()
     unknown = sorted(set(pattern) - set(known))
     if unknown:
+        newer = [f"{symbol!r} came with megatron-core {SINCE[symbol]}" for symbol in unknown
+                 if symbol in SINCE]  # fmt: skip
         raise ValueError(
             f"hybrid_pattern: {pattern!r} has {unknown}, which the installed megatron-core's "
-            f"hybrid stack with the NPU spec does not build; use the symbols {known!r} "
-            "(M Mamba, * attention, - MLP, E MoE, G Gated DeltaNet, + MLA), one per layer"
+            f"hybrid stack with the NPU spec does not build{' (' + ', '.join(newer) + ')' if newer else ''}; "
+            f"use the symbols {known!r} (M Mamba, * attention, - MLP, E MoE, G Gated DeltaNet, "
+            "+ MLA), one per layer"
         )
     if len(pattern) != num_layers:
         raise ValueError(

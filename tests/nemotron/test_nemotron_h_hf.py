@@ -32,9 +32,14 @@ TOLERANCE = 1e-4  # max |logit difference|, absolute (the logits' max |value| is
 PACKED_TOLERANCE = 1e-5
 LENGTHS = (7, 12, 33)
 BLOCKED = ("mamba_ssm", "causal_conv1d", "triton", "transformer_engine")
-CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
-                bias_activation_fusion=False, bias_dropout_fusion=False,
-                gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
+CPU_ARGS = dict(
+    use_cpu_initialization=True,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    gradient_accumulation_fusion=False,
+    variable_seq_lengths=False,
+)
 
 
 class _Blocker(importlib.abc.MetaPathFinder):
@@ -69,8 +74,13 @@ def _packed_params():
     from megatron.core.packed_seq_params import PackedSeqParams
 
     ends = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    return ends, PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
-                                 max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))  # fmt: skip
+    return ends, PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=ends,
+        cu_seqlens_kv=ends,
+        max_seqlen_q=max(LENGTHS),
+        max_seqlen_kv=max(LENGTHS),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +105,23 @@ def run(tmp_path_factory):
         npu = {n: _npu_logits(model, ids) for n, ids in batches.items()}
         single = {n: _npu_logits(model, ids[:1]) for n, ids in batches.items()}
         _, params = _packed_params()
-        packed = _npu_logits(model, torch.cat([batches[n][0] for n in LENGTHS])[None],
-                             packed_seq_params=params)[0]  # fmt: skip
+        packed = _npu_logits(
+            model, torch.cat([batches[n][0] for n in LENGTHS])[None], packed_seq_params=params
+        )[0]
     finally:
         sys.meta_path.remove(blocker)
     new = {m for m in sys.modules if m.split(".")[0] in BLOCKED} - before
-    return types.SimpleNamespace(path=str(path), hf=hf, bridge=bridge, model=model, npu=npu,
-                                 single=single, packed=packed, attempts=blocker.attempts,
-                                 new_modules=new)  # fmt: skip
+    return types.SimpleNamespace(
+        path=str(path),
+        hf=hf,
+        bridge=bridge,
+        model=model,
+        npu=npu,
+        single=single,
+        packed=packed,
+        attempts=blocker.attempts,
+        new_modules=new,
+    )
 
 
 def test_npu_bridge_builds_the_hybrid_model_from_the_npu_spec(run):
@@ -114,8 +133,14 @@ def test_npu_bridge_builds_the_hybrid_model_from_the_npu_spec(run):
     assert isinstance(run.bridge, NemotronHBridge)
     assert AutoBridge.list_supported_models().count("nemotron_h") == 1
     kinds = [type(layer).__name__ for layer in run.model.decoder.layers]
-    assert kinds == ["MambaLayer", "TransformerLayer", "MambaLayer", "MLPLayer", "MambaLayer",
-                     "TransformerLayer"]  # fmt: skip
+    assert kinds == [
+        "MambaLayer",
+        "TransformerLayer",
+        "MambaLayer",
+        "MLPLayer",
+        "MambaLayer",
+        "TransformerLayer",
+    ]
     mixer = run.model.decoder.layers[0].mixer
     assert isinstance(mixer, NPUMambaMixer)
     assert (mixer.d_conv, mixer.chunk_size, mixer.kernel) == (4, 8, "reference")
@@ -129,8 +154,10 @@ def test_logits_match_transformers(run):
             want = run.hf[n][: got.shape[0]]
             errors.append(float((got - want).abs().max()))
             scale = max(scale, float(want.abs().max()))
-    print(f"tiny nemotron_h: max |logit - transformers| for {LENGTHS} tokens, batch 2 and 1: "
-          f"{[f'{e:.2e}' for e in errors]}; max |logit| {scale:.2f}")  # fmt: skip
+    print(
+        f"tiny nemotron_h: max |logit - transformers| for {LENGTHS} tokens, batch 2 and 1: "
+        f"{[f'{e:.2e}' for e in errors]}; max |logit| {scale:.2f}"
+    )
     assert max(errors) <= TOLERANCE, errors
 
 
@@ -140,8 +167,10 @@ def test_packed_thd_gives_each_sequences_logits(run):
     for n, a, b in zip(LENGTHS, ends[:-1], ends[1:], strict=True):
         own.append(float((run.packed[a:b] - run.single[n][0]).abs().max()))
         hf.append(float((run.packed[a:b] - run.hf[n][0]).abs().max()))
-    print(f"packed thd: max |logit - unpacked| per sequence {[f'{e:.2e}' for e in own]}, "
-          f"- transformers {[f'{e:.2e}' for e in hf]}")  # fmt: skip
+    print(
+        f"packed thd: max |logit - unpacked| per sequence {[f'{e:.2e}' for e in own]}, "
+        f"- transformers {[f'{e:.2e}' for e in hf]}"
+    )
     assert max(own) <= PACKED_TOLERANCE and max(hf) <= TOLERANCE, (own, hf)
 
 
@@ -159,8 +188,9 @@ def test_export_is_bit_exact(run):
 def test_no_cuda_only_package_is_imported(run):
     """Built, loaded and run with the packages refused at import: none is in ``sys.modules``, and
     no module of the plugin asked for one (torch and Megatron probe them in ``try`` blocks)."""
-    probes = sorted({f"{name} <- {Path(where).parent.name}/{Path(where).name}"
-                     for name, where in run.attempts})  # fmt: skip
+    probes = sorted(
+        {f"{name} <- {Path(where).parent.name}/{Path(where).name}" for name, where in run.attempts}
+    )
     print(f"blocked optional imports (probes): {probes}")
     assert run.new_modules == set()
     assert not [where for _, where in run.attempts if "/mcore_npu/" in where]
@@ -171,9 +201,15 @@ def test_tensor_parallel_split_and_merge(run):
     C (``conv1d``), as NPUMambaMixer holds them; merging the two ranks' parts gives the whole
     tensor back. The per-head tensors split and merge on rows."""
     bridge, mixer = run.bridge, run.model.decoder.layers[0].mixer
-    sections = {"in_proj.weight": (64, 64, 32, 32, 4), "conv1d.weight": (64, 32, 32),
-                "conv1d.bias": (64, 32, 32), "A_log": (4,), "D": (4,), "dt_bias": (4,),
-                "norm.weight": (64,)}  # fmt: skip
+    sections = {
+        "in_proj.weight": (64, 64, 32, 32, 4),
+        "conv1d.weight": (64, 32, 32),
+        "conv1d.bias": (64, 32, 32),
+        "A_log": (4,),
+        "D": (4,),
+        "dt_bias": (4,),
+        "norm.weight": (64,),
+    }
     tp2 = types.SimpleNamespace(tp_size=2)
     for suffix, parts in sections.items():
         name = f"decoder.layers.0.mixer.{suffix}"
@@ -184,8 +220,12 @@ def test_tensor_parallel_split_and_merge(run):
         split = list(bridge._weight_split_across_tp(name, whole, half, 2))
         bounds = torch.tensor([0, *parts]).cumsum(0)
         for rank, got in enumerate(split):
-            rows = torch.cat([torch.arange(a + rank * (b - a) // 2, a + (rank + 1) * (b - a) // 2)
-                              for a, b in zip(bounds[:-1], bounds[1:])])  # fmt: skip
+            rows = torch.cat(
+                [
+                    torch.arange(a + rank * (b - a) // 2, a + (rank + 1) * (b - a) // 2)
+                    for a, b in zip(bounds[:-1], bounds[1:])
+                ]
+            )
             assert torch.equal(got.reshape(got.shape[0], -1)[:, 0], rows.float()), (suffix, rank)
         mpu, bridge.mpu = bridge.mpu, tp2
         try:
@@ -214,3 +254,33 @@ def test_the_config_refuses_what_the_hybrid_model_cannot_compute():
     for field, overrides in refused.items():
         with pytest.raises(ValueError, match=field):
             config_keywords(tiny_config(**overrides))
+
+
+def test_a_wrong_mapping_moves_the_logits(run):
+    """The comparison can fail: each Mamba tensor the draw moved away from its init, put back
+    to its init or permuted over heads, moves the logits far beyond the tolerance."""
+    mixer = run.model.decoder.layers[0].mixer
+    ids = _batches()[12][:1]
+    want = run.hf[12][:1]
+    wrongs = {
+        "D": lambda: mixer.D.fill_(1.0),
+        "dt_bias": lambda: mixer.dt_bias.copy_(mixer.dt_bias.flip(0)),
+        "A_log": lambda: mixer.A_log.copy_(mixer.A_log.flip(0)),
+        "norm.weight": lambda: mixer.norm.weight.fill_(1.0),
+        "in_proj.layer_norm_weight": lambda: mixer.in_proj.layer_norm_weight.fill_(1.0),
+        "conv1d.bias": lambda: mixer.conv1d.bias.zero_(),
+    }
+    moved = {}
+    for name, wrong in wrongs.items():
+        param = mixer.get_parameter(name)
+        kept = param.detach().clone()
+        try:
+            with torch.no_grad():
+                wrong()
+            moved[name] = float((_npu_logits(run.model, ids) - want).abs().max())
+        finally:
+            with torch.no_grad():
+                param.copy_(kept)
+    print(f"max |logit - transformers| with one tensor wrong: {moved}")
+    assert min(moved.values()) > 10 * TOLERANCE, moved
+    assert float((_npu_logits(run.model, ids) - want).abs().max()) <= TOLERANCE

@@ -87,3 +87,39 @@ def test_a_checkpoint_of_the_hybrid_model_round_trips(tmp_path):
     for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), name
+
+
+def _hybrid_key(key: str) -> str:
+    """A GPTModel key -> the HybridModel key of the same weight: GPT layer i is hybrid layers
+    2i (its attention / GDN part) and 2i + 1 (its MLP part); ``final_layernorm`` is
+    ``final_norm``."""
+    head, sep, rest = key.partition("decoder.layers.")
+    if not sep:
+        return key.replace("decoder.final_layernorm.", "decoder.final_norm.")
+    index, _, name = rest.partition(".")
+    mlp = name.startswith(("mlp.", "pre_mlp_layernorm."))
+    return f"{head}decoder.layers.{2 * int(index) + int(mlp)}.{name}"
+
+
+@pytest.mark.skipif(
+    "gdn_layer" not in SLOTS or "mla_layer" not in SLOTS,
+    reason="HybridModel with G layers: megatron-core 0.19",
+)
+def test_qwen3_5_by_hybrid_model_equals_qwen3_5_by_gpt_model():
+    """Qwen3.5's tiny hybrid (tests/transformer/gdn_models.py: [GDN, GDN, GDN, attention], gated
+    attention, zero-centred norms) built by GPTModel with get_gpt_decoder_block_npu_spec and by
+    HybridModel with pattern ``G-G-G-*-``, the same weights: the same logits."""
+    from tests.transformer.gdn_models import gdn_config, gdn_gpt
+
+    config = gdn_config()
+    gpt = gdn_gpt(config, seed=3).eval()
+    hybrid = hybrid_model("G-G-G-*-", gdn_config(num_layers=8), vocab=96, qk_layernorm=True).eval()
+    state = {_hybrid_key(k): v for k, v in gpt.state_dict().items()}
+    missing, unexpected = hybrid.load_state_dict(state, strict=False)
+    assert not [k for k in missing if "_extra_state" not in k] and not unexpected
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 96, (2, 24), generator=gen)
+    positions = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        want, got = gpt(ids, positions, None), hybrid(ids, positions, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
