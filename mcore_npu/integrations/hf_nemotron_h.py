@@ -135,12 +135,13 @@ def mixer_params(hf_config) -> dict:
     )
 
 
-def hybrid_stack_spec(hf_config, *, kernel: str = "auto"):
-    """``get_hybrid_stack_npu_spec(kernel=...)`` with the mixer's params from the config (the
-    spec's mamba layer and mixer copied, the rest as built)."""
+def hybrid_stack_spec(hf_config, *, kernel: str = "auto", **spec_keywords):
+    """``get_hybrid_stack_npu_spec(kernel=..., **spec_keywords)`` (``spec_keywords``: the NPU
+    spec's fused-operator kernels, as a recipe sets them) with the mixer's params from the config
+    (the spec's mamba layer and mixer copied, the rest as built)."""
     from mcore_npu.transformer.mamba.spec import get_hybrid_stack_npu_spec
 
-    spec = copy.copy(get_hybrid_stack_npu_spec(kernel=kernel))
+    spec = copy.copy(get_hybrid_stack_npu_spec(kernel=kernel, **spec_keywords))
     spec.submodules = copy.copy(spec.submodules)
     layer = copy.copy(spec.submodules.mamba_layer)
     layer.submodules = copy.copy(layer.submodules)
@@ -190,6 +191,7 @@ class NemotronHBridge(LLMBridge):
 
     _CONFIG_MAPPING = {**LLMBridge._CONFIG_MAPPING, "layernorm_epsilon": "layer_norm_epsilon"}
     hybrid_stack = True  # hf.use_npu_spec sets npu_kernel instead of a GPT layer spec
+    npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, never mutated)
 
     def __init__(self, hf_config, *args, **kwargs):
         self.pattern = hybrid_pattern(hf_config)
@@ -208,7 +210,8 @@ class NemotronHBridge(LLMBridge):
         return self._build_base_config(**config_keywords(self.hf_config))
 
     def _get_transformer_layer_spec(self, vp_stage=None):
-        return hybrid_stack_spec(self.hf_config, kernel=self.npu_kernel)
+        keywords = {"kernel": self.npu_kernel, **self.npu_spec_keywords}
+        return hybrid_stack_spec(self.hf_config, **keywords)
 
     def _model_provider(self, post_model_creation_callbacks):
         model_class, spec_key, pattern_key = hybrid_model_class()

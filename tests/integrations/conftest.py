@@ -136,6 +136,38 @@ def qwen3_5_hub(tmp_path_factory) -> str:
     return str(path)
 
 
+# A Nemotron-H checkpoint, tiny: tests/nemotron/nemotron_models.py's shape (pattern ``M*M-M*``:
+# 3 Mamba2 layers of 4 heads of 16, 2 groups, state 16, conv 4 with a bias; 2 attention layers;
+# 1 squared-ReLU MLP; hidden 64) with chunk 4, shorter than the test rows; time_step_min 1e-9:
+# transformers 5.10.4's pure-torch scan clamps softplus(dt + dt_bias) at it, Megatron does not.
+NEMOTRON_H = dict(chunk_size=4, time_step_min=1e-9)
+
+
+def save_tiny_nemotron_h(path) -> str:
+    """Save the tiny Nemotron-H (``NemotronHForCausalLM`` of this environment's transformers,
+    5.10.4) to ``path``: weights drawn by ``nemotron_models.draw`` (every norm, ``D`` and
+    ``dt_bias`` away from its init), rounded to bf16 (stored in fp32), and the tokenizer."""
+    from transformers import NemotronHForCausalLM
+
+    from tests.nemotron.nemotron_models import draw, tiny_config
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(tiny_config(**NEMOTRON_H))
+    draw(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    model.save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def nemotron_h(tmp_path_factory) -> str:
+    """The path of the tiny Nemotron-H checkpoint (:func:`save_tiny_nemotron_h`)."""
+    return save_tiny_nemotron_h(tmp_path_factory.mktemp("tiny_nemotron_h"))
+
+
 @pytest.fixture(scope="session")
 def cpu_runtime():
     """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""

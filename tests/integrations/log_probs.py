@@ -37,14 +37,16 @@ def mean_negative_log_prob(model_output, data, dp_group=None):
     return -values.float().mean(), {}
 
 
-def hf_log_probs(path: str, lengths: tuple[int, ...], model_class=None) -> list[torch.Tensor]:
+def hf_log_probs(
+    path: str, lengths: tuple[int, ...], model_class=None, **config
+) -> list[torch.Tensor]:
     """``transformers`` (``model_class``, default ``AutoModelForCausalLM``) in fp32 on the
     bf16-rounded weights, one row of :func:`packed_batch` at a time: ``[n - 1]`` each,
-    log p(token t+1)."""
+    log p(token t+1). ``config``: config fields ``from_pretrained`` overrides."""
     import transformers
 
     model_class = model_class or transformers.AutoModelForCausalLM
-    model = model_class.from_pretrained(path, dtype=torch.float32).eval()
+    model = model_class.from_pretrained(path, dtype=torch.float32, **config).eval()
     _, ids = packed_batch(lengths)
     out = []
     with torch.no_grad():

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 ROWS = yaml.safe_load((Path(__file__).parent / "recipe_settings.yaml").read_text())["rows"]
 FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
            "deepseek_v3": "tiny_deepseek_v3_model", "mimo": "mimo",
-           "qwen3_5_hub": "qwen3_5_hub"}  # fmt: skip
+           "qwen3_5_hub": "qwen3_5_hub", "nemotron_h": "nemotron_h"}  # fmt: skip
 A, AM, RM = (
     "actor_rollout_ref.actor.",
     "actor_rollout_ref.actor.megatron.",
@@ -245,9 +245,13 @@ def _gpt(engine):
 
 
 def _qkv(engine) -> torch.Tensor:
-    attention = _gpt(engine).decoder.layers[0].self_attention
-    layer = getattr(attention, "linear_qkv", None) or attention.linear_q_up_proj
-    return layer.weight.detach().clone()
+    """The first attention layer's QKV weight (a hybrid's first layer may be Mamba or MLP)."""
+    for layer in _gpt(engine).decoder.layers:
+        attention = getattr(layer, "self_attention", None)
+        qkv = getattr(attention, "linear_qkv", None) or getattr(attention, "linear_q_up_proj", None)
+        if qkv is not None:
+            return qkv.weight.detach().clone()
+    raise AssertionError("no attention layer with a QKV weight")
 
 
 def _write_dist_checkpoint(hf_path: str, folder) -> tuple[str, torch.Tensor]:

@@ -6,8 +6,9 @@ family, two ``TrainingWorker`` s are built from the same checkpoint in one proce
 ``vanilla_mbridge=True`` and one with ``False``; the second must log one fallback line, leave the
 caller's config at ``False``, and give exactly (``==``) the first's log-probs through
 ``infer_batch`` and exactly its ``get_per_tensor_param`` tensors (the per-tensor generator verl
-sends to the rollout). Qwen2 (Qwen2.5's ``model_type``), Qwen3-MoE and DeepSeek-V3 (q-LoRA with
-yarn, and without q-LoRA with plain RoPE) are built ``forward_only`` as verl builds the
+sends to the rollout). Qwen2 (Qwen2.5's ``model_type``), Qwen3-MoE, DeepSeek-V3 (q-LoRA with
+yarn, and without q-LoRA with plain RoPE) and Nemotron-H (the plugin's ``NemotronHBridge``: a
+Mamba2 hybrid, Megatron's ``MambaModel``) are built ``forward_only`` as verl builds the
 reference model; Qwen3 as the actor (one ``train_batch`` step on each, then the comparisons) and
 as the critic (``value_model``: the values ``==``). Nothing is mocked.
 """
@@ -126,8 +127,8 @@ def deepseek_v3(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "checkpoint, override",
     [("tiny_hf_model", None), ("qwen3_moe", None), ("tiny_deepseek_v3_model", DEEPSEEK_CPU),
-     ("deepseek_v3", DEEPSEEK_CPU)],
-    ids=["qwen2", "qwen3_moe", "deepseek_v3_q_lora_yarn", "deepseek_v3_plain"],
+     ("deepseek_v3", DEEPSEEK_CPU), ("nemotron_h", None)],
+    ids=["qwen2", "qwen3_moe", "deepseek_v3_q_lora_yarn", "deepseek_v3_plain", "nemotron_h"],
 )  # fmt: skip
 def test_reference_model_on_the_default_path_equals_mbridge(request, caplog, checkpoint, override):
     """``forward_only`` workers, as verl builds the reference model (its ``vanilla_mbridge``

@@ -186,6 +186,8 @@ class _NPUEngineMixin:
             self.provider.transformer_layer_spec = functools.partial(
                 _provider_layer_spec, spec=spec
             )
+        elif getattr(self.bridge, "hybrid_stack", False):  # Nemotron-H: its own hybrid spec
+            self.bridge.npu_spec_keywords = spec
         elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
             spec.update(mbridge_expert_form(self.bridge.config))
             layer_spec = functools.partial(_mbridge_layer_spec, self.bridge, spec=spec)
