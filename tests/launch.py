@@ -196,3 +196,18 @@ def assert_ok(run: Run) -> Run:
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (a, b)
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def assert_layout_matches(
+    stdout: str, name: str, metrics, single, expected: dict, sp: bool, tolerance: float
+) -> None:
+    """Run ``name`` of a ``layout_runs`` launch had the ``expected`` sizes (``tp``, ``cp``,
+    ``ep``, ``dp``) and ``sp``, and its losses and gradient norms are those of the one-process
+    ``single`` run within ``tolerance``, step by step."""
+    had = json.loads(reported(stdout, name, "layout"))
+    assert {key: had[key] for key in ("tp", "cp", "ep", "dp")} == expected, had
+    assert had["sp"] == sp, had
+    assert len(metrics) == len(single) > 0, (metrics, single)
+    for key in ("loss", "grad_norm"):
+        got, want = [m[key] for m in metrics], [m[key] for m in single]
+        assert max_abs_diff(got, want) <= tolerance, (key, got, want)

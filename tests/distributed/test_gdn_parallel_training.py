@@ -25,11 +25,15 @@ checkpoint another (``tests.launch.layout_runs``).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.launch import layout_runs, max_abs_diff, read_metrics, reported
+from tests.launch import (
+    assert_layout_matches,
+    layout_runs,
+    max_abs_diff,
+    read_metrics,
+    reported,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -100,13 +104,9 @@ def _losses(metrics) -> list[float]:
 def test_gdn_hybrid_layout_matches_one_process(layout, fmt, runs):
     metrics, stdout = runs[_name(layout, fmt)]
     single, _ = runs[_name("single", fmt)]
-    had = json.loads(reported(stdout, _name(layout, fmt), "layout"))
-    assert {key: had[key] for key in ("tp", "cp", "ep", "dp")} == LAYOUTS[layout][2], had
-    assert had["sp"] == (layout == "tp2_sp"), had
-    assert len(metrics) == STEPS == len(single)
-    assert max_abs_diff(_losses(metrics), _losses(single)) <= TOLERANCE, (metrics, single)
-    norms = [m["grad_norm"] for m in metrics]
-    assert max_abs_diff(norms, [m["grad_norm"] for m in single]) <= TOLERANCE, (norms, single)
+    assert len(metrics) == STEPS
+    expected, sp = LAYOUTS[layout][2], layout == "tp2_sp"
+    assert_layout_matches(stdout, _name(layout, fmt), metrics, single, expected, sp, TOLERANCE)
 
 
 def test_pp2_stages_split_the_hybrid_pattern(runs):

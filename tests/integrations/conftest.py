@@ -17,14 +17,8 @@ import os
 import pytest
 import torch
 
-LAUNCH_ENV = {
-    "RANK": "0",
-    "LOCAL_RANK": "0",
-    "WORLD_SIZE": "1",
-    "LOCAL_WORLD_SIZE": "1",
-    "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29561",
-}
+from tests.single_rank import single_rank_megatron
+
 VOCAB = 128
 
 
@@ -171,24 +165,8 @@ def nemotron_h(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def cpu_runtime():
     """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mcore_npu.training import cpu_support
-
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in LAUNCH_ENV.items():
-            env.setenv(key, value)
-        cpu_support.apply()
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        cpu_support.seed_cpu_streams(1, tp_rank=0)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-            cpu_support.revert()
+    with single_rank_megatron(29561):
+        yield
 
 
 def training_worker_config(

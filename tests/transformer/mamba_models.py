@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from tests.transformer.megatron_models import tiny_config
 
 MAMBA_FIELDS = dict(mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_num_heads=4)
 
 
 def mamba_config(**overrides):
-    from megatron.core.transformer import TransformerConfig
-
+    """``megatron_models.tiny_config`` at hidden 32 with the Mamba sizes (plain MLP, no qk-norm)."""
     fields = dict(
         num_layers=4,
         hidden_size=32,
-        num_attention_heads=4,
+        num_query_groups=None,
         ffn_hidden_size=64,
-        normalization="RMSNorm",
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        gated_linear_unit=False,
+        qk_layernorm=False,
         **MAMBA_FIELDS,
     )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
+    return tiny_config(**{**fields, **overrides})
 
 
 def mamba_mixer(config, seed=0, chunk_size=4, **kwargs):
