@@ -105,3 +105,30 @@ def test_qwen3_5_by_hybrid_model_equals_qwen3_5_by_gpt_model():
     with torch.no_grad():
         want, got = gpt(ids, positions, None), hybrid(ids, positions, None)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def _stack_recomputes() -> bool:
+    """Whether the installed stack has full recompute (0.19's HybridStack: checkpointed_forward)."""
+    import sys
+
+    from mcore_npu.transformer.mamba.stack import NPUHybridStack
+
+    return hasattr(sys.modules[NPUHybridStack.__mro__[1].__module__], "checkpointed_forward")
+
+
+@pytest.mark.skipif(
+    not _stack_recomputes(), reason="the stack's full recompute: 0.19's HybridStack"
+)
+def test_full_recompute_of_the_stack_gives_the_same_gradients():
+    """recompute_granularity=full, uniform, 1 layer (the Nemotron recipe's): every layer kind is
+    recomputed in the backward and the gradients equal those without recompute."""
+    grads = []
+    for fields in (
+        {},
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ):
+        model = hybrid_model(PATTERN, hybrid_config(num_layers=len(PATTERN), **fields))
+        _run(model)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
