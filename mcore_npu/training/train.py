@@ -447,13 +447,15 @@ def _on_this_cp_rank(batch: MicroBatch) -> MicroBatch:
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from mcore_npu.transformer import megatron_features
     from mcore_npu.transformer.context_parallel import get_thd_batch_on_this_cp_rank
 
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
     tensors = {name: getattr(batch, name) for name in _SPLIT}
     if batch.cu_seqlens is None:
-        return MicroBatch(**get_batch_on_this_cp_rank(tensors))
+        flag = {"is_hybrid_cp": False} if megatron_features.has("cp_batch_hybrid_flag") else {}
+        return MicroBatch(**get_batch_on_this_cp_rank(tensors, **flag))
     local, _ = get_thd_batch_on_this_cp_rank(
         tensors, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen
     )

@@ -154,6 +154,10 @@ def _checkpoint_groups() -> bool:
     return "tp_group" in _parameters(utils, "make_sharded_tensors_for_checkpoint")
 
 
+def _cp_batch_hybrid_flag() -> bool:
+    return "is_hybrid_cp" in _parameters("megatron.core.utils", "get_batch_on_this_cp_rank")
+
+
 def _hybrid_model() -> bool:
     return importlib.util.find_spec("megatron.core.models.hybrid") is not None
 
@@ -200,6 +204,11 @@ FEATURES: dict[str, Feature] = {
         "dp_cp_group); before, they read parallel_state's",
         _checkpoint_groups,
         since="0.16",
+    ),
+    "cp_batch_hybrid_flag": Feature(
+        "get_batch_on_this_cp_rank takes is_hybrid_cp (positional, required)",
+        _cp_batch_hybrid_flag,
+        since="0.18",
     ),
     "hybrid_model": Feature(
         "megatron.core.models.hybrid: HybridModel and HybridStack (before, MambaModel and "
