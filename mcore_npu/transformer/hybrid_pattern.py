@@ -2,7 +2,8 @@
 
 ``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE (megatron-core 0.16+), ``G`` Gated DeltaNet
 (0.17+), ``+`` MLA (0.19); ``D`` (DeepSeek Sparse Attention) is not built by the NPU spec. The
-pipe ``|`` and the MTP separator ``/`` of 0.17+ patterns are not taken here."""
+pipe ``|`` and the MTP separator ``/`` of 0.17+ patterns are not taken by the trainer (the spec
+builds MTP for Megatron's own builder)."""
 
 from __future__ import annotations
 

@@ -132,3 +132,20 @@ def test_full_recompute_of_the_stack_gives_the_same_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif("mtp_block_spec" not in SLOTS, reason="hybrid MTP: megatron-core 0.17+")
+def test_a_pattern_with_multi_token_prediction_trains_its_mtp_layers():
+    """``M*-/M*`` with ``mtp_num_layers=1``: Megatron builds the MTP depth as a nested stack from
+    the NPU slots; the language-model loss (labels given) reaches every MTP parameter."""
+    config = hybrid_config(num_layers=3, mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
+    model = hybrid_model("M*-/M*", config)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (2, 12), generator=gen)
+    loss = model(ids, torch.arange(12).expand(2, 12), None, labels=torch.roll(ids, -1, 1))
+    loss.float().mean().backward()
+    mtp = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
+    assert any(".eh_proj." in n for n in mtp) and any(".mixer." in n for n in mtp), sorted(mtp)
+    for name, param in mtp.items():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name

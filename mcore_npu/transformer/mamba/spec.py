@@ -70,6 +70,7 @@ def get_hybrid_stack_npu_spec(
         "gdn_layer": lambda: _gdn_layer(layer(), provider),
         "mla_layer": lambda: attention_only(layer(multi_latent_attention=True)),
         "dsa_layer": lambda: ModuleSpec(module=NotBuilt, params={"symbol": "D", "what": DSA}),
+        "mtp_block_spec": lambda: mtp_block_spec(provider),
     }
     names = [field.name for field in dataclasses.fields(StackSubmodules) if field.name in slots]
     submodules = StackSubmodules(**{name: slots[name]() for name in names})
@@ -86,6 +87,29 @@ class NotBuilt(torch.nn.Module):
 
     def __init__(self, *args, symbol: str, what: str, **kwargs):
         raise ValueError(f"hybrid pattern: {symbol!r}: {what}; remove {symbol!r} from the pattern")
+
+
+def mtp_block_spec(provider) -> ModuleSpec:
+    """The hybrid model's multi-token-prediction block (0.17+, a pattern with ``/``): the NPU
+    norms and ``eh_proj``; Megatron builds each depth's layers as a nested stack from the same
+    slots (``mtp_model_layer=None``)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    norm = provider.layer_norm()
+    layer = ModuleSpec(
+        module=mtp.MultiTokenPredictionLayer,
+        submodules=mtp.MultiTokenPredictionLayerSubmodules(
+            enorm=norm,
+            hnorm=norm,
+            eh_proj=provider.column_parallel_linear(),
+            mtp_model_layer=None,
+            layer_norm=norm,
+        ),
+    )
+    return ModuleSpec(
+        module=mtp.MultiTokenPredictionBlock,
+        submodules=mtp.MultiTokenPredictionBlockSubmodules(layer_specs=[layer]),
+    )
 
 
 def _gdn_layer(layer: ModuleSpec, provider) -> ModuleSpec:
