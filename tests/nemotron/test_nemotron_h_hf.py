@@ -12,6 +12,7 @@ the plugin model imports none of mamba_ssm, causal_conv1d, triton, transformer_e
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 import types
 from pathlib import Path
@@ -284,3 +285,25 @@ def test_a_wrong_mapping_moves_the_logits(run):
     print(f"max |logit - transformers| with one tensor wrong: {moved}")
     assert min(moved.values()) > 10 * TOLERANCE, moved
     assert float((_npu_logits(run.model, ids) - want).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_2_loads_and_exports_bit_exact(run):
+    """Two processes (torchrun, gloo) at TP = 2 (``tp_export.py``): the weights load split per
+    rank, export back to every tensor of the checkpoint ``torch.equal``, and the TP = 2 logits are
+    the one-process ones."""
+    from tests.launch import ROOT, TORCHRUN, run_command
+
+    ids = _batches()[12]
+    torch.save(ids, Path(run.path) / "tp1_ids.pt")
+    torch.save(run.npu[12], Path(run.path) / "tp1_logits.pt")
+    module = "tests.nemotron.tp_export"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", module, run.path]
+    done = run_command(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    export = next(line.split()[1:] for line in done.stdout.splitlines() if "TP_EXPORT" in line)
+    assert export[1:] == ["True", "True"] and int(export[0]) > 0, export
+    lines = done.stdout.splitlines()
+    diff = next(float(line.split()[1]) for line in lines if line.startswith("TP_LOGITS"))
+    assert diff <= 1e-5, diff
+    print(f"TP = 2: {export[0]} tensors exported bit-exact; logits within {diff:.1e} of TP = 1")
