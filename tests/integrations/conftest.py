@@ -148,6 +148,21 @@ def save_tiny_nemotron_h(path) -> str:
     torch.manual_seed(0)
     model = NemotronHForCausalLM(tiny_config(**NEMOTRON_H))
     draw(model)
+    return save_bf16_exact(model, path)
+
+
+def engine_model(engine):
+    """The Megatron model (GPTModel / MambaModel) inside a verl engine's first chunk, its DDP and
+    mixed-precision wrappers taken off."""
+    model = engine.module[0]
+    while not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def save_bf16_exact(model, path) -> str:
+    """Save ``model`` to ``path`` with every weight rounded to bf16 (stored in fp32, so an engine
+    loading bf16 holds the same numbers) and the word-level tokenizer; returns the path."""
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16).float())

@@ -36,7 +36,7 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.tools.bench.memory import track_allocations
 from mcore_npu.transformer.attention import NPUFusionAttention
-from tests.integrations.conftest import training_worker_config
+from tests.integrations.conftest import engine_model, training_worker_config
 from tests.integrations.log_probs import mean_negative_log_prob, packed_batch
 from tests.launch import run_command
 
@@ -152,23 +152,16 @@ def built_engine(cpu_runtime, tiny_hf_model):
     return _build_engine(tiny_hf_model, remove_padding=False)
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def test_every_layer_is_npu_fusion_attention(built_engine):
     assert type(built_engine) is NPUMegatronEngineWithLMHead
-    layers = _gpt(built_engine).decoder.layers
+    layers = engine_model(built_engine).decoder.layers
     assert len(layers) == 2
     for layer in layers:
         assert isinstance(layer.self_attention.core_attention, NPUFusionAttention)
 
 
 def test_te_names_and_hf_weights_loaded_through_the_bridge(built_engine, tiny_hf_model):
-    params = dict(_gpt(built_engine).named_parameters())
+    params = dict(engine_model(built_engine).named_parameters())
     hf = load_file(os.path.join(tiny_hf_model, "model.safetensors"))
     pairs = {
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": (

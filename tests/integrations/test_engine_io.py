@@ -22,6 +22,7 @@ pytest.importorskip("verl")
 from verl.utils.device import get_device_name
 
 from tests.integrations import verl_loop as loop
+from tests.integrations.conftest import engine_model
 from tests.integrations.log_probs import infer_log_probs
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
@@ -35,18 +36,11 @@ def _losses(metrics) -> list[float]:
     return [m["loss"] for m in metrics]
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _state(engine) -> dict[str, torch.Tensor]:
     """Clones of the model parameters, the fp32 main parameters and every Adam state tensor
     (moments and step), by name / position. The engine is loaded onto the device first."""
     engine.to(get_device_name(), model=True, optimizer=True, grad=True)
-    out = {f"param.{n}": p.detach().clone() for n, p in _gpt(engine).named_parameters()}
+    out = {f"param.{n}": p.detach().clone() for n, p in engine_model(engine).named_parameters()}
     for k, member in enumerate(engine.optimizer.chained_optimizers):
         mains = [p for group in member.shard_fp32_from_float16_groups for p in group]
         out |= {f"main.{k}.{i}": p.detach().clone() for i, p in enumerate(mains)}
@@ -142,10 +136,10 @@ def test_reference_model_param_offload_gives_the_same_log_probs(qwen3):
     batch = loop.rollout_batch(0)
     want = loop.old_log_probs(_ref_worker(qwen3), batch)
     worker = _ref_worker(qwen3, param_offload=True)
-    before = [p.data for p in _gpt(worker.engine).parameters()]  # the storage held now
+    before = [p.data for p in engine_model(worker.engine).parameters()]  # the storage held now
     first = loop.old_log_probs(worker, batch)
     assert all(t.untyped_storage().size() == 0 for t in before)  # moved out and freed
-    assert all(p.untyped_storage().size() > 0 for p in _gpt(worker.engine).parameters())
+    assert all(p.untyped_storage().size() > 0 for p in engine_model(worker.engine).parameters())
     assert torch.equal(first, want)
     assert torch.equal(loop.old_log_probs(worker, batch), want)
 
@@ -157,7 +151,7 @@ def test_verls_own_reference_offload_frees_the_weights_on_a_cpu(qwen3):
 
     engine = _ref_worker(qwen3).engine
     MegatronEngineWithLMHead.to(engine, "cpu", model=True, optimizer=False, grad=False)
-    assert all(p.untyped_storage().size() == 0 for p in _gpt(engine).parameters())
+    assert all(p.untyped_storage().size() == 0 for p in engine_model(engine).parameters())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +172,7 @@ def dist_checkpoint(tmp_path_factory):
     path = loop.save_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_264"), vocab=264)
     worker = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
     loop.train_sft(worker, 1)
-    gpt = _gpt(worker.engine)
+    gpt = engine_model(worker.engine)
     checkpoint = tmp_path_factory.mktemp("dist_ckpt")
     dist_checkpointing.save(gpt.sharded_state_dict(), str(checkpoint))
     params = {n: p.detach().clone() for n, p in gpt.named_parameters()}
@@ -220,7 +214,7 @@ def test_verl_worker_loads_the_dist_checkpoint(dist_checkpoint):
     config = loop.worker_config(path, **SETTINGS, use_dist_checkpointing=True,
                                 dist_checkpointing_path=checkpoint)  # fmt: skip
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    got = {n: p.detach() for n, p in _gpt(worker.engine).named_parameters()}
+    got = {n: p.detach() for n, p in engine_model(worker.engine).named_parameters()}
     _assert_equal(got, params)
     assert torch.equal(infer_log_probs(worker, loop.sft_samples(7)[0]), log_probs)
     from_hf = loop.new_worker(loop.worker_config(path, **SETTINGS), loop.sft_loss_fn())
@@ -280,7 +274,7 @@ def _update_grads(worker, batch) -> tuple[dict, list[int], float]:
     step, forward = engine.optimizer_step, engine.forward_step
 
     def snapshot_then_step():
-        grads.update({n: p.main_grad.clone() for n, p in _gpt(engine).named_parameters()})
+        grads.update({n: p.main_grad.clone() for n, p in engine_model(engine).named_parameters()})
         return step()
 
     def counting_forward(batch_iter, *args, **kwargs):
@@ -343,7 +337,7 @@ def test_grad_reduce_in_fp32_is_honoured(qwen3, override):
     want = torch.bfloat16 if override else torch.float32
     assert chunk.ddp_config.grad_reduce_in_fp32 is (not override)
     assert {b.grad_dtype for b in chunk.buffers} == {want}
-    assert {p.main_grad.dtype for p in _gpt(worker.engine).parameters()} == {want}
+    assert {p.main_grad.dtype for p in engine_model(worker.engine).parameters()} == {want}
     metrics = loop.train_sft(worker, 2)
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     assert all(m["grad_norm"] > 0 for m in metrics)

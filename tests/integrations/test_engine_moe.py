@@ -25,7 +25,7 @@ import transformers
 from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
-from tests.integrations.conftest import VOCAB, training_worker_config
+from tests.integrations.conftest import VOCAB, engine_model, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
@@ -77,20 +77,13 @@ def _build_engine(path, *, override=None, build_model: bool = True):
     return engine
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def moe(request, tmp_path_factory, cpu_runtime):
     """``(family, checkpoint path, engine with its model cast to fp32)``."""
     path = tmp_path_factory.mktemp(request.param)
     _checkpoint(request.param, path)
     engine = _build_engine(path)
-    _gpt(engine).float()  # the bf16-loaded weights, computed in fp32
+    engine_model(engine).float()  # the bf16-loaded weights, computed in fp32
     return request.param, path, engine
 
 
@@ -117,7 +110,7 @@ def test_engine_config_carries_the_hf_routing_and_head_dim(moe):
     assert engine.tf_config.moe_router_pre_softmax is (not mbridge_form)
     assert engine.tf_config.bf16  # verl's own edits kept
     assert engine.bridge.hf_config.head_dim == 16
-    routers = [layer.mlp.router for layer in _gpt(engine).decoder.layers]
+    routers = [layer.mlp.router for layer in engine_model(engine).decoder.layers]
     assert all(r.config.moe_router_pre_softmax is (not mbridge_form) for r in routers)
 
 

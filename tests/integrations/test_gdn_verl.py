@@ -47,7 +47,7 @@ from verl.workers.engine_workers import TrainingWorker
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
 from tests.gated_delta_standin import install_fla_npu, install_torch_npu
-from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
+from tests.integrations.conftest import VOCAB, engine_model, save_bf16_exact, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 from tests.integrations.qwen3_5_models import VISION, draw
 
@@ -90,12 +90,7 @@ def save_tiny_qwen3_5_moe(path, *, hub: bool = False) -> str:
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert config.get_text_config().layer_types.count("linear_attention") == 3
     draw(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(torch.bfloat16).float())
-    model.save_pretrained(path, safe_serialization=True)
-    _save_word_level_tokenizer(path)
-    return str(path)
+    return save_bf16_exact(model, path)
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +134,6 @@ def _engine(path: str, keys: dict, *, thd: bool, **engine_fields):
     return engine, worker.config.engine_config
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _grad(param) -> torch.Tensor:
     """``main_grad`` (Megatron's DDP) plus ``param.grad`` (the fp32 cast's own accumulator)."""
     extra = param.grad if param.grad is not None else 0
@@ -164,11 +152,11 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
     assert before == keys  # the worker's config still holds the recipe as written
     assert engine.mbridge_fallback and not worker_engine_config.vanilla_mbridge
     assert engine.npu_spec_keywords["gdn_naive_l2norm"] is True
-    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+    gdn = [m for m in engine_model(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
     assert len(gdn) == 3 and all(m.naive_l2norm for m in gdn)
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         assert getattr(engine.tf_config, key) == keys[key]
-    _gpt(engine).float()  # the bf16-loaded weights, computed in fp32
+    engine_model(engine).float()  # the bf16-loaded weights, computed in fp32
 
     data, _ = packed_batch(LENGTHS)
     if layout == "thd_dynamic":
@@ -284,7 +272,7 @@ def test_the_ascend_kernels_stand_ins_see_the_documented_calls_through_verl(
     """
     engine, _ = _engine(qwen3_5_moe, BY_NAME["qwen3_5_moe_full_recompute"]["keys"], thd=False)
     engine.module = engine._build_megatron_module()
-    gdn = [m for m in _gpt(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
+    gdn = [m for m in engine_model(engine).modules() if isinstance(m, NPUGatedDeltaNet)]
     data, _ = packed_batch(CHAIN_LENGTHS)
     reference = _forward_only_log_probs(engine, data, CHAIN_LENGTHS)
 
@@ -305,7 +293,7 @@ def test_the_ascend_kernels_stand_ins_see_the_documented_calls_through_verl(
 
     for layer in gdn:  # 3. the bf16 model's own round-off: the same weights computed in fp32
         layer.kernel = None
-    _gpt(engine).float()
+    engine_model(engine).float()
     round_off = _max_diff(_forward_only_log_probs(engine, data, CHAIN_LENGTHS), reference)
     print(
         f"bf16 model, max |diff log p| against the reference kernel: stand-in torch_npu "

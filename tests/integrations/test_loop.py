@@ -39,19 +39,12 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.transformer.attention import NPUFusionAttention
 from tests.integrations import verl_loop as loop
-from tests.integrations.conftest import SFT_STEPS
+from tests.integrations.conftest import SFT_STEPS, engine_model
 from tests.integrations.log_probs import infer_log_probs
 
 DENSE = loop.FAMILY_SETTINGS["qwen3"]  # the settings of the dense SFT run (conftest)
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
-
-
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
 
 
 def _losses(metrics) -> list[float]:
@@ -82,7 +75,7 @@ def test_initialize_builds_megatrons_distributed_optimizer_with_fp32_main_params
     assert {p.dtype for p in main_params} == {torch.float32}
     assert isinstance(engine.lr_scheduler, OptimizerParamScheduler)
     assert engine.checkpoint_mananager is not None  # (verl's spelling)
-    layers = _gpt(engine).decoder.layers
+    layers = engine_model(engine).decoder.layers
     assert all(isinstance(x.self_attention.core_attention, NPUFusionAttention) for x in layers)
 
 
@@ -164,7 +157,7 @@ def test_one_step_equals_the_plugins_own_trainer(tmp_path):
     qwen3 = loop.save_checkpoint("qwen3", tmp_path, vocab=264)
     config = loop.worker_config(qwen3, micro_batch=len(loop.SFT_LENGTHS), **DENSE)
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    gpt = _gpt(worker.engine)
+    gpt = engine_model(worker.engine)
     verl_grads = {}
     step = worker.engine.optimizer_step
 
@@ -230,7 +223,7 @@ def test_critic_value_loss_falls(qwen3, remove_padding):
                                 remove_padding=remove_padding)  # fmt: skip
     worker = loop.new_worker(config, loop.value_loss_fn())
     assert type(worker.engine) is NPUMegatronEngineWithValueHead
-    assert _gpt(worker.engine).output_layer.weight.shape[0] == 1  # the value head
+    assert engine_model(worker.engine).output_layer.weight.shape[0] == 1  # the value head
     mask_free = _count_calls(worker.engine, "_mask_free_step")
     batch = loop.rollout_batch(0)
     generator = torch.Generator().manual_seed(3)
@@ -409,7 +402,7 @@ def test_exported_names_are_exactly_the_hf_names(qwen3, exported):
 
 def _engine_logits(worker, ids: torch.Tensor) -> torch.Tensor:
     """``[S, V]`` fp32 logits of the engine's GPTModel for one sequence (cast to fp32 first)."""
-    model = _gpt(worker.engine)
+    model = engine_model(worker.engine)
     model.float()
     with torch.no_grad():
         logits = model(input_ids=ids.unsqueeze(0), position_ids=torch.arange(len(ids))[None],

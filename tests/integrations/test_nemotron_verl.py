@@ -47,7 +47,7 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.transformer.mamba import NPUMambaMixer
 from tests.integrations import verl_loop as loop
-from tests.integrations.conftest import training_worker_config
+from tests.integrations.conftest import engine_model, training_worker_config
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
@@ -130,15 +130,8 @@ def _engine(path: str, *, thd: bool):
     return engine, worker.config.engine_config
 
 
-def _model(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _mixers(engine) -> list[NPUMambaMixer]:
-    return [m for m in _model(engine).modules() if isinstance(m, NPUMambaMixer)]
+    return [m for m in engine_model(engine).modules() if isinstance(m, NPUMambaMixer)]
 
 
 def _grad(param) -> torch.Tensor:
@@ -186,7 +179,7 @@ def test_nemotron_recipe_matches_transformers_with_mamba_gradients(layout, nemot
     assert engine.mbridge_fallback and not worker_engine_config.vanilla_mbridge
     assert type(engine.bridge).__name__ == "NemotronHBridge"
     assert engine.bridge.npu_spec_keywords == engine.npu_spec_keywords  # the recipe's, not GPT's
-    model = _model(engine)
+    model = engine_model(engine)
     assert type(model).__name__ in ("MambaModel", "HybridModel")
     assert engine.engine_config.use_remove_padding is LAYOUTS[layout]
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):

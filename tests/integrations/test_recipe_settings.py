@@ -34,6 +34,7 @@ import yaml
 pytest.importorskip("verl")
 
 from tests.integrations import verl_loop as loop
+from tests.integrations.conftest import engine_model
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 
@@ -237,16 +238,9 @@ def stand_in(request, tmp_path_factory) -> StandIns:
     return StandIns(request, tmp_path_factory)
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _qkv(engine) -> torch.Tensor:
     """The first attention layer's QKV weight (a hybrid's first layer may be Mamba or MLP)."""
-    for layer in _gpt(engine).decoder.layers:
+    for layer in engine_model(engine).decoder.layers:
         attention = getattr(layer, "self_attention", None)
         qkv = getattr(attention, "linear_qkv", None) or getattr(attention, "linear_q_up_proj", None)
         if qkv is not None:
@@ -259,7 +253,7 @@ def _write_dist_checkpoint(hf_path: str, folder) -> tuple[str, torch.Tensor]:
 
     config = loop.worker_config(hf_path, forward_only=True)
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    gpt = _gpt(worker.engine)
+    gpt = engine_model(worker.engine)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for param in gpt.parameters():

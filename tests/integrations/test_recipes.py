@@ -45,7 +45,12 @@ from mcore_npu.integrations.verl.engine import (
 )
 from mcore_npu.transformer.rope import NPURotarySelfAttention
 from mcore_npu.transformer.token_permute import NPUMoELayer
-from tests.integrations.conftest import VOCAB, _save_word_level_tokenizer, training_worker_config
+from tests.integrations.conftest import (
+    VOCAB,
+    _save_word_level_tokenizer,
+    engine_model,
+    training_worker_config,
+)
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
@@ -128,13 +133,6 @@ def _build(path: str, keys: dict, *, thd: bool, model_type: str = "language_mode
     return engine, copy.deepcopy(dict(worker_engine_config.override_transformer_config))
 
 
-def _gpt(engine):
-    model = engine.module[0]
-    while not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint):
     recipe = BY_NAME[name]
@@ -150,18 +148,20 @@ def test_recipe_runs_unchanged_and_matches_transformers(name, layout, checkpoint
                  if k in FUSED_SWITCHES}  # fmt: skip
     assert engine.recipe_plan.spec == want_spec
     assert engine.npu_spec_keywords == want_spec
-    layers = _gpt(engine).decoder.layers
+    layers = engine_model(engine).decoder.layers
     rope = want_spec.get("rope_kernel", "off") != "off"
     assert {type(layer.self_attention) is NPURotarySelfAttention for layer in layers} == {rope}
     if recipe["family"] == "qwen3_moe":
         permute = want_spec.get("moe_permute_kernel", "off") != "off"
         assert {type(layer.mlp) is NPUMoELayer for layer in layers} == {permute}
-    norms = {layer.self_attention.linear_qkv.norm_kernel for layer in _gpt(engine).decoder.layers}
+    norms = {
+        layer.self_attention.linear_qkv.norm_kernel for layer in engine_model(engine).decoder.layers
+    }
     assert norms == {"auto"}  # no census recipe turns it off: npu_rms_norm, the spec's kernel
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         if key in keys:
             assert getattr(engine.tf_config, key) == keys[key]
-    _gpt(engine).float()  # the bf16-loaded weights, computed in fp32
+    engine_model(engine).float()  # the bf16-loaded weights, computed in fp32
 
     data, _ = packed_batch(LENGTHS)
     result = engine.forward_backward_batch(data, mean_negative_log_prob)
@@ -199,7 +199,9 @@ def test_value_engine_applies_the_recipe_and_leaves_the_users_config_alone(check
         engine._build_tf_config()
     engine.module = engine._build_megatron_module()
     assert engine.npu_spec_keywords == {"rms_norm_kernel": "off"}
-    layers = _gpt(engine).decoder.layers  # the switch reached the built model: torch's RMSNorm
+    layers = engine_model(
+        engine
+    ).decoder.layers  # the switch reached the built model: torch's RMSNorm
     assert [layer.self_attention.linear_qkv.norm_kernel for layer in layers] == [None, None]
     assert engine.tf_config.gradient_accumulation_fusion is False
     assert engine.tf_config.cp_comm_type == "all_gather"
