@@ -152,19 +152,6 @@ def hybrid_stack_spec(hf_config, *, kernel: str = "auto", **spec_keywords):
     return spec
 
 
-def hybrid_model_class():
-    """``(class, spec keyword, pattern keyword)`` of the installed Megatron's hybrid model."""
-    from mcore_npu.transformer import megatron_features
-
-    if megatron_features.has("hybrid_model"):
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-        return HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
-    from megatron.core.models.mamba.mamba_model import MambaModel
-
-    return MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
-
-
 def in_proj_sections(hf_config) -> tuple[int, ...]:
     """Row counts of ``in_proj``: ``z, x, B, C, dt`` (whole model)."""
     d_inner = hf_config.mamba_num_heads * hf_config.mamba_head_dim
@@ -214,6 +201,8 @@ class NemotronHBridge(LLMBridge):
         return hybrid_stack_spec(self.hf_config, **keywords)
 
     def _model_provider(self, post_model_creation_callbacks):
+        from mcore_npu.transformer.mamba.stack import hybrid_model_class
+
         model_class, spec_key, pattern_key = hybrid_model_class()
         accepts_vp_stage = "vp_stage" in inspect.signature(model_class.__init__).parameters
 

@@ -222,22 +222,30 @@ def _gpt_model(cfg, config, pre_process: bool, post_process: bool):
         config=config,
         transformer_layer_spec=block,
         mtp_block_spec=mtp_spec(cfg, config, block),
-        vocab_size=cfg.model.vocab_size,
-        max_sequence_length=cfg.model.max_sequence_length,
+        **_language_model_args(cfg, pre_process, post_process),
+    )
+
+
+def _language_model_args(cfg, pre_process: bool, post_process: bool) -> dict:
+    """What GPTModel and the hybrid model classes take alike, from the ``model`` section."""
+    m = cfg.model
+    return dict(
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
-        position_embedding_type=cfg.model.position_embedding_type,
-        rotary_base=cfg.model.rotary_base,
-        rotary_percent=float(cfg.model.rotary_percent),
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+        rotary_percent=float(m.rotary_percent),
     )
 
 
 def hybrid_model(cfg, config, *, pre_process: bool, post_process: bool):
     """Megatron's hybrid model (``HybridModel`` 0.18+, ``MambaModel`` before) for
     ``model.hybrid_pattern``, its stack from ``get_hybrid_stack_npu_spec``."""
-    from mcore_npu.transformer import megatron_features
     from mcore_npu.transformer.mamba.spec import get_hybrid_stack_npu_spec
+    from mcore_npu.transformer.mamba.stack import hybrid_model_class
 
     m = cfg.model
     spec = get_hybrid_stack_npu_spec(
@@ -250,21 +258,6 @@ def hybrid_model(cfg, config, *, pre_process: bool, post_process: bool):
         qk_layernorm=m.qk_layernorm,
         num_experts=m.extra.get("num_moe_experts"),
     )
-    common = dict(
-        config=config,
-        vocab_size=m.vocab_size,
-        max_sequence_length=m.max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base,
-        rotary_percent=float(m.rotary_percent),
-    )
-    if megatron_features.has("hybrid_model"):
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-        return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=m.hybrid_pattern, **common)
-    from megatron.core.models.mamba.mamba_model import MambaModel
-
-    return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern=m.hybrid_pattern, **common)
+    model_class, spec_key, pattern_key = hybrid_model_class()
+    args = _language_model_args(cfg, pre_process, post_process)
+    return model_class(config, **{spec_key: spec, pattern_key: m.hybrid_pattern}, **args)

@@ -61,18 +61,17 @@ def hybrid_config(**overrides):
 def hybrid_model(pattern: str, config=None, seed=0, vocab=64, **spec_kwargs):
     """Megatron's own hybrid model class (``HybridModel`` 0.18+, ``MambaModel`` before) built from
     ``get_hybrid_stack_npu_spec``; the pattern's length is the config's ``num_layers``."""
-    from mcore_npu.transformer import megatron_features
     from mcore_npu.transformer.mamba.spec import get_hybrid_stack_npu_spec
+    from mcore_npu.transformer.mamba.stack import hybrid_model_class
 
     config = config or hybrid_config(num_layers=len(pattern))
     spec = get_hybrid_stack_npu_spec(kernel="reference", **spec_kwargs)
     torch.manual_seed(seed)
-    common = dict(config=config, vocab_size=vocab, max_sequence_length=64,
-                  position_embedding_type="rope")  # fmt: skip
-    if megatron_features.has("hybrid_model"):
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-        return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, **common)
-    from megatron.core.models.mamba.mamba_model import MambaModel
-
-    return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern=pattern, **common)
+    model_class, spec_key, pattern_key = hybrid_model_class()
+    return model_class(
+        config,
+        **{spec_key: spec, pattern_key: pattern},
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+    )

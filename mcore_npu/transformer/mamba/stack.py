@@ -18,7 +18,7 @@ else:
     from megatron.core.ssm.mamba_block import MambaStack as _Stack
     from megatron.core.ssm.mamba_block import MambaStackSubmodules as StackSubmodules
 
-__all__ = ["NPUHybridStack", "StackSubmodules"]
+__all__ = ["NPUHybridStack", "StackSubmodules", "hybrid_model_class"]
 
 
 class NPUHybridStack(_Stack):
@@ -39,3 +39,15 @@ class NPUHybridStack(_Stack):
                 hidden_size=config.hidden_size,
                 eps=config.layernorm_epsilon,
             )
+
+
+def hybrid_model_class():
+    """``(class, spec keyword, pattern keyword)`` of the installed Megatron's hybrid model:
+    ``HybridModel`` (0.18+) or ``MambaModel``."""
+    if megatron_features.has("hybrid_model"):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    return MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
