@@ -58,7 +58,7 @@ TEST_WORKERS ?= 2
 PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron
+	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron --ignore=tests/vision_hf
 
 # the inner loop: the operator, mask, CPU-runtime and spec unit tests, no torchrun and no
 # trainer runs in a subprocess (docs/contributing.md: run it first; under 2 minutes on 2 cores)
@@ -67,11 +67,12 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not distributed and not slow" $(FAST)
 
 test-verl: $(VERL_STAMP)
-	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations
+	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations tests/vision_hf
 
-# Nemotron-H against transformers 5.25 (verl pins < 5.11): the environment of its own
+# Nemotron-H against transformers 5.25 (verl pins < 5.11): the environment of its own; Qwen3-VL
+# (tests/vision_hf) against both 5.10.4 (test-verl) and 5.25
 test-nemotron: $(NEMO_STAMP)
-	$(NEMO_BIN)/python -m pytest -q $(PARALLEL) tests/nemotron
+	$(NEMO_BIN)/python -m pytest -q $(PARALLEL) tests/nemotron tests/vision_hf
 
 # opt-in, not CI: verl's Megatron-Bridge path (vanilla_mbridge=False) against a scratch
 # megatron-bridge 0.3.1 (--no-deps, its TE/Triton-only modules replaced by stand-ins) in

@@ -18,6 +18,7 @@ _EXPORTS = {
     "rms_norm": "fused",
     "swiglu": "fused",
     "rotary_mul": "fused_rotary",
+    "mrope_angles": "mrope",
     "moe_token_permute": "permute_dispatch",
     "moe_token_permute_with_routing_map": "permute_dispatch",
     "moe_token_unpermute": "permute_dispatch",

@@ -82,6 +82,8 @@ OPERATORS: dict[str, Operator] = {
         Operator("rotary_mul", f"{_OPS}.fused_rotary:rotary_mul", f"{_OPS}.rotary:npu_rotary_mul",
                  f"{_OPS}.rotary:validate_rotary_mul",
                  _npu("npu_rotary_mul", probe=f"{_PROBES}:rotary_mul")),
+        Operator("mrope_angles", f"{_OPS}.mrope:mrope_angles", f"{_OPS}.mrope:mrope_angles",
+                 f"{_OPS}.mrope:validate_mrope_angles"),
         Operator("grouped_matmul", f"{_OPS}.fused:grouped_matmul",
                  f"{_OPS}.npu_grouped_matmul:npu_grouped_matmul",
                  f"{_OPS}.npu_grouped_matmul:validate_grouped_matmul",

@@ -6,9 +6,10 @@
 norms through ``mcore_npu.ops.rotary_mul`` (SBND: q ``[s, b, np, hn]``, k ``[s, b, ng, hn]``, packed
 thd as ``[t, 1, n, hn]``; cos/sin ``[s|t, 1, 1, rot]``), at Megatron's positions (thd: per sequence
 from 0; CP: this rank's chunks; static KV cache: from the offset). cos/sin are made once per angles
-tensor by a :class:`RopeCosSinCache` shared by the spec's layers. Megatron's own RoPE runs for
-dynamic batching, flash decode, mRoPE, MLA, distinct q/k angles and cross attention. Nothing is
-patched. See docs/moe.md (Fused RoPE)."""
+tensor by a :class:`RopeCosSinCache` shared by the spec's layers; per-sample (mRoPE) angles
+``[s, b, 1, rot]`` rotate here too. Megatron's own RoPE runs for dynamic batching, flash decode,
+per-head angles, MLA, distinct q/k angles and cross attention. Nothing is patched. See
+docs/moe.md (Fused RoPE)."""
 
 from __future__ import annotations
 
@@ -162,11 +163,11 @@ class NPURotarySelfAttention(NPUSelfAttention):
             config.flash_decode or not inference_context.is_static_batching()
         ):
             return None
-        if getattr(config, "mrope_section", None) is not None or config.multi_latent_attention:
+        if config.multi_latent_attention or rotary_pos_emb.dim() != 4:
             return None
-        if rotary_pos_emb.dim() != 4 or rotary_pos_emb.shape[1:3] != (1, 1):
-            return None  # per-sample angles (mRoPE-like): Megatron's own code
-        return rotary_pos_emb
+        if rotary_pos_emb.shape[2] != 1:
+            return None  # per-head angles: Megatron's own code
+        return rotary_pos_emb  # [S, 1 | B, 1, rot]: B for per-sample (mRoPE) angles
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *args, **kwargs):
         """Megatron's projection and q/k norms, then q and k rotated (when a forward asked)."""

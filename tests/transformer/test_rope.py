@@ -232,7 +232,7 @@ def test_standin_sees_interleave_and_packed_layout(monkeypatch):
     assert memo.conversions == 1  # the attention's memo: one host copy for all layers
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "flash_decode", "cross", "mrope"])
+@pytest.mark.parametrize("kind", ["dynamic", "flash_decode", "cross", "per_head"])
 def test_megatron_keeps_rope_where_the_fused_path_cannot_apply(kind):
     config = tiny_config(num_layers=1)
     model = _gpt(config, _spec(config, "reference"))
@@ -244,8 +244,8 @@ def test_megatron_keeps_rope_where_the_fused_path_cannot_apply(kind):
     elif kind == "flash_decode":
         attention.config = tiny_config(num_layers=1, flash_decode=True)
         context = type("Static", (), {"is_static_batching": lambda self: True})()
-    elif kind == "mrope":
-        angles = torch.zeros(4, 2, 1, 16)  # per-sample angles
+    elif kind == "per_head":
+        angles = torch.zeros(4, 1, 2, 16)  # per-head angles
     kv = torch.zeros(4, 1, 64) if kind == "cross" else None
     assert attention._fused_angles(angles, kv, context) is None
     assert attention._fused_angles(torch.zeros(4, 1, 1, 16), None, None) is not None
@@ -256,16 +256,18 @@ def test_unknown_rope_kernel_is_refused():
         get_gpt_layer_npu_spec(rope_kernel="npu")
 
 
-def test_mrope_model_keeps_megatrons_rope_end_to_end():
-    """mRoPE (per-sample angles from [3, b, s] positions): the fused module hands RoPE back to
-    Megatron, so the numbers are Megatron's and no cos/sin is made by the fused path."""
+def test_mrope_model_rotates_on_the_fused_path_with_megatrons_numbers():
+    """mRoPE (per-sample angles [s, b, 1, rot] from [3, b, s] positions, different per sample
+    and axis): the fused module rotates them through rotary_mul, cos/sin once for all layers, and
+    the logits are Megatron's own mRoPE's."""
     config = tiny_config(mrope_section=[2, 3, 3])  # head dim 16: 8 frequencies
     unfused, fused = _twins(config, position_embedding_type="mrope")
     ids, _ = batch(b=2, s=16)
-    pos = torch.arange(16).expand(3, 2, 16)
+    pos = torch.stack([torch.randperm(16).expand(2, 16) + a for a in range(3)])
+    pos[:, 1] = pos[:, 1].flip(-1)
     want, got = unfused(ids, pos, None), fused(ids, pos, None)
     assert (got - want).abs().max() <= TOLERANCE
-    assert _rope_layers(fused)[0].rope_cache.builds == 0
+    assert _rope_layers(fused)[0].rope_cache.builds == 1
 
 
 def test_bf16_model_gets_megatrons_numbers():

@@ -1,0 +1,78 @@
+"""Tiny Qwen3-VL checkpoints for the tests: a 3-layer dense language model (GQA 4:2, head dim 16,
+interleaved mRoPE sections 3/3/2) and a 2-block vision tower (patch 4, temporal patch 2, merge
+2, a 4 x 4 learned position table, deepstack after both blocks), every weight moved off its
+initial value by N(0, 0.1) so norms and biases matter."""
+
+from __future__ import annotations
+
+import torch
+
+IMAGE, VIDEO, START, END = 150, 151, 152, 153
+VOCAB = 160
+PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+
+
+def tiny_config():
+    from transformers import Qwen3VLConfig
+
+    text = dict(
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2], mrope_interleaved=True
+        ),
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=48,
+        spatial_merge_size=2,
+        patch_size=4,
+        temporal_patch_size=2,
+        in_channels=3,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_model(seed: int = 0):
+    """transformers' ``Qwen3VLForConditionalGeneration`` (fp32, eval) of :func:`tiny_config`."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(tiny_config()).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def image_prompt(grids, text=((5, 6), (7, 8), (9, 10, 11))) -> torch.Tensor:
+    """``[1, S]`` ids: text, then per image ``START, IMAGE * (t·h·w/4), END``, then text."""
+    ids = list(text[0])
+    for (t, h, w), between in zip(grids, text[1:]):
+        ids += [START] + [IMAGE] * (t * h * w // 4) + [END] + list(between)
+    return torch.tensor([ids])
+
+
+def pixels(grids, seed: int = 2) -> torch.Tensor:
+    """``[P, PATCH_DIM]`` patches for ``grids``."""
+    count = sum(t * h * w for t, h, w in grids)
+    return torch.randn(count, PATCH_DIM, generator=torch.Generator().manual_seed(seed))
