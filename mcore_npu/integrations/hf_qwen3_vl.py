@@ -238,6 +238,7 @@ def build_qwen3_vl(
         vision,
         image_token_id=hf_config.image_token_id,
         video_token_id=hf_config.video_token_id,
+        spatial_merge_size=hf_config.vision_config.spatial_merge_size,
     )
 
 

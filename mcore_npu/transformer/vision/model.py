@@ -63,8 +63,9 @@ def _adder(feature: torch.Tensor, where):
 
 
 class NPUQwen3VLModel(MegatronModule):
-    """Qwen3-VL (dense or MoE language model): ``vision`` (on the first pipeline stage) and
-    ``language_model``; ``token_ids``: the config's ``image_token_id`` / ``video_token_id``."""
+    """Qwen3-VL: ``vision`` (on the first pipeline stage, else None) and ``language_model``;
+    ``image_token_id`` / ``video_token_id`` / ``spatial_merge_size``: the config's (every stage
+    computes the positions)."""
 
     def __init__(
         self,
@@ -73,11 +74,13 @@ class NPUQwen3VLModel(MegatronModule):
         *,
         image_token_id: int,
         video_token_id: int,
+        spatial_merge_size: int,
     ):
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.vision = vision
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
+        self.spatial_merge_size = spatial_merge_size
         self.pre_process = language_model.pre_process
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -101,7 +104,7 @@ class NPUQwen3VLModel(MegatronModule):
                 input_ids,
                 image_token_id=self.image_token_id,
                 video_token_id=self.video_token_id,
-                spatial_merge_size=self._merge(),
+                spatial_merge_size=self.spatial_merge_size,
                 image_grid_thw=image_grid_thw,
                 video_grid_thw=video_grid_thw,
                 attention_mask=attention_mask,
@@ -144,11 +147,6 @@ class NPUQwen3VLModel(MegatronModule):
                 packed_seq_params=packed_seq_params,
                 **kwargs,
             )
-
-    def _merge(self) -> int:
-        if self.vision is None:
-            return 1  # text only on a later stage: positions come with the batch
-        return self.vision.shape.spatial_merge_size
 
     def _vision(self, pixels, grid):
         if self.vision is None:
