@@ -50,10 +50,10 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
 
     Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
     ``bridge.config`` at build time, so a later ``bridge.set_extra_args(...)`` still applies.
-    MTP layers: from the NPU spec for MiMo, else refused (:func:`refuse_mbridge_mtp`). A hybrid
-    bridge (``hybrid_stack``: Nemotron-H) builds its own NPU hybrid spec with ``kernel``.
+    MTP layers: from the NPU spec for MiMo, else refused (:func:`refuse_mbridge_mtp`). A bridge
+    that builds its own NPU spec (``own_npu_spec``: Nemotron-H, Qwen3-VL) gets ``kernel``.
     """
-    if getattr(bridge, "hybrid_stack", False):
+    if getattr(bridge, "own_npu_spec", False):
         bridge.npu_kernel = kernel
         expose_hf_config_fields(bridge.hf_config)
         return bridge
@@ -109,6 +109,10 @@ def bridge_from_config(hf_config, **bridge_kwargs):
         from mcore_npu.integrations import hf_nemotron_h  # registers its bridge with mbridge
 
         return hf_nemotron_h.NemotronHBridge(hf_config, **bridge_kwargs)
+    if model_type in mbridge_fixes.QWEN3_VL_TYPES:
+        from mcore_npu.integrations import hf_qwen3_vl_bridge  # registers its bridge with mbridge
+
+        return hf_qwen3_vl_bridge.Qwen3VLBridge(hf_config, **bridge_kwargs)
     if model_type in PLUGIN_BRIDGES:
         from mcore_npu.integrations import hf_qwen3_5  # registers its bridge with mbridge
 

@@ -177,7 +177,7 @@ class NemotronHBridge(LLMBridge):
     """mbridge bridge for ``nemotron_h``: Megatron's hybrid model from the NPU spec."""
 
     _CONFIG_MAPPING = {**LLMBridge._CONFIG_MAPPING, "layernorm_epsilon": "layer_norm_epsilon"}
-    hybrid_stack = True  # hf.use_npu_spec sets npu_kernel instead of a GPT layer spec
+    own_npu_spec = True  # hf.use_npu_spec sets npu_kernel instead of a GPT layer spec
     npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, never mutated)
 
     def __init__(self, hf_config, *args, **kwargs):

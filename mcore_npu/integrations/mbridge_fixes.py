@@ -26,7 +26,8 @@ import importlib
 FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
 QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 NEMOTRON_H_TYPES = ("nemotron_h",)
-PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES
+QWEN3_VL_TYPES = ("qwen3_vl",)
+PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES + QWEN3_VL_TYPES
 """Model types mbridge has no bridge for, bridged by the plugin (``integrations.hf_qwen3_5``,
 ``integrations.hf_nemotron_h``)."""
 FP8_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales (DeepSeek-V3's FP8 release)

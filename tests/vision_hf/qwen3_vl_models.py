@@ -76,3 +76,17 @@ def pixels(grids, seed: int = 2) -> torch.Tensor:
     """``[P, PATCH_DIM]`` patches for ``grids``."""
     count = sum(t * h * w for t, h, w in grids)
     return torch.randn(count, PATCH_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+GRIDS = ((1, 4, 6), (1, 2, 8))  # two images of different grids (patches)
+EVEN_TEXT = ((5, 6), (7, 8), (9, 10, 11, 12))  # with GRIDS: 22 tokens, for sequence parallelism
+# what the CPU needs of a bridge-built config (mbridge's defaults ask for CUDA fusions)
+CPU_ARGS = dict(use_cpu_initialization=True, masked_softmax_fusion=False,
+                bias_activation_fusion=False, bias_dropout_fusion=False,
+                gradient_accumulation_fusion=False, variable_seq_lengths=False)  # fmt: skip
+
+
+def save_tiny(path) -> str:
+    """:func:`tiny_model` saved as safetensors (fp32) with its config; returns the path."""
+    tiny_model().save_pretrained(path, safe_serialization=True)
+    return str(path)

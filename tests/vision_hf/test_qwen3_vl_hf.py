@@ -18,12 +18,11 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_vl")
 
-from tests.vision_hf.qwen3_vl_models import IMAGE, VIDEO, image_prompt, pixels, tiny_model
+from tests.vision_hf.qwen3_vl_models import GRIDS, IMAGE, VIDEO, image_prompt, pixels, tiny_model
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
 
 TOLERANCE = 1e-4
-GRIDS = ((1, 4, 6), (1, 2, 8))  # two images of different grids (patches)
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ class _NPUEngineMixin:
             self.provider.transformer_layer_spec = functools.partial(
                 _provider_layer_spec, spec=spec
             )
-        elif getattr(self.bridge, "hybrid_stack", False):  # Nemotron-H: its own hybrid spec
+        elif getattr(self.bridge, "own_npu_spec", False):  # Nemotron-H, Qwen3-VL: their own
             self.bridge.npu_spec_keywords = spec
         elif self.bridge is not None:  # mbridge (vanilla_mbridge=True)
             spec.update(mbridge_expert_form(self.bridge.config))

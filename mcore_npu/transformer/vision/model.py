@@ -13,6 +13,7 @@ Text only, it is the plain language model."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -20,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from mcore_npu.transformer.vision import positions
 from mcore_npu.transformer.vision.mrope import InterleavedMultimodalRotaryEmbedding
+from mcore_npu.transformer.vision.packing import PackPlan, packs_itself
 from mcore_npu.transformer.vision.tower import NPUVisionTower
 
 
@@ -37,16 +39,27 @@ class DeepstackGPTModel(GPTModel):
             rotary_base=kwargs.get("rotary_base", 10000),
         )
 
+    def place(self, hidden, rows, values, *, accumulate: bool) -> torch.Tensor:
+        """``hidden [S, B, H]`` with ``values [n, H]`` written (or added) at ``rows = (s, b)``
+        (``[n]`` each, global); under sequence parallelism only this rank's rows, shifted."""
+        s, b = rows
+        if self.config.sequence_parallel:
+            local = hidden.shape[0]
+            first = local * self.pg_collection.tp.rank()
+            keep = (s >= first) & (s < first + local)
+            s, b, values = s[keep] - first, b[keep], values[keep]
+        return torch.index_put(hidden, (s, b), values.to(hidden.dtype), accumulate=accumulate)
+
     @contextlib.contextmanager
-    def deepstack(self, features: list[torch.Tensor], where: tuple[torch.Tensor, torch.Tensor]):
-        """Within the block, layer ``i`` (global, from 0) adds ``features[i] [n, H]`` at the
-        hidden rows ``where = (s_index, b_index)`` (``[n]`` each) of its output ``[S, B, H]``."""
+    def deepstack(self, features: list[torch.Tensor], rows: tuple[torch.Tensor, torch.Tensor]):
+        """Within the block, layer ``i`` (global, from 0) adds ``features[i] [n, H]`` at
+        ``rows = (s, b)`` of its output ``[S, B, H]`` (:meth:`place`)."""
         handles = []
         for layer in self.decoder.layers if self.decoder is not None else ():
             number = layer.layer_number - 1
             if number < len(features):
-                add = _adder(features[number], where)
-                handles.append(layer.register_forward_hook(add))
+                hook = functools.partial(_add_feature, self, features[number], rows)
+                handles.append(layer.register_forward_hook(hook))
         try:
             yield
         finally:
@@ -54,12 +67,9 @@ class DeepstackGPTModel(GPTModel):
                 handle.remove()
 
 
-def _adder(feature: torch.Tensor, where):
-    def hook(module, args, output):
-        hidden, context = output
-        return torch.index_put(hidden, where, feature.to(hidden.dtype), accumulate=True), context
-
-    return hook
+def _add_feature(model, feature, rows, module, args, output):
+    hidden, context = output
+    return model.place(hidden, rows, feature, accumulate=True), context
 
 
 class NPUQwen3VLModel(MegatronModule):
@@ -109,44 +119,37 @@ class NPUQwen3VLModel(MegatronModule):
                 video_grid_thw=video_grid_thw,
                 attention_mask=attention_mask,
             )
+        plan = None
+        if packs_itself(packed_seq_params, attention_mask):
+            plan = PackPlan(attention_mask, packed_seq_params)
+        ids = plan.ids(input_ids) if plan else input_ids
+        where_to = dict(
+            position_ids=plan.positions(position_ids) if plan else position_ids,
+            attention_mask=None if plan else attention_mask,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+            **kwargs,
+        )
+        lm = self.language_model
         if not self.pre_process:
-            return self.language_model(
-                input_ids,
-                position_ids,
-                attention_mask,
-                labels=labels,
-                packed_seq_params=packed_seq_params,
-                **kwargs,
-            )
-        embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-        features, where = [], None
-        for pixels, grid, token in (
+            return lm(ids, **where_to)
+        embeds = lm.embedding(input_ids=ids, position_ids=None)  # [S, B, H] ([S/TP, ...] SP)
+        visual = (
             (pixel_values, image_grid_thw, self.image_token_id),
             (pixel_values_videos, video_grid_thw, self.video_token_id),
-        ):
+        )
+        features, where = [], None
+        for pixels, grid, token in visual:
             if pixels is None:
                 continue
-            visual, deep = self._vision(pixels, grid)
+            merged, deep = self._vision(pixels, grid)
             b, s = (input_ids == token).nonzero(as_tuple=True)  # [B, S] row-major
-            self._check_count(len(b), visual.shape[0], token)
-            embeds = torch.index_put(embeds, (s, b), visual.to(embeds.dtype))
-            features, where = _joined(features, where, deep, (s, b))
-        if _packs_itself(packed_seq_params, attention_mask):
-            input_ids, position_ids, embeds, where = _pack(
-                input_ids, position_ids, embeds, where, attention_mask, packed_seq_params
-            )
-            attention_mask = None
-        stack = self.language_model.deepstack(features, where) if features else _nothing()
-        with stack:
-            return self.language_model(
-                input_ids,
-                position_ids,
-                attention_mask,
-                decoder_input=embeds,
-                labels=labels,
-                packed_seq_params=packed_seq_params,
-                **kwargs,
-            )
+            self._check_count(len(b), merged.shape[0], token)
+            rows = plan.where(b, s) if plan else (s, b)
+            embeds = lm.place(embeds, rows, merged, accumulate=False)
+            features, where = _joined(features, where, deep, rows)
+        with lm.deepstack(features, where) if features else contextlib.nullcontext():
+            return lm(ids, decoder_input=embeds, **where_to)
 
     def _vision(self, pixels, grid):
         if self.vision is None:
@@ -165,49 +168,9 @@ class NPUQwen3VLModel(MegatronModule):
             )
 
 
-def _packs_itself(packed_seq_params, attention_mask) -> bool:
-    """verl's thd call: padded ``[B, S]`` tokens, their mask and the packed description."""
-    thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-    return thd and attention_mask is not None and attention_mask.dim() == 2
-
-
-def _pack(input_ids, position_ids, embeds, where, attention_mask, params):
-    """Row ``i``'s tokens (``attention_mask`` **True = token**) at ``cu_seqlens_q_padded[i]``,
-    as verl's ``preprocess_packed_seqs`` packs them: ``([1, T], [3, 1, T], [T, 1, H], where)``."""
-    starts = (
-        params.cu_seqlens_q_padded
-        if params.cu_seqlens_q_padded is not None
-        else params.cu_seqlens_q
-    )
-    starts = starts.tolist()
-    keep = attention_mask.bool()
-    rows, cols = keep.nonzero(as_tuple=True)  # row-major: each row's tokens in order
-    counts = keep.sum(-1).tolist()
-    first = torch.tensor([s for s, n in zip(starts, counts) for _ in range(n)])
-    within = torch.cat([torch.arange(n) for n in counts]) if counts else first
-    slots = (first + within).to(input_ids.device)
-    total = starts[-1]
-    slot_of = torch.full_like(input_ids, -1)
-    slot_of[rows, cols] = slots
-    packed_ids = input_ids.new_zeros(1, total).index_put((slots * 0, slots), input_ids[rows, cols])
-    packed_pos = position_ids.new_zeros(3, 1, total)
-    packed_pos[:, 0, slots] = position_ids[:, rows, cols]
-    hidden = embeds.new_zeros(total, 1, embeds.shape[-1])
-    hidden = torch.index_put(hidden, (slots, slots * 0), embeds[cols, rows])
-    if where is not None:
-        s, b = where
-        where = (slot_of[b, s], torch.zeros_like(s))
-    return packed_ids, packed_pos, hidden, where
-
-
-def _joined(features, where, deep, indices):
+def _joined(features, where, deep, rows):
     """Deepstack features of images and videos together, rows matching ``where``."""
     if not features:
-        return list(deep), indices
+        return list(deep), rows
     joined = [torch.cat((a, b)) for a, b in zip(features, deep)]
-    return joined, tuple(torch.cat((a, b)) for a, b in zip(where, indices))
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
+    return joined, tuple(torch.cat((a, b)) for a, b in zip(where, rows))

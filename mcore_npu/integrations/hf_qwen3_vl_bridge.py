@@ -1,0 +1,126 @@
+"""The plugin's mbridge bridge for Qwen3-VL (``model_type: qwen3_vl``): the vision tower and the
+deepstack language model of ``mcore_npu.transformer.vision`` from the NPU spec.
+
+:class:`Qwen3VLBridge`, an ``LLMBridge`` registered with mbridge's ``register_model``, builds the
+language config from ``text_config`` (verl's overrides apply to it) and a vision config with the
+same tensor parallelism (no sequence parallelism). Names and tensors come from
+:mod:`.hf_qwen3_vl`'s one map; mbridge's own loader and exporter split and merge them over TP
+(the vision ``qkv`` per head, the non-gated vision ``linear_fc1`` by rows). The vision tower is
+on the first pipeline stage."""
+
+from __future__ import annotations
+
+import inspect
+
+from mbridge.core import LLMBridge, register_model
+from mbridge.core.util import unwrap_model
+
+from mcore_npu.integrations import hf_qwen3_vl as names
+
+MODEL_TYPES = ("qwen3_vl",)
+
+
+@register_model(list(MODEL_TYPES))
+class Qwen3VLBridge(LLMBridge):
+    """mbridge bridge for ``qwen3_vl``."""
+
+    own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
+    npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
+
+    def __init__(self, hf_config, *args, **kwargs):
+        self.npu_kernel = "auto"
+        self.heads = names.Heads.of(hf_config)
+        super().__init__(hf_config, *args, **kwargs)
+
+    def _build_config(self):
+        keywords = names.language_keywords(self.hf_config)
+        return self._build_base_config(text_config_key="text_config", **keywords)
+
+    def vision_config(self):
+        """The vision tower's config: the language config's dtype and TP, no SP."""
+        config = self.config
+        return names.vision_config(
+            self.hf_config.vision_config,
+            dtype=config.params_dtype,
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            use_cpu_initialization=config.use_cpu_initialization,
+            recompute_granularity=config.recompute_granularity,
+            recompute_method=config.recompute_method,
+            recompute_num_layers=config.recompute_num_layers,
+        )
+
+    def _model_provider(self, post_model_creation_callbacks):
+        accepts_vp = "vp_stage" in inspect.signature(names.qwen3_vl_model).parameters
+
+        def provider(pre_process, post_process, vp_stage=None):
+            extra = {"vp_stage": vp_stage} if accepts_vp and vp_stage is not None else {}
+            model = names.qwen3_vl_model(
+                self.hf_config,
+                self.config,
+                self.vision_config(),
+                kernel=self.npu_kernel,
+                pre_process=pre_process,
+                post_process=post_process,
+                spec_keywords=self.npu_spec_keywords,
+                **extra,
+            )
+            for callback in post_model_creation_callbacks:
+                callback(
+                    model,
+                    pre_process=pre_process,
+                    post_process=post_process,
+                    config=self.config,
+                    hf_config=self.hf_config,
+                )
+            return model
+
+        return provider
+
+    def _get_mcore_config_by_name(self, mcore_weights_name: str):
+        return self.vision_config() if mcore_weights_name.startswith("vision.") else self.config
+
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
+        """Local names -> global ones: the language layers renumbered by their global number."""
+        model = unwrap_model(model)
+        decoder = model.language_model.decoder
+        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)}
+        mapping = {}
+        for name in model.state_dict():
+            if "_extra_state" in name:
+                continue
+            prefix = "language_model.decoder.layers."
+            if name.startswith(prefix):
+                local, rest = name[len(prefix) :].split(".", 1)
+                mapping[name] = f"{prefix}{numbers[int(local)]}.{rest}"
+            else:
+                mapping[name] = name
+        return mapping
+
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+        return names.hf_names(mcore_weights_name)
+
+    def _weight_to_mcore_format(self, mcore_weights_name, hf_weights):
+        if self.dtype is not None:
+            hf_weights = [w.to(self.dtype) for w in hf_weights]
+        return names.to_mcore(mcore_weights_name, hf_weights, self.heads)
+
+    def _weight_to_hf_format(self, mcore_weights_name, mcore_weights):
+        hf = names.hf_names(mcore_weights_name)
+        return hf, names.to_hf(mcore_weights_name, mcore_weights, self.heads)
+
+    def _weight_split_across_tp(self, mcore_weights_name, mcore_weights, param, tp_split_size):
+        """mbridge's split for Megatron's parallel linears; the tower's embeddings and mergers
+        (plain torch modules) are whole on every rank."""
+        if (
+            not getattr(param, "tensor_model_parallel", False)
+            and param.shape == mcore_weights.shape
+        ):
+            return [mcore_weights] * tp_split_size
+        return super()._weight_split_across_tp(
+            mcore_weights_name, mcore_weights, param, tp_split_size
+        )
+
+    def _get_hf_shared_weight_keys(self):
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            return [f"{names.TEXT_PREFIX}embed_tokens.weight"]
+        return []
