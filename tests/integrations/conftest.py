@@ -22,12 +22,13 @@ from tests.single_rank import single_rank_megatron
 VOCAB = 128
 
 
-def _save_word_level_tokenizer(path) -> None:
-    """A tokenizer with tokens ``t0 .. t127`` (pad = ``t0``): verl's thd path reads pad_token_id."""
+def _save_word_level_tokenizer(path, size: int = VOCAB) -> None:
+    """A tokenizer with tokens ``t0 .. t{size-1}`` (pad = ``t0``): verl's thd path reads
+    pad_token_id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab = {f"t{i}": i for i in range(size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
@@ -152,10 +153,10 @@ def save_tiny_nemotron_h(path) -> str:
 
 
 def engine_model(engine):
-    """The Megatron model (GPTModel / MambaModel) inside a verl engine's first chunk, its DDP and
-    mixed-precision wrappers taken off."""
+    """The Megatron model (GPTModel / MambaModel / NPUQwen3VLModel) inside a verl engine's first
+    chunk, its DDP and mixed-precision wrappers taken off."""
     model = engine.module[0]
-    while not hasattr(model, "decoder"):
+    while not hasattr(model, "decoder") and not hasattr(model, "language_model"):
         model = model.module
     return model
 

@@ -9,11 +9,12 @@ runs its own forward for:
 - **bshd**: verl right-pads, so under causal attention the model gets ``attention_mask=None``
   (the operator's causal mode); the keep mask only selects the real outputs (:class:`RightPadded`,
   split zigzag over CP ranks and gathered back, :mod:`.bshd`);
-- **thd of a vision-language checkpoint**: verl's packed forward as for a language model
-  (``vision_model=False``), since the plugin builds the language model only.
+- **thd of a vision-language checkpoint whose language model only the plugin builds** (Qwen3.5's
+  hub form): verl's packed forward as for a language model (``vision_model=False``).
 
-Fused kernels, MTP, router replay and top-k distillation run verl's own forward (refused for a
-vision-language checkpoint); a micro-batch with images is refused (:func:`refuse_images`).
+Fused kernels, MTP, router replay and top-k distillation run verl's own forward (refused for
+such a checkpoint, as is a micro-batch with images: :func:`refuse_images`). Qwen3-VL, whose
+vision tower the plugin builds too, always runs verl's own vision forward.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from verl.utils.torch_functional import expand_as_nested
 
 from mcore_npu.integrations.verl.bshd import RightPadded, pad_right
 
-__all__ = ["IMAGE_INPUTS", "LMHeadSteps", "ValueHeadSteps", "is_vision_config", "refuse_images"]
+__all__ = [
+    "IMAGE_INPUTS",
+    "LMHeadSteps",
+    "ValueHeadSteps",
+    "builds_vision_tower",
+    "is_vision_config",
+    "refuse_images",
+]
 
 
 def is_vision_config(model_config) -> bool:
@@ -36,14 +44,24 @@ def is_vision_config(model_config) -> bool:
     return hasattr(model_config.hf_config, "vision_config")
 
 
+def builds_vision_tower(hf_config) -> bool:
+    """Whether the plugin builds this checkpoint's vision tower too (Qwen3-VL): verl's own
+    vision forward then runs unchanged, images included."""
+    from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
+
+    return getattr(hf_config, "model_type", None) in QWEN3_VL_TYPES
+
+
 IMAGE_INPUTS = ("pixel_values", "pixel_values_videos")
 
 
 def refuse_images(batch, hf_config) -> None:
-    """Raise ``ValueError`` when ``multi_modal_inputs`` holds :data:`IMAGE_INPUTS`: the plugin
-    builds a vision-language checkpoint's language model, not its vision tower."""
+    """Raise ``ValueError`` when ``multi_modal_inputs`` holds :data:`IMAGE_INPUTS` and the plugin
+    builds the checkpoint's language model only (:func:`builds_vision_tower`)."""
     from verl.utils.model import extract_multi_modal_inputs
 
+    if builds_vision_tower(hf_config):
+        return
     given = extract_multi_modal_inputs(batch.get("multi_modal_inputs", []))
     found = [key for key in IMAGE_INPUTS if key in given]
     if found:
@@ -90,6 +108,8 @@ class ForwardSteps:
         vision-language checkpoint, unless :meth:`_verl_only` says otherwise (refused for a
         vision-language checkpoint)."""
         vision = is_vision_config(self.model_config)
+        if builds_vision_tower(self.model_config.hf_config):
+            return False  # verl's vision forward: the model takes images, masks and packs
         if self.engine_config.use_remove_padding and not vision:
             return False
         reason = self._verl_only(batch)

@@ -92,6 +92,14 @@ class NPUQwen3VLModel(MegatronModule):
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.spatial_merge_size = spatial_merge_size
         self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.share_embeddings_and_output_weights = (
+            language_model.share_embeddings_and_output_weights
+        )
+
+    def shared_embedding_or_output_weight(self):
+        """The language model's tied weight (Megatron's gradient finalisation asks for it)."""
+        return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
