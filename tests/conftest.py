@@ -4,6 +4,8 @@
 - ``cpu_only`` marker: tests of the CPU path (in-process Megatron with the CPU shims, the
   reference kernel's expectations); skipped on a machine with an accelerator, with the reason.
 - The order: the modules that launch processes first (see ``_longest_modules_first``).
+- ``cpu_runtime``: one process as a one-rank Megatron job (tests/single_rank.py), shared by the
+  folders of the other environments.
 - ``fake_torch_npu``: a stand-in ``torch_npu`` module in ``sys.modules`` (we have no NPU hardware;
   the stand-in records calls instead of running a kernel).
 """
@@ -108,6 +110,17 @@ def _fresh_warn_once():
     WARNED.clear()
     yield
     WARNED.clear()
+
+
+@pytest.fixture(scope="session")
+def cpu_runtime():
+    """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1), for the
+    tests of the other environments (tests/integrations, tests/nemotron, tests/vision_hf): one
+    per process, whichever of those folders a worker runs."""
+    from tests.single_rank import single_rank_megatron
+
+    with single_rank_megatron(29561):
+        yield
 
 
 @pytest.fixture(scope="session")

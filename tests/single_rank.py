@@ -1,6 +1,6 @@
 """One process as a one-rank Megatron job: the CPU shims, a single-rank gloo group and Megatron's
-parallel state (TP = PP = CP = 1), for the environments' session fixtures (``cpu_runtime`` of
-tests/integrations and tests/nemotron)."""
+parallel state (TP = PP = CP = 1), for the session fixture ``cpu_runtime`` (tests/conftest.py)
+that tests/integrations, tests/nemotron and tests/vision_hf share."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ These tests need ``make test-verl``: verl, mbridge, transformers and the package
 ``pip install --no-deps -e .`` (so its ``verl.plugins`` entry point exists). ``make test`` does
 not collect this folder; every module also starts with ``pytest.importorskip("verl")``.
 
-One process, one gloo group: ``cpu_runtime`` (session) applies the project's CPU shims
-(``mcore_npu.training.cpu_support``), starts a single-rank gloo process group and, after the
-last test, destroys Megatron's parallel state and the group and reverts the shims. Nothing in
-verl is patched. The only stand-in is the NPU allocator (``tests/allocator/standins.py``).
+One process, one gloo group: ``cpu_runtime`` (session, tests/conftest.py, shared with
+tests/nemotron and tests/vision_hf) applies the project's CPU shims, starts a single-rank gloo
+process group and, after the last test, destroys Megatron's parallel state and the group and
+reverts the shims. Nothing in verl is patched. The only stand-in is the NPU allocator (``tests/allocator/standins.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import os
 
 import pytest
 import torch
-
-from tests.single_rank import single_rank_megatron
 
 VOCAB = 128
 
@@ -176,13 +174,6 @@ def save_bf16_exact(model, path) -> str:
 def nemotron_h(tmp_path_factory) -> str:
     """The path of the tiny Nemotron-H checkpoint (:func:`save_tiny_nemotron_h`)."""
     return save_tiny_nemotron_h(tmp_path_factory.mktemp("tiny_nemotron_h"))
-
-
-@pytest.fixture(scope="session")
-def cpu_runtime():
-    """CPU shims + a single-rank gloo group + Megatron parallel state (TP = PP = CP = 1)."""
-    with single_rank_megatron(29561):
-        yield
 
 
 def training_worker_config(

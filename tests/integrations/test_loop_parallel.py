@@ -69,16 +69,26 @@ def qwen3_5_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub,
+def qwen3_vl(tmp_path_factory) -> str:
+    """The tiny Qwen3-VL with its tokenizer (tests/integrations/qwen3_vl_data.py)."""
+    from tests.integrations import qwen3_vl_data
+
+    return qwen3_vl_data.save_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_vl"))
+
+
+@pytest.fixture(scope="module")
+def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, qwen3_vl,
            tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
-    and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``) and
-    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``)."""
+    and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``),
+    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL with
+    images at TP=2 and PP=2 (``qwen3_vl_layouts``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
            qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
            f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}",
-           f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}"]  # fmt: skip
+           f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}",
+           f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)
@@ -250,3 +260,31 @@ def test_the_qwen3_5_hub_checkpoint_through_verl_at_cp2_in_bshd(launch, qwen3_5_
                 for g, w, n in zip(got, want, lengths, strict=True))  # fmt: skip
     print(f"Qwen3.5 hub at CP=2, bshd: max |log p - transformers| = {error:.1e}", file=sys.stderr)
     assert error <= 1e-4, error
+
+
+@pytest.mark.parametrize("layout", list(verl_loop_ranks.QWEN3_VL_LAYOUTS))
+def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl):
+    """Qwen3-VL with images (two of different grids in one row) through verl's worker, fp32,
+    thd: TP=2 (sequence parallel) and PP=2 (the vision tower on stage 0 only) train 5 steps
+    with the losses of one process within 1e-5."""
+    from tests.integrations import qwen3_vl_data
+
+    records = [json.loads((launch / f"qwen3_vl_{layout}.rank{r}.json").read_text())
+               for r in range(WORLD)]  # fmt: skip
+    if layout == "pp2":
+        assert [(r["pp"], r["pp_rank"], r["vision"]) for r in records] == [
+            (2, 0, True),
+            (2, 1, False),
+        ]
+    else:
+        assert all((r["tp"], r["sp"], r["vision"]) == (2, True, True) for r in records)
+    config = loop.worker_config(qwen3_vl, micro_batch=len(qwen3_vl_data.ROWS), dtype="float32")
+    worker = loop.new_worker(config, loop.sft_loss_fn())
+    want = [m["loss"] for m in qwen3_vl_data.train(worker, STEPS)]
+    del worker
+    got = next(r["losses"] for r in records if r["losses"] is not None)
+    error = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    print(f"qwen3_vl {layout}: max |loss - one process| over {STEPS} steps = {error:.2e}",
+          file=sys.stderr)  # fmt: skip
+    assert error <= 1e-5, (got, want)
+    assert want[-1] < want[0]

@@ -25,62 +25,20 @@ pytest.importorskip("transformers.models.qwen3_vl")
 from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
+from tests.integrations import qwen3_vl_data as data
 from tests.integrations import verl_loop as loop
-from tests.integrations.conftest import (
-    _save_word_level_tokenizer,
-    engine_model,
-    training_worker_config,
-)
+from tests.integrations.conftest import engine_model, training_worker_config
 from tests.integrations.log_probs import mean_negative_log_prob
-from tests.vision_hf.qwen3_vl_models import GRIDS, IMAGE, VOCAB, image_prompt, pixels, tiny_model
+from tests.vision_hf.qwen3_vl_models import IMAGE, pixels
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 
 TOLERANCE = 1e-3
-ONE_IMAGE = ((1, 4, 6),)
-ROWS = (
-    (image_prompt(GRIDS)[0], GRIDS, 2),
-    (torch.tensor([5, 9, 11, 4, 7, 3, 8]), (), 0),
-    (image_prompt(ONE_IMAGE, text=((7,), (3, 4)))[0], ONE_IMAGE, 5),
-)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    """The tiny Qwen3-VL, bf16-rounded weights saved fp32, and its tokenizer."""
-    path = tmp_path_factory.mktemp("qwen3_vl_verl")
-    model = tiny_model()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(torch.bfloat16))
-    model.save_pretrained(path, safe_serialization=True)
-    _save_word_level_tokenizer(path, VOCAB)
-    return str(path)
-
-
-def _batch():
-    """The three rows as verl's ``forward_backward_batch`` takes them, images in
-    ``multi_modal_inputs`` (one dict a row)."""
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
-    from verl.utils import tensordict_utils as tu
-
-    ids = [row for row, _, _ in ROWS]
-    images = [
-        NonTensorData(
-            {"pixel_values": pixels(grids, seed), "image_grid_thw": torch.tensor(grids)}
-            if grids
-            else {}
-        )
-        for _, grids, seed in ROWS
-    ]
-    tensors = {
-        "input_ids": tu.nested_tensor_from_tensor_list(ids),
-        "loss_mask": tu.nested_tensor_from_tensor_list([torch.ones_like(r) for r in ids]),
-        "temperature": torch.ones(len(ids)),
-    }
-    data = tu.get_tensordict(tensors, {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 3})
-    data["multi_modal_inputs"] = NonTensorStack(*images)
-    return data
+    return data.save_checkpoint(tmp_path_factory.mktemp("qwen3_vl_verl"))
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +49,7 @@ def reference(checkpoint) -> list[torch.Tensor]:
     model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
     out = []
     with torch.no_grad():
-        for ids, grids, seed in ROWS:
+        for ids, grids, seed in data.ROWS:
             extra = {}
             if grids:
                 extra = dict(
@@ -131,9 +89,9 @@ def test_log_probs_with_images_match_transformers(checkpoint, reference, thd):
     model = engine_model(engine)
     assert type(model).__name__ == "NPUQwen3VLModel" and model.vision is not None
     model.float()
-    result = engine.forward_backward_batch(_batch(), mean_negative_log_prob)
+    result = engine.forward_backward_batch(data.image_batch(), mean_negative_log_prob)
     rows = result["model_output"]["log_probs"].unbind()
-    got = [row[: len(ids) - 1].float() for row, (ids, _, _) in zip(rows, ROWS, strict=True)]
+    got = [row[: len(ids) - 1].float() for row, (ids, _, _) in zip(rows, data.ROWS, strict=True)]
     error = max(float((g - w).abs().max()) for g, w in zip(got, reference, strict=True))
     layout = "thd" if thd else "bshd"
     print(f"qwen3_vl ({layout}): max |log p - log p_hf| = {error:.2e}")
@@ -149,31 +107,11 @@ def test_log_probs_with_images_match_transformers(checkpoint, reference, thd):
         assert torch.isfinite(grads[name]).all() and grads[name].abs().sum() > 0, name
 
 
-def _train_batch():
-    """:func:`_batch` with the meta data verl's SFT trainer attaches (one global batch)."""
-    from tensordict import NonTensorData
-    from verl.utils import tensordict_utils as tu
-
-    data = _batch()
-    meta = dict(
-        temperature=1.0,
-        global_batch_size=len(ROWS),
-        pad_mode="no_padding",
-        pad_token_id=0,
-        update_lr_scheduler=True,
-        global_token_num=NonTensorData([len(ids) for ids, _, _ in ROWS]),
-    )
-    tu.assign_non_tensor(data, **meta)
-    return data
-
-
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
 def test_two_training_steps_with_images(checkpoint, thd):
-    from verl.utils import tensordict_utils as tu
-
-    config = loop.worker_config(checkpoint, remove_padding=thd, micro_batch=len(ROWS))
+    config = loop.worker_config(checkpoint, remove_padding=thd, micro_batch=len(data.ROWS))
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    metrics = [tu.get(worker.train_batch(_train_batch()), "metrics") for _ in range(2)]
+    metrics = data.train(worker, 2)
     losses = [float(torch.tensor(m["loss"]).mean()) for m in metrics]
     norms = [float(torch.tensor(m["grad_norm"]).mean()) for m in metrics]
     print(f"qwen3_vl ({'thd' if thd else 'bshd'}): losses {losses}, grad norms {norms}")

@@ -7,7 +7,9 @@ RUN is a layout of :data:`LAYOUTS`, optionally with a precision: ``tp2_sp`` (fp3
 or ``tp2_sp@bf16`` (:data:`DTYPES`), or ``deepseek_tp2`` (:func:`deepseek_tp2`: the DeepSeek-V3
 checkpoint through the plugin's bridge at TP=2, no verl worker), or ``qwen3_5_tp2=PATH``
 (:func:`qwen3_5_tp2`: a tiny Qwen3.5 checkpoint the same way), or ``qwen3_5_hub_cp2=PATH``
-(:func:`qwen3_5_hub_cp2`: a Qwen3.5 hub checkpoint's log-probs through verl at CP=2, bshd). fp32 is a test oracle verl's config refuses
+(:func:`qwen3_5_hub_cp2`: a Qwen3.5 hub checkpoint's log-probs through verl at CP=2, bshd), or
+``qwen3_vl=PATH`` (:func:`qwen3_vl_layouts`: the tiny Qwen3-VL with images at TP=2 and PP=2).
+fp32 is a test oracle verl's config refuses
 (``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
 engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
 parallel state from verl's own engine config (``MegatronEngine._init_device_mesh``), trains
@@ -313,6 +315,44 @@ def qwen3_5_hub_cp2(path: str, out: Path) -> None:
     mpu.destroy_model_parallel()
 
 
+QWEN3_VL = "qwen3_vl="
+QWEN3_VL_LAYOUTS = {  # vanilla mbridge: SP on at TP > 1; PP: the vision tower on stage 0
+    "tp2_sp": {"tensor_model_parallel_size": 2},
+    "pp2": {"pipeline_model_parallel_size": 2},
+}
+
+
+def qwen3_vl_layouts(path: str, out: Path) -> None:
+    """The tiny Qwen3-VL (tests/integrations/qwen3_vl_data.py) through verl's worker at each of
+    :data:`QWEN3_VL_LAYOUTS`, fp32, thd: :data:`STEPS` ``train_batch`` steps on the image rows;
+    every rank writes its layout, where the vision tower is and its losses
+    (``OUT/qwen3_vl_<layout>.rank<r>.json``)."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.integrations import qwen3_vl_data as data
+    from tests.integrations import verl_loop as loop
+
+    for name, fields in QWEN3_VL_LAYOUTS.items():
+        config = loop.worker_config(path, micro_batch=len(data.ROWS), dtype="float32", **fields)
+        worker = loop.new_worker(config, loop.sft_loss_fn())
+        model = worker.engine.module[0]
+        while not hasattr(model, "language_model"):
+            model = model.module
+        metrics = data.train(worker, STEPS)
+        record = {
+            "tp": mpu.get_tensor_model_parallel_world_size(),
+            "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "sp": bool(worker.engine.tf_config.sequence_parallel),
+            "vision": model.vision is not None,
+            "losses": _losses(metrics),
+        }
+        (out / f"qwen3_vl_{name}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        del worker, model
+        gc.collect()
+        mpu.destroy_model_parallel()
+
+
 def main(argv: list[str]) -> int:
     out, qwen3, qwen3_moe, deepseek_v3, *runs = argv
     from mcore_npu.training import cpu_support
@@ -327,6 +367,9 @@ def main(argv: list[str]) -> int:
                 continue
             if run.startswith(QWEN3_5_TP2):
                 qwen3_5_tp2(run[len(QWEN3_5_TP2) :], Path(out))
+                continue
+            if run.startswith(QWEN3_VL):
+                qwen3_vl_layouts(run[len(QWEN3_VL) :], Path(out))
                 continue
             if run.startswith(QWEN3_5_HUB_CP2):
                 qwen3_5_hub_cp2(run[len(QWEN3_5_HUB_CP2) :], Path(out))

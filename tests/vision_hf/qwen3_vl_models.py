@@ -1,5 +1,5 @@
-"""Tiny Qwen3-VL checkpoints for the tests: a 3-layer dense language model (GQA 4:2, head dim 16,
-interleaved mRoPE sections 3/3/2) and a 2-block vision tower (patch 4, temporal patch 2, merge
+"""Tiny Qwen3-VL checkpoints for the tests: a 4-layer dense language model (GQA 4:2, head dim 16,
+interleaved mRoPE sections 3/3/2; two pipeline stages of 2) and a 2-block vision tower (patch 4, temporal patch 2, merge
 2, a 4 x 4 learned position table, deepstack after both blocks), every weight moved off its
 initial value by N(0, 0.1) so norms and biases matter."""
 
@@ -17,7 +17,7 @@ def tiny_config():
 
     text = dict(
         hidden_size=48,
-        num_hidden_layers=3,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

@@ -16,6 +16,7 @@ import contextlib
 import functools
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
@@ -41,9 +42,12 @@ class DeepstackGPTModel(GPTModel):
 
     def place(self, hidden, rows, values, *, accumulate: bool) -> torch.Tensor:
         """``hidden [S, B, H]`` with ``values [n, H]`` written (or added) at ``rows = (s, b)``
-        (``[n]`` each, global); under sequence parallelism only this rank's rows, shifted."""
+        (``[n]`` each, global); under sequence parallelism only this rank's rows, shifted, and
+        the values' gradient summed over the TP group (each rank saw only its rows)."""
         s, b = rows
         if self.config.sequence_parallel:
+            # every rank holds all the values; each uses its rows, so the gradients are summed
+            values = tensor_parallel.copy_to_tensor_model_parallel_region(values)
             local = hidden.shape[0]
             first = local * self.pg_collection.tp.rank()
             keep = (s >= first) & (s < first + local)
