@@ -17,6 +17,7 @@ tensor is moved, never changed, so export is bit-exact. docs/vision.md has the w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,28 @@ def language_keywords(hf_config) -> dict:
         activation_func=F.silu,
         bias_activation_fusion=False,
         mrope_section=list(rope.get("mrope_section", (24, 20, 20))),
+        **(_moe_keywords(text) if getattr(text, "num_experts", 0) else {}),
+    )
+
+
+def _moe_keywords(text) -> dict:
+    """Qwen3-VL-MoE's experts: softmax router, top-k renormalised (``moe_router_pre_softmax``
+    False), grouped experts (TE names ``linear_fc1.weight{e}``), MoE layers from
+    ``mlp_only_layers`` / ``decoder_sparse_step``; no auxiliary loss unless a recipe sets one."""
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(text.num_hidden_layers)]
+    return dict(
+        num_moe_experts=text.num_experts,
+        moe_router_topk=text.num_experts_per_tok,
+        moe_ffn_hidden_size=text.moe_intermediate_size,
+        moe_layer_freq=pattern if 0 in pattern else 1,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=True,
     )
 
 
@@ -207,6 +230,10 @@ _TEXT_LAYER = {
     "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
+_MOE_LAYER = {"pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+              "mlp.router.weight": "mlp.gate.weight"}  # fmt: skip
+_EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+_SLICE = re.compile(r"^(.+)\[(\d+)\]$")  # row e of a fused expert tensor: "name[e]"
 _TEXT_TOP = {
     "embedding.word_embeddings.weight": "embed_tokens.weight",
     "decoder.final_layernorm.weight": "norm.weight",
@@ -215,12 +242,15 @@ _TEXT_TOP = {
 
 @dataclass(frozen=True)
 class Heads:
-    """What the q/k/v re-ordering needs: vision heads; language heads, kv groups, head dim."""
+    """What the re-ordering needs: vision heads; language heads, kv groups, head dim; hidden
+    size and expert FFN size (which way round an expert tensor is)."""
 
     vision: int
     heads: int
     groups: int
     dim: int
+    hidden: int = 0
+    expert_ffn: int = 0
 
     @classmethod
     def of(cls, hf_config) -> Heads:
@@ -230,13 +260,22 @@ class Heads:
             text.num_attention_heads,
             text.num_key_value_heads,
             text.head_dim,
+            text.hidden_size,
+            int(getattr(text, "moe_intermediate_size", 0) or 0),
         )
 
     @classmethod
     def of_model(cls, model) -> Heads:
         config = model.language_model.config
         vision = model.vision.config.num_attention_heads if model.vision is not None else 0
-        return cls(vision, config.num_attention_heads, config.num_query_groups, config.kv_channels)
+        return cls(
+            vision,
+            config.num_attention_heads,
+            config.num_query_groups,
+            config.kv_channels,
+            config.hidden_size,
+            int(config.moe_ffn_hidden_size or 0),
+        )
 
 
 def hf_names(name: str) -> list[str]:
@@ -256,6 +295,12 @@ def hf_names(name: str) -> list[str]:
             return [f"{layer}self_attn.{p}_proj.weight" for p in "qkv"]
         if tail == "mlp.linear_fc1.weight":
             return [f"{layer}mlp.gate_proj.weight", f"{layer}mlp.up_proj.weight"]
+        expert = _EXPERT.match(tail)
+        if expert:  # row e of the fused tensor
+            fused = "gate_up_proj" if expert.group(1) == "1" else "down_proj"
+            return [f"{layer}mlp.experts.{fused}[{expert.group(2)}]"]
+        if tail in _MOE_LAYER:
+            return [layer + _MOE_LAYER[tail]]
         inverse = {v: k for k, v in _TEXT_LAYER.items()}
         if tail in inverse:
             return [layer + inverse[tail]]
@@ -278,6 +323,10 @@ def _is_vision_qkv(name: str) -> bool:
 
 def to_mcore(name: str, tensors: list[torch.Tensor], heads: Heads) -> torch.Tensor:
     """The whole (unsplit) parameter ``name`` from transformers' tensors (:func:`hf_names`)."""
+    expert = _expert_shape(name, heads)
+    if expert is not None:  # transformers 5's row is Megatron's; the hub's is its transpose
+        t = tensors[0]
+        return t if tuple(t.shape) == expert else t.T
     if _is_vision_qkv(name):  # rows [3, heads, d] -> [heads, 3, d]
         t = tensors[0]
         return t.reshape(3, heads.vision, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
@@ -288,6 +337,16 @@ def to_mcore(name: str, tensors: list[torch.Tensor], heads: Heads) -> torch.Tens
     if len(tensors) == 2:  # gate, up
         return torch.cat(tensors)
     return tensors[0]
+
+
+def _expert_shape(name: str, heads: Heads) -> tuple[int, int] | None:
+    """Megatron's shape of an expert's ``linear_fc1`` / ``linear_fc2`` (None: not an expert)."""
+    tail = name.rsplit(".mlp.", 1)[-1]
+    match = _EXPERT.match("mlp." + tail)
+    if match is None:
+        return None
+    ffn, hidden = heads.expert_ffn, heads.hidden
+    return (2 * ffn, hidden) if match.group(1) == "1" else (hidden, ffn)
 
 
 def to_hf(name: str, tensor: torch.Tensor, heads: Heads) -> list[torch.Tensor]:
@@ -306,23 +365,50 @@ def to_hf(name: str, tensor: torch.Tensor, heads: Heads) -> list[torch.Tensor]:
 
 
 def load_qwen3_vl_weights(model, hf_state: dict) -> None:
-    """Copy a transformers Qwen3-VL state dict into ``model`` (one process, TP = PP = 1);
-    KeyError naming a tensor the model lacks or a parameter the state dict lacks."""
+    """Copy a transformers Qwen3-VL(-MoE) state dict into ``model`` (one process, TP = PP = 1);
+    KeyError naming a tensor the model lacks or a parameter the state dict lacks. The experts'
+    layout (transformers 5's ``[E, 2I, H]`` or the hub's ``[E, H, 2I]``) is remembered for
+    export."""
     heads = Heads.of_model(model)
+    model.hf_expert_layout = expert_layout(hf_state, heads)
     for name, param in model.named_parameters():
         names = hf_names(name)
-        missing = [n for n in names if n not in hf_state]
-        if missing:
-            raise KeyError(f"{name}: the state dict has no {missing}")
         with torch.no_grad():
-            param.copy_(to_mcore(name, [hf_state[n] for n in names], heads))
+            param.copy_(to_mcore(name, [_read(hf_state, n, name) for n in names], heads))
+
+
+def expert_layout(hf_state: dict, heads: Heads) -> str:
+    """``"hub"`` when the fused ``gate_up_proj`` is ``[E, H, 2I]`` (H != 2I), else
+    ``"transformers"`` (``[E, 2I, H]``, and no experts at all)."""
+    for name, tensor in hf_state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            square = heads.hidden == 2 * heads.expert_ffn
+            return "hub" if not square and tensor.shape[1] == heads.hidden else "transformers"
+    return "transformers"
+
+
+def _read(hf_state: dict, hf_name: str, name: str) -> torch.Tensor:
+    sliced = _SLICE.match(hf_name)
+    key = sliced.group(1) if sliced else hf_name
+    if key not in hf_state:
+        raise KeyError(f"{name}: the state dict has no {key}")
+    return hf_state[key][int(sliced.group(2))] if sliced else hf_state[key]
 
 
 def export_qwen3_vl_weights(model) -> dict[str, torch.Tensor]:
-    """transformers' state dict of ``model`` (the inverse of :func:`load_qwen3_vl_weights`)."""
+    """transformers' state dict of ``model`` (the inverse of :func:`load_qwen3_vl_weights`),
+    the experts fused again in the layout loaded."""
     heads = Heads.of_model(model)
-    out = {}
+    out, rows = {}, {}
     for name, param in model.named_parameters():
         for hf_name, tensor in zip(hf_names(name), to_hf(name, param.detach(), heads)):
-            out[hf_name] = tensor.clone()
+            sliced = _SLICE.match(hf_name)
+            if sliced:
+                rows.setdefault(sliced.group(1), {})[int(sliced.group(2))] = tensor
+            else:
+                out[hf_name] = tensor.clone()
+    hub = getattr(model, "hf_expert_layout", "transformers") == "hub"
+    for fused, experts in rows.items():
+        stacked = torch.stack([experts[e] for e in range(len(experts))])
+        out[fused] = stacked.transpose(1, 2).contiguous() if hub else stacked.clone()
     return out

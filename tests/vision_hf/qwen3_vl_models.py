@@ -52,12 +52,32 @@ def tiny_config():
     )
 
 
-def tiny_model(seed: int = 0):
-    """transformers' ``Qwen3VLForConditionalGeneration`` (fp32, eval) of :func:`tiny_config`."""
-    from transformers import Qwen3VLForConditionalGeneration
+def tiny_moe_config():
+    """:func:`tiny_config` with Qwen3-VL-MoE's text stack: 4 experts of 32, top-2, the first
+    layer dense (``mlp_only_layers``)."""
+    from transformers import Qwen3VLMoeConfig
+
+    dense = tiny_config()
+    text = dense.text_config.to_dict()
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                decoder_sparse_step=1, mlp_only_layers=[0])  # fmt: skip
+    for key in ("model_type", "architectures", "transformers_version"):
+        text.pop(key, None)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=dense.vision_config.to_dict(),
+                            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                            vision_end_token_id=END, tie_word_embeddings=False)  # fmt: skip
+
+
+def tiny_model(seed: int = 0, *, moe: bool = False):
+    """transformers' ``Qwen3VL(Moe)ForConditionalGeneration`` (fp32, eval) of :func:`tiny_config`
+    (:func:`tiny_moe_config`)."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(tiny_config()).float().eval()
+    if moe:
+        model = Qwen3VLMoeForConditionalGeneration(tiny_moe_config()).float().eval()
+    else:
+        model = Qwen3VLForConditionalGeneration(tiny_config()).float().eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.1)

@@ -7,7 +7,9 @@ two-frame video, left and right padding); the vision tower's merged and deepstac
 the whole model's logits (two images of different grids in one sequence, deepstack on both
 blocks) are within 1e-4; text only too; two image+text samples packed verl's way give each its
 own logits; one backward reaches every parameter; export is bit-exact; neither
-transformer_engine nor flash_attn is imported."""
+transformer_engine nor flash_attn is imported. The MoE form (Qwen3-VL-MoE: 4 experts, top-2, a
+dense first layer) gives transformers' logits with images and text only, and its experts load
+and export bit-exact in transformers 5's layout and the hub's."""
 
 from __future__ import annotations
 
@@ -199,3 +201,51 @@ def test_neither_transformer_engine_nor_flash_attn_is_imported(pair):
     assert not any(
         name.split(".")[0] in ("transformer_engine", "flash_attn") for name in sys.modules
     )
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+    """``(transformers Qwen3-VL-MoE, plugin model)`` with the same weights."""
+    from mcore_npu.integrations import hf_qwen3_vl
+
+    hf = tiny_model(moe=True)
+    model = hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference").eval()
+    hf_qwen3_vl.load_qwen3_vl_weights(model, hf.state_dict())
+    return hf, model
+
+
+def test_moe_logits_match_transformers_with_two_images_and_text_only(moe_pair):
+    hf, model = moe_pair
+    assert model.language_model.config.num_moe_experts == 4
+    ids, grid, px = image_prompt(GRIDS), torch.tensor(GRIDS), pixels(GRIDS)
+    with torch.no_grad():
+        got = model(ids, pixel_values=px, image_grid_thw=grid)
+        text = torch.randint(0, 140, (2, 11), generator=torch.Generator().manual_seed(3))
+        got_text = model(text)
+    assert (got - _hf_logits(hf, ids, px, grid)).abs().max() <= TOLERANCE
+    assert (got_text - _hf_logits(hf, text)).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("layout", ["transformers", "hub"])
+def test_moe_experts_load_and_export_in_either_layout(moe_pair, layout):
+    """transformers 5's ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` and the hub's
+    transposes load to the same model, and export gives back the layout loaded, bit-exact."""
+    from mcore_npu.integrations import hf_qwen3_vl
+
+    hf, reference = moe_pair
+    state = hf.state_dict()
+    if layout == "hub":
+        state = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+                 for k, v in state.items()}  # fmt: skip
+    assert state["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (
+        (4, 64, 48) if layout == "transformers" else (4, 48, 64)
+    )
+    model = hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference").eval()
+    hf_qwen3_vl.load_qwen3_vl_weights(model, state)
+    assert model.hf_expert_layout == layout
+    loaded = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        assert torch.equal(loaded[name], param), name
+    exported = hf_qwen3_vl.export_qwen3_vl_weights(model)
+    assert set(exported) == set(state)
+    assert all(torch.equal(exported[name], state[name]) for name in state)
