@@ -150,6 +150,17 @@ class SlicingSafeTensorIO(SafeTensorIO):
         }
 
 
+def collect_fused_expert(buffer: dict, name: str, e: int, weight: torch.Tensor, count: int):
+    """mbridge exports one expert at a time: keep expert ``e`` of the fused tensor ``name`` in
+    ``buffer``; ``([name], [stacked [E, ...]])`` once all ``count`` are there, else ``([], [])``."""
+    experts = buffer.setdefault(name, {})
+    experts[e] = weight
+    if len(experts) < count:
+        return [], []
+    del buffer[name]
+    return [name], [torch.stack([experts[i] for i in range(count)])]
+
+
 @register_model(list(MODEL_TYPES))
 class Qwen3_5Bridge(LLMBridge):
     """mbridge bridge for ``qwen3_5`` / ``qwen3_5_moe`` (and ``_text``) and ``qwen3_next``."""
@@ -284,14 +295,10 @@ class Qwen3_5Bridge(LLMBridge):
         return [q + k + v, z, b, a]
 
     def _fused_expert(self, name: str, e: int, weight: torch.Tensor):
-        """Collect expert ``e`` of a fused tensor (mbridge exports one expert at a time); the
-        stacked ``[E, ...]`` tensor once all are there."""
-        experts = self._expert_buffer.setdefault(name, {})
-        experts[e] = weight
-        if len(experts) < self.config.num_moe_experts:
-            return [], []
-        del self._expert_buffer[name]
-        return [name], [torch.stack([experts[i] for i in range(len(experts))])]
+        """Collect expert ``e`` of a fused tensor (:func:`collect_fused_expert`)."""
+        return collect_fused_expert(
+            self._expert_buffer, name, e, weight, self.config.num_moe_experts
+        )
 
     def _gated_qkv(self, q_proj, k_proj, v_proj) -> torch.Tensor:
         """q_proj ``[np*2*hn, H]`` (per head ``[q_h | gate_h]``), k/v ``[ng*hn, H]`` ->

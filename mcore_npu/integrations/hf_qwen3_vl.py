@@ -323,7 +323,7 @@ def _is_vision_qkv(name: str) -> bool:
 
 def to_mcore(name: str, tensors: list[torch.Tensor], heads: Heads) -> torch.Tensor:
     """The whole (unsplit) parameter ``name`` from transformers' tensors (:func:`hf_names`)."""
-    expert = _expert_shape(name, heads)
+    expert = expert_shape(name, heads)
     if expert is not None:  # transformers 5's row is Megatron's; the hub's is its transpose
         t = tensors[0]
         return t if tuple(t.shape) == expert else t.T
@@ -339,7 +339,13 @@ def to_mcore(name: str, tensors: list[torch.Tensor], heads: Heads) -> torch.Tens
     return tensors[0]
 
 
-def _expert_shape(name: str, heads: Heads) -> tuple[int, int] | None:
+def fused_row(hf_name: str) -> tuple[str, int] | None:
+    """``("…gate_up_proj", e)`` for a fused expert's row name ``"…gate_up_proj[e]"``, else None."""
+    sliced = _SLICE.match(hf_name)
+    return None if sliced is None else (sliced.group(1), int(sliced.group(2)))
+
+
+def expert_shape(name: str, heads: Heads) -> tuple[int, int] | None:
     """Megatron's shape of an expert's ``linear_fc1`` / ``linear_fc2`` (None: not an expert)."""
     tail = name.rsplit(".mlp.", 1)[-1]
     match = _EXPERT.match("mlp." + tail)

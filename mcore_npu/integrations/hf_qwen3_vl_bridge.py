@@ -16,13 +16,16 @@ from mbridge.core import LLMBridge, register_model
 from mbridge.core.util import unwrap_model
 
 from mcore_npu.integrations import hf_qwen3_vl as names
+from mcore_npu.integrations.hf_qwen3_5 import SlicingSafeTensorIO, collect_fused_expert
+from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
 
-MODEL_TYPES = ("qwen3_vl",)
+MODEL_TYPES = QWEN3_VL_TYPES
 
 
 @register_model(list(MODEL_TYPES))
 class Qwen3VLBridge(LLMBridge):
-    """mbridge bridge for ``qwen3_vl``."""
+    """mbridge bridge for ``qwen3_vl`` and ``qwen3_vl_moe``; the experts' layout read last
+    (``"transformers"`` or ``"hub"``) is the one export writes."""
 
     own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
     npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
@@ -30,6 +33,8 @@ class Qwen3VLBridge(LLMBridge):
     def __init__(self, hf_config, *args, **kwargs):
         self.npu_kernel = "auto"
         self.heads = names.Heads.of(hf_config)
+        self.expert_layout = "transformers"
+        self._expert_buffer: dict = {}
         super().__init__(hf_config, *args, **kwargs)
 
     def _build_config(self):
@@ -80,21 +85,28 @@ class Qwen3VLBridge(LLMBridge):
         return self.vision_config() if mcore_weights_name.startswith("vision.") else self.config
 
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
-        """Local names -> global ones: the language layers renumbered by their global number."""
+        """Local names -> global ones: the language layers renumbered by their global number,
+        under EP the experts by theirs."""
         model = unwrap_model(model)
         decoder = model.language_model.decoder
         numbers = {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)}
+        per_rank = (self.config.num_moe_experts or 0) // max(self.mpu.ep_size, 1)
+        first_expert = per_rank * self.mpu.ep_rank if consider_ep else 0
+        prefix = "language_model.decoder.layers."
         mapping = {}
         for name in model.state_dict():
             if "_extra_state" in name:
                 continue
-            prefix = "language_model.decoder.layers."
             if name.startswith(prefix):
                 local, rest = name[len(prefix) :].split(".", 1)
+                rest = _global_expert(rest, first_expert)
                 mapping[name] = f"{prefix}{numbers[int(local)]}.{rest}"
             else:
                 mapping[name] = name
         return mapping
+
+    def _get_safetensor_io(self, weights_path: str):
+        return SlicingSafeTensorIO(self._get_actual_hf_path(weights_path))  # "name[e]": a row
 
     def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
         return names.hf_names(mcore_weights_name)
@@ -102,11 +114,25 @@ class Qwen3VLBridge(LLMBridge):
     def _weight_to_mcore_format(self, mcore_weights_name, hf_weights):
         if self.dtype is not None:
             hf_weights = [w.to(self.dtype) for w in hf_weights]
+        expert = names.expert_shape(mcore_weights_name, self.heads)
+        if expert is not None and tuple(hf_weights[0].shape) != expert:
+            self.expert_layout = "hub"
+        elif expert is not None:
+            self.expert_layout = "transformers"
         return names.to_mcore(mcore_weights_name, hf_weights, self.heads)
 
     def _weight_to_hf_format(self, mcore_weights_name, mcore_weights):
         hf = names.hf_names(mcore_weights_name)
-        return hf, names.to_hf(mcore_weights_name, mcore_weights, self.heads)
+        tensors = names.to_hf(mcore_weights_name, mcore_weights, self.heads)
+        sliced = names.fused_row(hf[0])
+        if sliced is None:
+            return hf, tensors
+        fused, e = sliced
+        count = self.config.num_moe_experts
+        out_names, out = collect_fused_expert(self._expert_buffer, fused, e, tensors[0], count)
+        if self.expert_layout == "hub":
+            out = [t.transpose(1, 2).contiguous() for t in out]
+        return out_names, out
 
     def _weight_split_across_tp(self, mcore_weights_name, mcore_weights, param, tp_split_size):
         """mbridge's split for Megatron's parallel linears; the tower's embeddings and mergers
@@ -124,3 +150,11 @@ class Qwen3VLBridge(LLMBridge):
         if getattr(self.hf_config, "tie_word_embeddings", False):
             return [f"{names.TEXT_PREFIX}embed_tokens.weight"]
         return []
+
+
+def _global_expert(rest: str, first: int) -> str:
+    """``mlp.experts.linear_fc1.weight{e}`` with this EP rank's first expert added to ``e``."""
+    head, sep, local = rest.rpartition(".weight")
+    if not first or not sep or ".mlp.experts.linear_fc" not in f".{head}" or not local.isdigit():
+        return rest
+    return f"{head}.weight{int(local) + first}"

@@ -26,7 +26,7 @@ import importlib
 FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
 QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 NEMOTRON_H_TYPES = ("nemotron_h",)
-QWEN3_VL_TYPES = ("qwen3_vl",)
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES + QWEN3_VL_TYPES
 """Model types mbridge has no bridge for, bridged by the plugin (``integrations.hf_qwen3_5``,
 ``integrations.hf_nemotron_h``)."""

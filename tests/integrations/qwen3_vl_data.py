@@ -18,9 +18,10 @@ ROWS = (  # (ids, image grids, pixel seed)
 )
 
 
-def save_checkpoint(path) -> str:
-    """The tiny Qwen3-VL, bf16-rounded weights saved fp32, and its tokenizer at ``path``."""
-    model = tiny_model()
+def save_checkpoint(path, *, moe: bool = False) -> str:
+    """The tiny Qwen3-VL (``moe``: Qwen3-VL-MoE), bf16-rounded weights saved fp32, and its
+    tokenizer at ``path``."""
+    model = tiny_model(moe=moe)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16))

@@ -36,17 +36,31 @@ pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 TOLERANCE = 1e-3
 
 
+FAMILIES = ("dense", "moe")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return data.save_checkpoint(tmp_path_factory.mktemp("qwen3_vl_verl"))
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {f: data.save_checkpoint(tmp_path_factory.mktemp(f"qwen3_vl_{f}"), moe=f == "moe")
+            for f in FAMILIES}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints, family) -> str:
+    return checkpoints[family]
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> list[torch.Tensor]:
     """transformers' log p(token t+1) of every row, fp32 on the bf16-rounded weights."""
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
     out = []
     with torch.no_grad():
         for ids, grids, seed in data.ROWS:
@@ -83,7 +97,7 @@ def _grad(param) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
-def test_log_probs_with_images_match_transformers(checkpoint, reference, thd):
+def test_log_probs_with_images_match_transformers(checkpoint, reference, family, thd):
     engine = _engine(checkpoint, thd=thd)
     assert type(engine.bridge).__name__ == "Qwen3VLBridge"
     model = engine_model(engine)
@@ -94,7 +108,7 @@ def test_log_probs_with_images_match_transformers(checkpoint, reference, thd):
     got = [row[: len(ids) - 1].float() for row, (ids, _, _) in zip(rows, data.ROWS, strict=True)]
     error = max(float((g - w).abs().max()) for g, w in zip(got, reference, strict=True))
     layout = "thd" if thd else "bshd"
-    print(f"qwen3_vl ({layout}): max |log p - log p_hf| = {error:.2e}")
+    print(f"qwen3_vl {family} ({layout}): max |log p - log p_hf| = {error:.2e}")
     assert error < TOLERANCE
     grads = {name: _grad(p) for name, p in model.vision.named_parameters()}
     for name in (
@@ -108,12 +122,12 @@ def test_log_probs_with_images_match_transformers(checkpoint, reference, thd):
 
 
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
-def test_two_training_steps_with_images(checkpoint, thd):
+def test_two_training_steps_with_images(checkpoint, family, thd):
     config = loop.worker_config(checkpoint, remove_padding=thd, micro_batch=len(data.ROWS))
     worker = loop.new_worker(config, loop.sft_loss_fn())
     metrics = data.train(worker, 2)
     losses = [float(torch.tensor(m["loss"]).mean()) for m in metrics]
     norms = [float(torch.tensor(m["grad_norm"]).mean()) for m in metrics]
-    print(f"qwen3_vl ({'thd' if thd else 'bshd'}): losses {losses}, grad norms {norms}")
+    print(f"qwen3_vl {family} ({'thd' if thd else 'bshd'}): losses {losses}, grad norms {norms}")
     assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
     assert all(n > 0 and torch.isfinite(torch.tensor(n)) for n in norms)

@@ -106,3 +106,53 @@ def test_tensor_parallel_2_loads_exports_and_computes_as_one_process(checkpoint,
     diff = next(float(line.split()[1]) for line in lines if line.startswith("TP_LOGITS"))
     assert diff <= 1e-5, diff
     print(f"TP = 2: {export[0]} tensors exported bit-exact; logits within {diff:.1e} of TP = 1")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """``{layout: path}``: the tiny Qwen3-VL-MoE as transformers 5 saves it (``gate_up_proj``
+    ``[E, 2I, H]``) and in the hub's layout (the expert tensors transposed)."""
+    from tests.vision_hf.qwen3_vl_models import tiny_model
+
+    saved = tmp_path_factory.mktemp("qwen3_vl_moe")
+    tiny_model(moe=True).save_pretrained(saved, safe_serialization=True)
+    hub = tmp_path_factory.mktemp("qwen3_vl_moe_hub")
+    for file in Path(saved).iterdir():
+        if file.suffix == ".safetensors":
+            tensors = safetensors.torch.load_file(file)
+            tensors = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+                       for k, v in tensors.items()}  # fmt: skip
+            safetensors.torch.save_file(tensors, hub / file.name, metadata={"format": "pt"})
+        else:
+            (hub / file.name).write_bytes(file.read_bytes())
+    return {"transformers": str(saved), "hub": str(hub)}
+
+
+@pytest.mark.parametrize("layout", ["transformers", "hub"])
+def test_moe_through_the_bridge_in_either_expert_layout(moe_checkpoints, layout):
+    from mcore_npu.integrations.hf import (
+        build_model,
+        export_hf_weights,
+        load_hf_weights,
+        npu_bridge,
+    )
+    from tests.vision_hf.qwen3_vl_models import tiny_model
+
+    path = moe_checkpoints[layout]
+    bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**CPU_ARGS)
+    model = build_model(bridge).eval()
+    load_hf_weights(model, path, bridge=bridge)
+    assert bridge.expert_layout == layout and model.language_model.config.num_moe_experts == 4
+    ids = image_prompt(GRIDS, EVEN_TEXT)
+    with torch.no_grad():
+        want = tiny_model(moe=True)(input_ids=ids, pixel_values=pixels(GRIDS),
+                                    image_grid_thw=torch.tensor(GRIDS),
+                                    mm_token_type_ids=(ids == IMAGE).int()).logits  # fmt: skip
+    assert (_logits(model) - want).abs().max() <= 1e-4
+    saved = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        saved.update(safetensors.torch.load_file(file))
+    exported = dict(export_hf_weights(model, bridge))
+    assert sorted(exported) == sorted(saved)
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
