@@ -260,6 +260,14 @@ def own_attention_variables():
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl(tmp_path_factory) -> str:
+    """A tiny dense Qwen3-VL with its vision tower and tokenizer (tests/integrations/qwen3_vl_data.py)."""
+    from tests.integrations import qwen3_vl_data
+
+    return qwen3_vl_data.save_checkpoint(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+@pytest.fixture(scope="session")
 def qwen3_vl_moe(tmp_path_factory) -> str:
     """A tiny Qwen3-VL-MoE with its vision tower and tokenizer (tests/integrations/qwen3_vl_data.py)."""
     from tests.integrations import qwen3_vl_data

@@ -69,14 +69,6 @@ def qwen3_5_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen3_vl(tmp_path_factory) -> str:
-    """The tiny Qwen3-VL with its tokenizer (tests/integrations/qwen3_vl_data.py)."""
-    from tests.integrations import qwen3_vl_data
-
-    return qwen3_vl_data.save_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_vl"))
-
-
-@pytest.fixture(scope="module")
 def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, qwen3_vl,
            tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3

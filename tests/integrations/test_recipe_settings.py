@@ -42,7 +42,7 @@ ROWS = yaml.safe_load((Path(__file__).parent / "recipe_settings.yaml").read_text
 FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
            "deepseek_v3": "tiny_deepseek_v3_model", "mimo": "mimo",
            "qwen3_5_hub": "qwen3_5_hub", "nemotron_h": "nemotron_h",
-           "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
+           "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
 A, AM, RM = (
     "actor_rollout_ref.actor.",
     "actor_rollout_ref.actor.megatron.",
