@@ -86,7 +86,7 @@ def vision_shape(hf_vision) -> VisionShape:
         spatial_merge_size=hf_vision.spatial_merge_size,
         num_position_embeddings=hf_vision.num_position_embeddings,
         out_hidden_size=hf_vision.out_hidden_size,
-        deepstack_visual_indexes=tuple(hf_vision.deepstack_visual_indexes or ()),
+        deepstack_visual_indexes=tuple(getattr(hf_vision, "deepstack_visual_indexes", None) or ()),
     )
 
 
@@ -185,6 +185,12 @@ def qwen3_vl_model(
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
     from mcore_npu.transformer.vision.model import DeepstackGPTModel, NPUQwen3VLModel
 
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(
+            f"context_parallel_size: {config.context_parallel_size}; the Qwen3-VL model does not "
+            "split its packed tokens and image positions over context-parallel ranks yet; train "
+            "it with context_parallel_size=1 (TP and PP are supported)"
+        )
     text = hf_config.text_config
     spec = get_gpt_decoder_block_npu_spec(
         config,

@@ -108,7 +108,9 @@ def test_text_only_is_the_language_model(pair):
     ids = torch.randint(0, 140, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         got = model(ids)
-    assert (got - _hf_logits(hf, ids)).abs().max() <= TOLERANCE
+        given = model(ids, position_ids=torch.arange(11).expand(2, -1))  # [B, S] text positions
+    want = _hf_logits(hf, ids)
+    assert (got - want).abs().max() <= TOLERANCE and torch.equal(given, got)
 
 
 def _verl_packed_batch():
@@ -195,6 +197,14 @@ def test_export_is_bit_exact(pair):
     assert set(got) == set(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert sum(name.startswith("model.visual.") for name in got) == 45  # 3 + 2 x 12 + 6 + 2 x 6
+
+
+def test_context_parallelism_is_refused_before_any_module_is_built(pair):
+    from mcore_npu.integrations import hf_qwen3_vl
+
+    hf, _ = pair
+    with pytest.raises(ValueError, match="^context_parallel_size: 2; the Qwen3-VL model"):
+        hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference", context_parallel_size=2)
 
 
 def test_neither_transformer_engine_nor_flash_attn_is_imported(pair):

@@ -8,7 +8,8 @@ packed_seq_params=None, labels=None)`` returns logits ``[B, S, V]`` (or Megatron
 row-major order as transformers' ``masked_scatter``; the deepstack features are added to those
 tokens' hidden states after the first layers (one per deepstack block). ``position_ids`` None:
 :func:`~mcore_npu.transformer.vision.positions.rope_index` (``attention_mask`` **True = token**).
-Text only, it is the plain language model."""
+``position_ids [B, S]`` (text) are read as the same position on all three axes. Text only, it is
+the plain language model."""
 
 from __future__ import annotations
 
@@ -131,6 +132,8 @@ class NPUQwen3VLModel(MegatronModule):
                 video_grid_thw=video_grid_thw,
                 attention_mask=attention_mask,
             )
+        elif position_ids.dim() == 2:  # text positions [B, S]: the same on all three axes
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         plan = None
         if packs_itself(packed_seq_params, attention_mask):
             plan = PackPlan(attention_mask, packed_seq_params)
