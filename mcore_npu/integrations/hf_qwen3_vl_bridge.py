@@ -4,7 +4,7 @@ deepstack language model of ``mcore_npu.transformer.vision`` from the NPU spec.
 :class:`Qwen3VLBridge`, an ``LLMBridge`` registered with mbridge's ``register_model``, builds the
 language config from ``text_config`` (verl's overrides apply to it) and a vision config with the
 same tensor parallelism (no sequence parallelism). Names and tensors come from
-:mod:`.hf_qwen3_vl`'s one map; mbridge's own loader and exporter split and merge them over TP
+:mod:`.hf_qwen3_vl_weights`' one map; mbridge's own loader and exporter split and merge them over TP
 (the vision ``qkv`` per head, the non-gated vision ``linear_fc1`` by rows). The vision tower is
 on the first pipeline stage."""
 
@@ -15,7 +15,8 @@ import inspect
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.util import unwrap_model
 
-from mcore_npu.integrations import hf_qwen3_vl as names
+from mcore_npu.integrations import hf_qwen3_vl as configs
+from mcore_npu.integrations import hf_qwen3_vl_weights as names
 from mcore_npu.integrations.hf_qwen3_5 import SlicingSafeTensorIO, collect_fused_expert
 from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
 
@@ -32,19 +33,19 @@ class Qwen3VLBridge(LLMBridge):
 
     def __init__(self, hf_config, *args, **kwargs):
         self.npu_kernel = "auto"
-        self.heads = names.Heads.of(hf_config)
+        self.shapes = names.Shapes.of(hf_config)
         self.expert_layout = "transformers"
         self._expert_buffer: dict = {}
         super().__init__(hf_config, *args, **kwargs)
 
     def _build_config(self):
-        keywords = names.language_keywords(self.hf_config)
+        keywords = configs.language_keywords(self.hf_config)
         return self._build_base_config(text_config_key="text_config", **keywords)
 
     def vision_config(self):
         """The vision tower's config: the language config's dtype and TP, no SP."""
         config = self.config
-        return names.vision_config(
+        return configs.vision_config(
             self.hf_config.vision_config,
             dtype=config.params_dtype,
             tensor_model_parallel_size=config.tensor_model_parallel_size,
@@ -55,11 +56,11 @@ class Qwen3VLBridge(LLMBridge):
         )
 
     def _model_provider(self, post_model_creation_callbacks):
-        accepts_vp = "vp_stage" in inspect.signature(names.qwen3_vl_model).parameters
+        accepts_vp = "vp_stage" in inspect.signature(configs.qwen3_vl_model).parameters
 
         def provider(pre_process, post_process, vp_stage=None):
             extra = {"vp_stage": vp_stage} if accepts_vp and vp_stage is not None else {}
-            model = names.qwen3_vl_model(
+            model = configs.qwen3_vl_model(
                 self.hf_config,
                 self.config,
                 self.vision_config(),
@@ -114,16 +115,16 @@ class Qwen3VLBridge(LLMBridge):
     def _weight_to_mcore_format(self, mcore_weights_name, hf_weights):
         if self.dtype is not None:
             hf_weights = [w.to(self.dtype) for w in hf_weights]
-        expert = names.expert_shape(mcore_weights_name, self.heads)
+        expert = names.expert_shape(mcore_weights_name, self.shapes)
         if expert is not None and tuple(hf_weights[0].shape) != expert:
             self.expert_layout = "hub"
         elif expert is not None:
             self.expert_layout = "transformers"
-        return names.to_mcore(mcore_weights_name, hf_weights, self.heads)
+        return names.to_mcore(mcore_weights_name, hf_weights, self.shapes)
 
     def _weight_to_hf_format(self, mcore_weights_name, mcore_weights):
         hf = names.hf_names(mcore_weights_name)
-        tensors = names.to_hf(mcore_weights_name, mcore_weights, self.heads)
+        tensors = names.to_hf(mcore_weights_name, mcore_weights, self.shapes)
         sliced = names.fused_row(hf[0])
         if sliced is None:
             return hf, tensors

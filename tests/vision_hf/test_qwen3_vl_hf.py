@@ -30,11 +30,11 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def pair():
     """``(transformers model, plugin model)`` with the same weights."""
-    from mcore_npu.integrations import hf_qwen3_vl
+    from mcore_npu.integrations import hf_qwen3_vl, hf_qwen3_vl_weights
 
     hf = tiny_model()
     model = hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference").eval()
-    hf_qwen3_vl.load_qwen3_vl_weights(model, hf.state_dict())
+    hf_qwen3_vl_weights.load_qwen3_vl_weights(model, hf.state_dict())
     return hf, model
 
 
@@ -189,11 +189,11 @@ def test_one_backward_reaches_every_parameter(pair):
 
 
 def test_export_is_bit_exact(pair):
-    from mcore_npu.integrations import hf_qwen3_vl
+    from mcore_npu.integrations import hf_qwen3_vl_weights
 
     hf, model = pair
     want = hf.state_dict()
-    got = hf_qwen3_vl.export_qwen3_vl_weights(model)
+    got = hf_qwen3_vl_weights.export_qwen3_vl_weights(model)
     assert set(got) == set(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert sum(name.startswith("model.visual.") for name in got) == 45  # 3 + 2 x 12 + 6 + 2 x 6
@@ -216,11 +216,11 @@ def test_neither_transformer_engine_nor_flash_attn_is_imported(pair):
 @pytest.fixture(scope="module")
 def moe_pair():
     """``(transformers Qwen3-VL-MoE, plugin model)`` with the same weights."""
-    from mcore_npu.integrations import hf_qwen3_vl
+    from mcore_npu.integrations import hf_qwen3_vl, hf_qwen3_vl_weights
 
     hf = tiny_model(moe=True)
     model = hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference").eval()
-    hf_qwen3_vl.load_qwen3_vl_weights(model, hf.state_dict())
+    hf_qwen3_vl_weights.load_qwen3_vl_weights(model, hf.state_dict())
     return hf, model
 
 
@@ -240,7 +240,7 @@ def test_moe_logits_match_transformers_with_two_images_and_text_only(moe_pair):
 def test_moe_experts_load_and_export_in_either_layout(moe_pair, layout):
     """transformers 5's ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` and the hub's
     transposes load to the same model, and export gives back the layout loaded, bit-exact."""
-    from mcore_npu.integrations import hf_qwen3_vl
+    from mcore_npu.integrations import hf_qwen3_vl, hf_qwen3_vl_weights
 
     hf, reference = moe_pair
     state = hf.state_dict()
@@ -251,11 +251,11 @@ def test_moe_experts_load_and_export_in_either_layout(moe_pair, layout):
         (4, 64, 48) if layout == "transformers" else (4, 48, 64)
     )
     model = hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference").eval()
-    hf_qwen3_vl.load_qwen3_vl_weights(model, state)
+    hf_qwen3_vl_weights.load_qwen3_vl_weights(model, state)
     assert model.hf_expert_layout == layout
     loaded = dict(model.named_parameters())
     for name, param in reference.named_parameters():
         assert torch.equal(loaded[name], param), name
-    exported = hf_qwen3_vl.export_qwen3_vl_weights(model)
+    exported = hf_qwen3_vl_weights.export_qwen3_vl_weights(model)
     assert set(exported) == set(state)
     assert all(torch.equal(exported[name], state[name]) for name in state)
