@@ -38,12 +38,15 @@ def vision_config(hf_vision, *, dtype=torch.float32, **overrides) -> Transformer
         gated_linear_unit=False,
         activation_func=_ACTIVATIONS[act],
         bias_activation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
     )
+    return _config(keywords, dtype, overrides)
+
+
+def _config(keywords: dict, dtype, overrides: dict) -> TransformerConfig:
+    """``TransformerConfig(**keywords)`` without dropout, in ``dtype``, built on the host, then
+    ``overrides``."""
+    keywords = dict(keywords, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+                    bf16=dtype == torch.bfloat16, use_cpu_initialization=True)  # fmt: skip
     keywords.update(overrides)
     return TransformerConfig(**keywords)
 
@@ -121,15 +124,9 @@ def language_config(hf_config, *, dtype=torch.float32, **overrides) -> Transform
         num_query_groups=text.num_key_value_heads,
         ffn_hidden_size=text.intermediate_size,
         layernorm_epsilon=text.rms_norm_eps,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
         **language_keywords(hf_config),
     )
-    keywords.update(overrides)
-    return TransformerConfig(**keywords)
+    return _config(keywords, dtype, overrides)
 
 
 def build_qwen3_vl(hf_config, *, dtype=torch.float32, kernel="auto", **overrides):

@@ -1,58 +1,24 @@
 """``torchrun --nproc-per-node=2 -m tests.nemotron.tp_export <checkpoint>``: the tiny Nemotron-H
 loaded at TP = 2 through the plugin's bridge and exported back; rank 0 prints
 ``TP_EXPORT <tensors> <names equal> <all torch.equal>`` against the checkpoint's safetensors, and
-``TP_LOGITS <max |logit diff|>`` against ``TP1_LOGITS`` (the file the test wrote, TP = 1)."""
+``TP_LOGITS <max |logit diff|>`` against ``tp1_logits.pt`` (the file the test wrote, TP = 1),
+through ``tests/bridge_tp2.py``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import safetensors.torch
 import torch
-import torch.distributed as dist
 
+from tests.bridge_tp2 import check
 from tests.nemotron.test_nemotron_h_hf import CPU_ARGS
 
 
-def main(path: str) -> None:
-    from megatron.core import parallel_state
-
-    from mcore_npu.integrations.hf import (
-        build_model,
-        export_hf_weights,
-        load_hf_weights,
-        npu_bridge,
-    )
-    from mcore_npu.training import cpu_support
-
-    cpu_support.apply()
-    dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(2, 1)
-    cpu_support.seed_cpu_streams(1, tp_rank=parallel_state.get_tensor_model_parallel_rank())
-    bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
-    bridge.set_extra_args(**CPU_ARGS)
-    model = build_model(bridge).eval()
-    load_hf_weights(model, path, bridge=bridge)
-    exported = {name: tensor.detach().cpu() for name, tensor in export_hf_weights(model, bridge)}
-    ids = torch.load(Path(path) / "tp1_ids.pt")
-    with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    logits = gather_from_tensor_model_parallel_region(logits)
-    if dist.get_rank() == 0:
-        saved = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            saved.update(safetensors.torch.load_file(file))
-        same = sorted(saved) == sorted(exported)
-        equal = same and all(torch.equal(saved[n], exported[n]) for n in saved)
-        print(f"TP_EXPORT {len(exported)} {same} {equal}", flush=True)
-        want = torch.load(Path(path) / "tp1_logits.pt")
-        print(f"TP_LOGITS {(logits - want).abs().max().item():.3e}", flush=True)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+def logits(model):
+    ids = torch.load(Path(sys.argv[1]) / "tp1_ids.pt")
+    return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    check(sys.argv[1], CPU_ARGS, logits)
