@@ -70,7 +70,7 @@ def qwen3_5_moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, qwen3_vl,
-           tmp_path_factory):  # fmt: skip
+           qwen3_vl_moe, tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
     and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``),
     the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL with
@@ -80,7 +80,7 @@ def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, q
            qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
            f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}",
            f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}",
-           f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl}"]  # fmt: skip
+           f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl},{qwen3_vl_moe}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)

@@ -317,23 +317,26 @@ def qwen3_5_hub_cp2(path: str, out: Path) -> None:
 
 QWEN3_VL = "qwen3_vl="
 QWEN3_VL_LAYOUTS = {  # vanilla mbridge: SP on at TP > 1; PP: the vision tower on stage 0
-    "tp2_sp": {"tensor_model_parallel_size": 2},
-    "pp2": {"pipeline_model_parallel_size": 2},
+    "tp2_sp": ("dense", {"tensor_model_parallel_size": 2}),
+    "pp2": ("dense", {"pipeline_model_parallel_size": 2}),
+    "ep2": ("moe", {"expert_model_parallel_size": 2}),  # DP=2 too: each rank its 2 rows
 }
 
 
-def qwen3_vl_layouts(path: str, out: Path) -> None:
-    """The tiny Qwen3-VL (tests/integrations/qwen3_vl_data.py) through verl's worker at each of
-    :data:`QWEN3_VL_LAYOUTS`, fp32, thd: :data:`STEPS` ``train_batch`` steps on the image rows;
-    every rank writes its layout, where the vision tower is and its losses
-    (``OUT/qwen3_vl_<layout>.rank<r>.json``)."""
+def qwen3_vl_layouts(paths: str, out: Path) -> None:
+    """The tiny Qwen3-VL, dense and MoE (``paths``: ``DENSE,MOE``; tests/integrations/
+    qwen3_vl_data.py), through verl's worker at each of :data:`QWEN3_VL_LAYOUTS`, fp32, thd:
+    :data:`STEPS` ``train_batch`` steps on the image rows; every rank writes its layout, where
+    the vision tower is and its losses (``OUT/qwen3_vl_<layout>.rank<r>.json``)."""
     from megatron.core import parallel_state as mpu
 
     from tests.integrations import qwen3_vl_data as data
     from tests.integrations import verl_loop as loop
 
-    for name, fields in QWEN3_VL_LAYOUTS.items():
-        config = loop.worker_config(path, micro_batch=len(data.ROWS), dtype="float32", **fields)
+    checkpoints = dict(zip(("dense", "moe"), paths.split(","), strict=True))
+    for name, (family, fields) in QWEN3_VL_LAYOUTS.items():
+        config = loop.worker_config(checkpoints[family], micro_batch=len(data.ROWS),
+                                    dtype="float32", **fields)  # fmt: skip
         worker = loop.new_worker(config, loop.sft_loss_fn())
         model = worker.engine.module[0]
         while not hasattr(model, "language_model"):
@@ -343,6 +346,8 @@ def qwen3_vl_layouts(path: str, out: Path) -> None:
             "tp": mpu.get_tensor_model_parallel_world_size(),
             "pp": mpu.get_pipeline_model_parallel_world_size(),
             "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "ep": mpu.get_expert_model_parallel_world_size(),
+            "dp": mpu.get_data_parallel_world_size(),
             "sp": bool(worker.engine.tf_config.sequence_parallel),
             "vision": model.vision is not None,
             "losses": _losses(metrics),
