@@ -153,12 +153,6 @@ def qwen3_vl_model(
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
     from mcore_npu.transformer.vision.model import DeepstackGPTModel, NPUQwen3VLModel
 
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            f"context_parallel_size: {config.context_parallel_size}; the Qwen3-VL model does not "
-            "split its packed tokens and image positions over context-parallel ranks yet; train "
-            "it with context_parallel_size=1 (TP and PP are supported)"
-        )
     text = hf_config.text_config
     spec = get_gpt_decoder_block_npu_spec(
         config,

@@ -320,6 +320,7 @@ QWEN3_VL_LAYOUTS = {  # vanilla mbridge: SP on at TP > 1; PP: the vision tower o
     "tp2_sp": ("dense", {"tensor_model_parallel_size": 2}),
     "pp2": ("dense", {"pipeline_model_parallel_size": 2}),
     "ep2": ("moe", {"expert_model_parallel_size": 2}),  # DP=2 too: each rank its 2 rows
+    "cp2": ("dense", {"context_parallel_size": 2}),  # thd: each rank its chunks of every row
 }
 
 
@@ -348,6 +349,7 @@ def qwen3_vl_layouts(paths: str, out: Path) -> None:
             "pp_rank": mpu.get_pipeline_model_parallel_rank(),
             "ep": mpu.get_expert_model_parallel_world_size(),
             "dp": mpu.get_data_parallel_world_size(),
+            "cp": mpu.get_context_parallel_world_size(),
             "sp": bool(worker.engine.tf_config.sequence_parallel),
             "vision": model.vision is not None,
             "losses": _losses(metrics),

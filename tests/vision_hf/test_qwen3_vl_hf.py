@@ -199,14 +199,6 @@ def test_export_is_bit_exact(pair):
     assert sum(name.startswith("model.visual.") for name in got) == 45  # 3 + 2 x 12 + 6 + 2 x 6
 
 
-def test_context_parallelism_is_refused_before_any_module_is_built(pair):
-    from mcore_npu.integrations import hf_qwen3_vl
-
-    hf, _ = pair
-    with pytest.raises(ValueError, match="^context_parallel_size: 2; the Qwen3-VL model"):
-        hf_qwen3_vl.build_qwen3_vl(hf.config, kernel="reference", context_parallel_size=2)
-
-
 def test_neither_transformer_engine_nor_flash_attn_is_imported(pair):
     assert not any(
         name.split(".")[0] in ("transformer_engine", "flash_attn") for name in sys.modules

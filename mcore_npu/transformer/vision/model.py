@@ -43,9 +43,11 @@ class DeepstackGPTModel(GPTModel):
 
     def place(self, hidden, rows, values, *, accumulate: bool) -> torch.Tensor:
         """``hidden [S, B, H]`` with ``values [n, H]`` written (or added) at ``rows = (s, b)``
-        (``[n]`` each, global); under sequence parallelism only this rank's rows, shifted, and
-        the values' gradient summed over the TP group (each rank saw only its rows)."""
-        s, b = rows
+        (``[n]`` each, this CP rank's; -1 for another's); under sequence parallelism only this
+        rank's rows, shifted, and the values' gradient summed over the TP group (each rank saw
+        only its rows)."""
+        keep = rows[0] >= 0  # -1: a token another context-parallel rank holds
+        (s, b), values = (rows[0][keep], rows[1][keep]), values[keep]
         if self.config.sequence_parallel:
             # every rank holds all the values; each uses its rows, so the gradients are summed
             values = tensor_parallel.copy_to_tensor_model_parallel_region(values)
@@ -134,9 +136,7 @@ class NPUQwen3VLModel(MegatronModule):
             )
         elif position_ids.dim() == 2:  # text positions [B, S]: the same on all three axes
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        plan = None
-        if packs_itself(packed_seq_params, attention_mask):
-            plan = PackPlan(attention_mask, packed_seq_params)
+        plan = self._plan(packed_seq_params, attention_mask)
         ids = plan.ids(input_ids) if plan else input_ids
         where_to = dict(
             position_ids=plan.positions(position_ids) if plan else position_ids,
@@ -165,6 +165,19 @@ class NPUQwen3VLModel(MegatronModule):
             features, where = _joined(features, where, deep, rows)
         with lm.deepstack(features, where) if features else contextlib.nullcontext():
             return lm(ids, decoder_input=embeds, **where_to)
+
+    def _plan(self, packed_seq_params, attention_mask) -> PackPlan | None:
+        """verl's thd call packs here (this CP rank's chunks); bshd under CP is refused."""
+        cp = self.language_model.pg_collection.cp
+        size, rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
+        if packs_itself(packed_seq_params, attention_mask):
+            return PackPlan(attention_mask, packed_seq_params, size, rank)
+        if size > 1:
+            raise ValueError(
+                f"context_parallel_size: {size} with unpacked (bshd) rows; the Qwen3-VL model "
+                "splits packed batches only: use thd (use_remove_padding=True) under CP"
+            )
+        return None
 
     def _vision(self, pixels, grid):
         if self.vision is None:

@@ -2,14 +2,13 @@
 
 :class:`InterleavedMultimodalRotaryEmbedding` is Megatron's ``MultimodalRotaryEmbedding`` (same
 constructor, same ``forward(position_ids [3, B, S], mrope_section, cp_group)``) whose angles
-follow Qwen3-VL's interleaving (``mcore_npu.ops.mrope_angles``): ``[S, B, 1, rot]`` fp32, this
-CP rank's chunks under context parallelism as Megatron's. The plugin's fused RoPE
+follow Qwen3-VL's interleaving (``mcore_npu.ops.mrope_angles``): ``[S, B, 1, rot]`` fp32 of
+the positions given (under context parallelism the packed batch's whole, see ``forward``). The plugin's fused RoPE
 (``NPURotarySelfAttention``) rotates with them through ``rotary_mul``, cos/sin once per batch."""
 
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     MultimodalRotaryEmbedding,
 )
@@ -39,7 +38,9 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         self.cp_group = cp_group
 
     def forward(self, position_ids, mrope_section, cp_group=None):
-        """Angles ``[S, B, 1, rot]`` (``[S/CP, ...]`` under CP) of ``position_ids [3, B, S]``."""
+        """Angles ``[S, B, 1, rot]`` of exactly ``position_ids [3, B, S]``, never split here:
+        ``NPUQwen3VLModel`` passes a packed batch's whole positions, from which the fused RoPE
+        picks this CP rank's (``cp_group`` is accepted for Megatron's call and not used)."""
         if self.seq_len_interpolation_factor is not None:
             raise ValueError(
                 f"seq_len_interpolation_factor: {self.seq_len_interpolation_factor}; Qwen3-VL's "
@@ -47,8 +48,4 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
             )
         mode = "interleave" if self.rotary_interleaved else "half"
         inv_freq = self.inv_freq.to(position_ids.device)
-        emb = mrope_angles(position_ids, inv_freq, list(mrope_section), rotary_mode=mode)
-        cp_group = cp_group if cp_group is not None else self.cp_group
-        if cp_group is not None and cp_group.size() > 1:
-            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
-        return emb
+        return mrope_angles(position_ids, inv_freq, list(mrope_section), rotary_mode=mode)

@@ -12,10 +12,12 @@ contiguous) and ``grid_thw [n, 3]`` (t, h, w in patches per image / video) go th
 - ``merger`` and ``deepstack_merger_list``: LayerNorm, ``m²·H -> m²·H -> out`` MLPs (exact GELU).
 
 Returns ``(embeds [P/m², out], [deepstack [P/m², out] per deepstack block])``. The blocks are
-split by TP as Megatron splits a transformer; the embeddings and mergers are replicated."""
+split by TP as Megatron splits a transformer; the embeddings and mergers are replicated; every
+context-parallel rank runs the whole tower."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +54,23 @@ class VisionShape:
 
 
 def vision_block_spec(kernel: str = "auto"):
-    """One vision block: the NPU GPT layer (TE names, LayerNorm) attending without a mask."""
-    spec = get_gpt_layer_npu_spec(kernel=kernel, param_layout="te", normalization="LayerNorm")
+    """One vision block: the NPU GPT layer (TE names, LayerNorm) attending without a mask, its
+    2D RoPE through the plugin's ``rotary_mul`` (which reads CP from the block's groups: none)."""
+    spec = get_gpt_layer_npu_spec(kernel=kernel, param_layout="te", normalization="LayerNorm",
+                                  rope_kernel=kernel)  # fmt: skip
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
     return spec
+
+
+def _without_context_parallelism(pg_collection):
+    """The blocks' process groups: ``pg_collection`` (None: parallel_state's) with no CP group.
+    Every context-parallel rank runs the whole tower on all the frames; the language model's
+    tokens are what CP splits."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = copy.copy(pg_collection or ProcessGroupCollection.use_mpu_process_groups())
+    groups.cp = None
+    return groups
 
 
 class PatchEmbed(torch.nn.Module):
@@ -113,9 +128,9 @@ class NPUVisionTower(MegatronModule):
             10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter)
         )
         spec = vision_block_spec(kernel)
-        extra = {} if pg_collection is None else {"pg_collection": pg_collection}
+        groups = _without_context_parallelism(pg_collection)
         self.blocks = torch.nn.ModuleList(
-            build_module(spec, config=config, layer_number=i + 1, **extra)
+            build_module(spec, config=config, layer_number=i + 1, pg_collection=groups)
             for i in range(config.num_layers)
         )
         merge, out = shape.spatial_merge_size, shape.out_hidden_size
