@@ -254,23 +254,32 @@ def test_the_qwen3_5_hub_checkpoint_through_verl_at_cp2_in_bshd(launch, qwen3_5_
     assert error <= 1e-4, error
 
 
+# per rank: (tp, pp, pp rank, cp, ep, dp, sp, holds the vision tower)
+EXPECTED_VL = {
+    "tp2_sp": [(2, 1, 0, 1, 1, 1, True, True)] * 2,
+    "pp2": [(1, 2, 0, 1, 1, 1, False, True), (1, 2, 1, 1, 1, 1, False, False)],
+    "ep2": [(1, 1, 0, 1, 2, 2, False, True)] * 2,
+    "cp2": [(1, 1, 0, 2, 1, 1, False, True)] * 2,
+}
+
+
 @pytest.mark.parametrize("layout", list(verl_loop_ranks.QWEN3_VL_LAYOUTS))
-def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl):
+def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_moe):
     """Qwen3-VL with images (two of different grids in one row) through verl's worker, fp32,
-    thd: TP=2 (sequence parallel) and PP=2 (the vision tower on stage 0 only) train 5 steps
-    with the losses of one process within 1e-5."""
+    thd: TP=2 (sequence parallel), PP=2 (the vision tower on stage 0 only), CP=2 (each rank its
+    chunks of every packed row, split after the vision embedding) and, for the MoE form, EP=2
+    (with DP=2: each rank trains on its half of the rows) train 5 steps with the losses of one
+    process within 1e-5."""
     from tests.integrations import qwen3_vl_data
 
     records = [json.loads((launch / f"qwen3_vl_{layout}.rank{r}.json").read_text())
                for r in range(WORLD)]  # fmt: skip
-    if layout == "pp2":
-        assert [(r["pp"], r["pp_rank"], r["vision"]) for r in records] == [
-            (2, 0, True),
-            (2, 1, False),
-        ]
-    else:
-        assert all((r["tp"], r["sp"], r["vision"]) == (2, True, True) for r in records)
-    config = loop.worker_config(qwen3_vl, micro_batch=len(qwen3_vl_data.ROWS), dtype="float32")
+    layouts = [(r["tp"], r["pp"], r["pp_rank"], r["cp"], r["ep"], r["dp"], r["sp"], r["vision"])
+               for r in records]  # fmt: skip
+    assert layouts == EXPECTED_VL[layout], layouts
+    family = verl_loop_ranks.QWEN3_VL_LAYOUTS[layout][0]
+    path = qwen3_vl_moe if family == "moe" else qwen3_vl
+    config = loop.worker_config(path, micro_batch=len(qwen3_vl_data.ROWS), dtype="float32")
     worker = loop.new_worker(config, loop.sft_loss_fn())
     want = [m["loss"] for m in qwen3_vl_data.train(worker, STEPS)]
     del worker
