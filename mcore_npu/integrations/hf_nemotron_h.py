@@ -21,6 +21,7 @@ import torch
 from mbridge.core import LLMBridge, register_model
 from megatron.core.activations import squared_relu
 
+from mcore_npu.integrations.bridge_provider import model_provider
 from mcore_npu.integrations.mbridge_fixes import NEMOTRON_H_TYPES
 
 logger = logging.getLogger(__name__)
@@ -206,13 +207,13 @@ class NemotronHBridge(LLMBridge):
         model_class, spec_key, pattern_key = hybrid_model_class()
         accepts_vp_stage = "vp_stage" in inspect.signature(model_class.__init__).parameters
 
-        def provider(pre_process, post_process, vp_stage=None):
+        def build(pre_process, post_process, vp_stage):
             self.vocab_size = self.padded_vocab_size = self.hf_config.vocab_size
             if self.make_vocab_size_divisible_by is not None:
                 step = self.make_vocab_size_divisible_by
                 self.padded_vocab_size = math.ceil(self.vocab_size / step) * step
             extra = {"vp_stage": vp_stage} if vp_stage is not None and accepts_vp_stage else {}
-            model = model_class(
+            return model_class(
                 config=self.config,
                 vocab_size=self.padded_vocab_size,
                 max_sequence_length=self.hf_config.max_position_embeddings,
@@ -224,17 +225,8 @@ class NemotronHBridge(LLMBridge):
                 **{pattern_key: self.pattern},
                 **extra,
             )
-            for callback in post_model_creation_callbacks:
-                callback(
-                    model,
-                    pre_process=pre_process,
-                    post_process=post_process,
-                    config=self.config,
-                    hf_config=self.hf_config,
-                )
-            return model
 
-        return provider
+        return model_provider(self, build, post_model_creation_callbacks)
 
     def _get_safetensor_io(self, weights_path: str):
         io = super()._get_safetensor_io(weights_path)

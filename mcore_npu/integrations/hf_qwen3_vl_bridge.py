@@ -10,13 +10,12 @@ on the first pipeline stage."""
 
 from __future__ import annotations
 
-import inspect
-
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.util import unwrap_model
 
 from mcore_npu.integrations import hf_qwen3_vl as configs
 from mcore_npu.integrations import hf_qwen3_vl_weights as names
+from mcore_npu.integrations.bridge_provider import model_provider
 from mcore_npu.integrations.hf_qwen3_5 import SlicingSafeTensorIO, collect_fused_expert
 from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
 
@@ -36,6 +35,7 @@ class Qwen3VLBridge(LLMBridge):
         self.shapes = names.Shapes.of(hf_config)
         self.expert_layout = "transformers"
         self._expert_buffer: dict = {}
+        self._vision_config = None  # (the language config it was made from, the vision config)
         super().__init__(hf_config, *args, **kwargs)
 
     def _build_config(self):
@@ -43,44 +43,36 @@ class Qwen3VLBridge(LLMBridge):
         return self._build_base_config(text_config_key="text_config", **keywords)
 
     def vision_config(self):
-        """The vision tower's config: the language config's dtype and TP, no SP."""
+        """The vision tower's config: the language config's dtype, TP and recompute, no SP (made
+        once per language config: the loader asks for it per vision tensor)."""
         config = self.config
-        return configs.vision_config(
-            self.hf_config.vision_config,
-            dtype=config.params_dtype,
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            use_cpu_initialization=config.use_cpu_initialization,
-            recompute_granularity=config.recompute_granularity,
-            recompute_method=config.recompute_method,
-            recompute_num_layers=config.recompute_num_layers,
-        )
+        if self._vision_config is None or self._vision_config[0] is not config:
+            vision = configs.vision_config(
+                self.hf_config.vision_config,
+                dtype=config.params_dtype,
+                tensor_model_parallel_size=config.tensor_model_parallel_size,
+                use_cpu_initialization=config.use_cpu_initialization,
+                recompute_granularity=config.recompute_granularity,
+                recompute_method=config.recompute_method,
+                recompute_num_layers=config.recompute_num_layers,
+            )
+            self._vision_config = (config, vision)
+        return self._vision_config[1]
 
     def _model_provider(self, post_model_creation_callbacks):
-        accepts_vp = "vp_stage" in inspect.signature(configs.qwen3_vl_model).parameters
-
-        def provider(pre_process, post_process, vp_stage=None):
-            extra = {"vp_stage": vp_stage} if accepts_vp and vp_stage is not None else {}
-            model = configs.qwen3_vl_model(
+        def build(pre_process, post_process, vp_stage):
+            return configs.qwen3_vl_model(
                 self.hf_config,
                 self.config,
                 self.vision_config(),
                 kernel=self.npu_kernel,
                 pre_process=pre_process,
                 post_process=post_process,
+                vp_stage=vp_stage,
                 spec_keywords=self.npu_spec_keywords,
-                **extra,
             )
-            for callback in post_model_creation_callbacks:
-                callback(
-                    model,
-                    pre_process=pre_process,
-                    post_process=post_process,
-                    config=self.config,
-                    hf_config=self.hf_config,
-                )
-            return model
 
-        return provider
+        return model_provider(self, build, post_model_creation_callbacks)
 
     def _get_mcore_config_by_name(self, mcore_weights_name: str):
         return self.vision_config() if mcore_weights_name.startswith("vision.") else self.config

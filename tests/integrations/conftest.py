@@ -159,6 +159,38 @@ def engine_model(engine):
     return model
 
 
+def lm_head_engine(config, *, build_model: bool = True, **engine_fields):
+    """``(engine, the worker's engine config)``: verl's ``TrainingWorker`` for ``config`` (a
+    ``TrainingWorkerConfig``; its tokenizer loaded, ``engine_fields`` replacing engine-config
+    fields) with the plugin's LM-head engine, as verl's registry picks it for ``("npu",
+    "huawei")``; then the first steps of ``engine.initialize()``: the TransformerConfig and,
+    with ``build_model``, the model."""
+    import dataclasses
+
+    from verl.workers.engine_workers import TrainingWorker
+
+    from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
+    from tests.integrations.verl_loop import npu_engine
+
+    engine_config = dataclasses.replace(config.engine_config, **engine_fields)
+    model_config = dataclasses.replace(config.model_config, load_tokenizer=True)
+    config = dataclasses.replace(config, engine_config=engine_config, model_config=model_config)
+    with npu_engine():
+        worker = TrainingWorker(config)
+    engine = worker.engine
+    assert type(engine) is NPUMegatronEngineWithLMHead
+    engine._build_tf_config()
+    if build_model:
+        engine.module = engine._build_megatron_module()
+    return engine, worker.config.engine_config
+
+
+def accumulated_grad(param) -> torch.Tensor:
+    """``main_grad`` (Megatron's DDP) plus ``param.grad`` (the fp32 cast's own accumulator)."""
+    extra = param.grad if param.grad is not None else 0
+    return param.main_grad.float() + extra
+
+
 def save_bf16_exact(model, path) -> str:
     """Save ``model`` to ``path`` with every weight rounded to bf16 (stored in fp32, so an engine
     loading bf16 holds the same numbers) and the word-level tokenizer; returns the path."""

@@ -31,7 +31,6 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -42,12 +41,17 @@ pytest.importorskip("verl")
 
 import transformers
 import yaml
-from verl.workers.engine_workers import TrainingWorker
 
-from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
 from tests.gated_delta_standin import install_fla_npu, install_torch_npu
-from tests.integrations.conftest import VOCAB, engine_model, save_bf16_exact, training_worker_config
+from tests.integrations.conftest import (
+    VOCAB,
+    accumulated_grad,
+    engine_model,
+    lm_head_engine,
+    save_bf16_exact,
+    training_worker_config,
+)
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 from tests.integrations.qwen3_5_models import VISION, draw
 
@@ -117,27 +121,9 @@ def _engine(path: str, keys: dict, *, thd: bool, **engine_fields):
     """``(engine after _build_tf_config, the worker's own engine config)``, with the recipes'
     ``vanilla_mbridge=False`` (Megatron-Bridge does not import here: the mbridge fallback) and
     ``engine_fields`` (more ``McoreEngineConfig`` fields)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VERL_ENGINE_DEVICE", "npu")
-        env.setenv("VERL_ENGINE_VENDOR", "huawei")
-        config = training_worker_config(path, remove_padding=thd, override_transformer_config=keys)
-        engine_config = dataclasses.replace(
-            config.engine_config, vanilla_mbridge=False, **engine_fields
-        )
-        model_config = dataclasses.replace(config.model_config, load_tokenizer=True)
-        worker = TrainingWorker(
-            dataclasses.replace(config, engine_config=engine_config, model_config=model_config)
-        )
-    engine = worker.engine
-    assert type(engine) is NPUMegatronEngineWithLMHead
-    engine._build_tf_config()  # the first two steps of engine.initialize()
-    return engine, worker.config.engine_config
-
-
-def _grad(param) -> torch.Tensor:
-    """``main_grad`` (Megatron's DDP) plus ``param.grad`` (the fp32 cast's own accumulator)."""
-    extra = param.grad if param.grad is not None else 0
-    return param.main_grad.float() + extra
+    config = training_worker_config(path, remove_padding=thd, override_transformer_config=keys)
+    fields = {"vanilla_mbridge": False, **engine_fields}
+    return lm_head_engine(config, build_model=False, **fields)
 
 
 @pytest.mark.parametrize(("name", "layout", "form"), CASES)
@@ -175,7 +161,7 @@ def test_qwen3_5_recipe_matches_transformers_with_finite_gdn_gradients(
     assert error < TOLERANCE, f"{name} ({layout}, {form}): max |log p - log p_hf| = {error:.2e}"
     for layer in gdn:
         for pname, param in layer.named_parameters():
-            grad = _grad(param)
+            grad = accumulated_grad(param)
             assert torch.isfinite(grad).all(), pname
             assert grad.abs().sum() > 0, f"{pname}: zero gradient"
 

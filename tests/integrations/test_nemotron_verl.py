@@ -39,15 +39,18 @@ pytest.importorskip("verl")
 
 import transformers
 import yaml
-from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import (
-    NPUMegatronEngineWithLMHead,
     NPUMegatronEngineWithValueHead,
 )
 from mcore_npu.transformer.mamba import NPUMambaMixer
 from tests.integrations import verl_loop as loop
-from tests.integrations.conftest import engine_model, training_worker_config
+from tests.integrations.conftest import (
+    accumulated_grad,
+    engine_model,
+    lm_head_engine,
+    training_worker_config,
+)
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
@@ -112,32 +115,12 @@ def reference(nemotron_h) -> list[torch.Tensor]:
 
 def _engine(path: str, *, thd: bool):
     """``(engine with its model built, the worker's engine config)``: the recipe's keys."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VERL_ENGINE_DEVICE", "npu")
-        env.setenv("VERL_ENGINE_VENDOR", "huawei")
-        config = training_worker_config(
-            path, remove_padding=thd, override_transformer_config=RECIPE
-        )
-        engine_config = dataclasses.replace(config.engine_config, **ENGINE)
-        model_config = dataclasses.replace(config.model_config, load_tokenizer=True)
-        worker = TrainingWorker(
-            dataclasses.replace(config, engine_config=engine_config, model_config=model_config)
-        )
-    engine = worker.engine
-    assert type(engine) is NPUMegatronEngineWithLMHead
-    engine._build_tf_config()  # the first two steps of engine.initialize()
-    engine.module = engine._build_megatron_module()
-    return engine, worker.config.engine_config
+    config = training_worker_config(path, remove_padding=thd, override_transformer_config=RECIPE)
+    return lm_head_engine(config, **ENGINE)
 
 
 def _mixers(engine) -> list[NPUMambaMixer]:
     return [m for m in engine_model(engine).modules() if isinstance(m, NPUMambaMixer)]
-
-
-def _grad(param) -> torch.Tensor:
-    """``main_grad`` (Megatron's DDP) plus ``param.grad`` (the fp32 cast's own accumulator)."""
-    extra = param.grad if param.grad is not None else 0
-    return param.main_grad.float() + extra
 
 
 def _mamba_gradients(engine) -> dict[str, torch.Tensor]:
@@ -148,7 +131,9 @@ def _mamba_gradients(engine) -> dict[str, torch.Tensor]:
     for index, mixer in enumerate(mixers):
         named = dict(mixer.named_parameters())
         assert set(named) == MAMBA_PARAMETERS
-        grads.update({f"{index}.{name}": _grad(param).clone() for name, param in named.items()})
+        grads.update(
+            {f"{index}.{name}": accumulated_grad(param).clone() for name, param in named.items()}
+        )
     return grads
 
 

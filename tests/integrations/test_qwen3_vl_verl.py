@@ -14,20 +14,21 @@ the patch embedding, the mergers and every vision block a finite, non-zero gradi
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 pytest.importorskip("verl")
 pytest.importorskip("transformers.models.qwen3_vl")
 
-from verl.workers.engine_workers import TrainingWorker
 
-from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from tests.integrations import qwen3_vl_data as data
 from tests.integrations import verl_loop as loop
-from tests.integrations.conftest import engine_model, training_worker_config
+from tests.integrations.conftest import (
+    accumulated_grad,
+    engine_model,
+    lm_head_engine,
+    training_worker_config,
+)
 from tests.integrations.log_probs import mean_negative_log_prob
 from tests.vision_hf.qwen3_vl_models import IMAGE, pixels
 
@@ -78,22 +79,7 @@ def reference(checkpoint) -> list[torch.Tensor]:
 
 
 def _engine(path: str, *, thd: bool):
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VERL_ENGINE_DEVICE", "npu")
-        env.setenv("VERL_ENGINE_VENDOR", "huawei")
-        config = training_worker_config(path, remove_padding=thd)
-        model_config = dataclasses.replace(config.model_config, load_tokenizer=True)
-        worker = TrainingWorker(dataclasses.replace(config, model_config=model_config))
-    engine = worker.engine
-    assert type(engine) is NPUMegatronEngineWithLMHead
-    engine._build_tf_config()
-    engine.module = engine._build_megatron_module()
-    return engine
-
-
-def _grad(param) -> torch.Tensor:
-    extra = param.grad if param.grad is not None else 0
-    return param.main_grad.float() + extra
+    return lm_head_engine(training_worker_config(path, remove_padding=thd))[0]
 
 
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
@@ -110,7 +96,7 @@ def test_log_probs_with_images_match_transformers(checkpoint, reference, family,
     layout = "thd" if thd else "bshd"
     print(f"qwen3_vl {family} ({layout}): max |log p - log p_hf| = {error:.2e}")
     assert error < TOLERANCE
-    grads = {name: _grad(p) for name, p in model.vision.named_parameters()}
+    grads = {name: accumulated_grad(p) for name, p in model.vision.named_parameters()}
     for name in (
         "patch_embed.proj.weight",
         "merger.linear_fc2.weight",

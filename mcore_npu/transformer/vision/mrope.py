@@ -35,7 +35,6 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.cp_group = cp_group
 
     def forward(self, position_ids, mrope_section, cp_group=None):
         """Angles ``[S, B, 1, rot]`` of exactly ``position_ids [3, B, S]``, never split here:
