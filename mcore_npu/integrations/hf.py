@@ -114,8 +114,10 @@ def bridge_from_config(hf_config, **bridge_kwargs):
 
         return hf_qwen3_vl_bridge.Qwen3VLBridge(hf_config, **bridge_kwargs)
     if model_type in PLUGIN_BRIDGES:
-        from mcore_npu.integrations import hf_qwen3_5  # registers its bridge with mbridge
+        from mcore_npu.integrations import hf_qwen3_5, hf_qwen3_5_vl  # register their bridges
 
+        if hf_qwen3_5.is_hub_form(hf_config):  # the vision tower too
+            return hf_qwen3_5_vl.Qwen3_5VLBridge(hf_config, **bridge_kwargs)
         return hf_qwen3_5.Qwen3_5Bridge(hf_config, **bridge_kwargs)
     if mbridge_fixes.needs_fixed_bridge(hf_config):
         return mbridge_fixes.fixed_bridge_class(hf_config.model_type)(hf_config, **bridge_kwargs)

@@ -7,25 +7,22 @@ never changed (the GDN ``out_norm`` gets ``w - 1`` only on a zero-centred module
 bit-exact. Megatron's ``in_proj`` rows are ``[q | k | v | z | beta | alpha]`` and ``conv1d``'s
 ``[q | k | v]``, both per TP rank; the gated ``linear_qkv`` is per query group
 ``[q heads | gate heads | k | v]``. Experts load per expert or fused (``[E, 2I, H]`` /
-``[E, H, I]``) and export in the form loaded. The hub form (``model.language_model.``) builds the
-language model only. The weight map: docs/gdn_hf.md.
+``[E, H, I]``) and export in the form loaded. The hub form (``model.language_model.``, vision
+tower included) is :mod:`.hf_qwen3_5_vl`'s. The weight map: docs/gdn_hf.md.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 
 import torch
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.safetensor_io import SafeTensorIO
 
-from mcore_npu.integrations.mbridge_fixes import QWEN3_5_TYPES
+from mcore_npu.integrations.mbridge_fixes import QWEN3_5_HUB_TYPES, QWEN3_5_TYPES
 from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 
-logger = logging.getLogger(__name__)
-
-MODEL_TYPES = QWEN3_5_TYPES
+MODEL_TYPES = tuple(t for t in QWEN3_5_TYPES if t not in QWEN3_5_HUB_TYPES)  # hub: .hf_qwen3_5_vl
 HUB_PREFIX, TEXT_PREFIX = "model.language_model.", "model."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
@@ -175,12 +172,6 @@ class Qwen3_5Bridge(LLMBridge):
         self.out_norm_offset = 0.0  # 1.0 when the model's GDN out_norm is zero-centred
         self._expert_buffer: dict[str, dict[int, torch.Tensor]] = {}
         super().__init__(hf_config, *args, **kwargs)
-        if is_hub_form(hf_config):
-            message = (
-                "%s: the hub checkpoint's language model (%s*) is built and trained; the vision "
-                "tower (model.visual.*) and the MTP layers (mtp.*) are not"
-            )
-            logger.warning(message, hf_config.model_type, HUB_PREFIX)
 
     def _build_config(self):
         key = "text_config" if is_hub_form(self.hf_config) else None

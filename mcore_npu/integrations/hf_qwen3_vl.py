@@ -148,21 +148,46 @@ def qwen3_vl_model(
     vp_stage=None,
     spec_keywords=None,
 ):
-    """The model of one pipeline stage from its two configs: the vision tower where
+    """Qwen3-VL's model of one pipeline stage from its two configs: the vision tower where
     ``pre_process``, the language model from the NPU decoder-block spec (TE names)."""
+    spec = language_spec(config, kernel=kernel, vp_stage=vp_stage, **(spec_keywords or {}))
+    rope = dict(getattr(hf_config.text_config, "rope_parameters", None) or {})
+    return vision_language_model(
+        hf_config, config, vision_cfg, spec,
+        kernel=kernel, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+        rotary_base=rope.get("rope_theta", 5_000_000), rotary_percent=1.0,
+    )  # fmt: skip
+
+
+def language_spec(config, *, kernel="auto", vp_stage=None, **spec_keywords):
+    """The language model's NPU decoder-block spec (TE names, RMSNorm; a GDN config's hybrid)."""
     from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+    return get_gpt_decoder_block_npu_spec(
+        config, kernel=kernel, param_layout="te", normalization="RMSNorm", vp_stage=vp_stage,
+        **spec_keywords,
+    )  # fmt: skip
+
+
+def vision_language_model(
+    hf_config,
+    config,
+    vision_cfg,
+    spec,
+    *,
+    rotary_base,
+    rotary_percent,
+    kernel="auto",
+    pre_process=True,
+    post_process=True,
+    vp_stage=None,
+):
+    """An :class:`~mcore_npu.transformer.vision.model.NPUQwen3VLModel` stage of a Qwen3-VL or a
+    Qwen3.5 hub config: ``spec``'s language model with interleaved mRoPE (``rotary_base``,
+    ``rotary_percent``), the vision tower where ``pre_process``."""
     from mcore_npu.transformer.vision.model import DeepstackGPTModel, NPUQwen3VLModel
 
     text = hf_config.text_config
-    spec = get_gpt_decoder_block_npu_spec(
-        config,
-        kernel=kernel,
-        param_layout="te",
-        normalization="RMSNorm",
-        vp_stage=vp_stage,
-        **(spec_keywords or {}),
-    )
-    rope = dict(getattr(text, "rope_parameters", None) or {})
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     language = DeepstackGPTModel(
         config,
@@ -171,9 +196,9 @@ def qwen3_vl_model(
         text.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        rotary_base=rope.get("rope_theta", 5_000_000),
-        rotary_percent=1.0,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
         **extra,
     )
     tower = None

@@ -16,31 +16,22 @@ from mbridge.core.util import unwrap_model
 from mcore_npu.integrations import hf_qwen3_vl as configs
 from mcore_npu.integrations import hf_qwen3_vl_weights as names
 from mcore_npu.integrations.bridge_provider import model_provider
+from mcore_npu.integrations.hf import mbridge_expert_form
 from mcore_npu.integrations.hf_qwen3_5 import SlicingSafeTensorIO, collect_fused_expert
 from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
 
 MODEL_TYPES = QWEN3_VL_TYPES
 
 
-@register_model(list(MODEL_TYPES))
-class Qwen3VLBridge(LLMBridge):
-    """mbridge bridge for ``qwen3_vl`` and ``qwen3_vl_moe``; the experts' layout read last
-    (``"transformers"`` or ``"hub"``) is the one export writes."""
+class VisionTowerBridge:
+    """What the bridges of a vision tower and a deepstack language model share (Qwen3-VL, the
+    Qwen3.5 hub form): the vision config, the model provider, the local -> global names and the
+    vision tensors' TP split. A subclass gives :meth:`_rope_args`."""
 
     own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
     npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
-
-    def __init__(self, hf_config, *args, **kwargs):
-        self.npu_kernel = "auto"
-        self.shapes = names.Shapes.of(hf_config)
-        self.expert_layout = "transformers"
-        self._expert_buffer: dict = {}
-        self._vision_config = None  # (the language config it was made from, the vision config)
-        super().__init__(hf_config, *args, **kwargs)
-
-    def _build_config(self):
-        keywords = configs.language_keywords(self.hf_config)
-        return self._build_base_config(text_config_key="text_config", **keywords)
+    npu_kernel = "auto"
+    _vision_config = None  # (the language config it was made from, the vision config)
 
     def vision_config(self):
         """The vision tower's config: the language config's dtype, TP and recompute, no SP (made
@@ -59,18 +50,21 @@ class Qwen3VLBridge(LLMBridge):
             self._vision_config = (config, vision)
         return self._vision_config[1]
 
+    def _rope_args(self) -> dict:
+        """``rotary_base`` and ``rotary_percent`` of the language model."""
+        raise NotImplementedError
+
     def _model_provider(self, post_model_creation_callbacks):
         def build(pre_process, post_process, vp_stage):
-            return configs.qwen3_vl_model(
-                self.hf_config,
-                self.config,
-                self.vision_config(),
-                kernel=self.npu_kernel,
-                pre_process=pre_process,
-                post_process=post_process,
-                vp_stage=vp_stage,
-                spec_keywords=self.npu_spec_keywords,
+            keywords = {**mbridge_expert_form(self.config), **self.npu_spec_keywords}
+            spec = configs.language_spec(
+                self.config, kernel=self.npu_kernel, vp_stage=vp_stage, **keywords
             )
+            return configs.vision_language_model(
+                self.hf_config, self.config, self.vision_config(), spec,
+                kernel=self.npu_kernel, pre_process=pre_process, post_process=post_process,
+                vp_stage=vp_stage, **self._rope_args(),
+            )  # fmt: skip
 
         return model_provider(self, build, post_model_creation_callbacks)
 
@@ -97,6 +91,38 @@ class Qwen3VLBridge(LLMBridge):
             else:
                 mapping[name] = name
         return mapping
+
+    def _weight_split_across_tp(self, mcore_weights_name, mcore_weights, param, tp_split_size):
+        """mbridge's split for Megatron's parallel linears; the tower's embeddings and mergers
+        (plain torch modules) are whole on every rank."""
+        if (
+            not getattr(param, "tensor_model_parallel", False)
+            and param.shape == mcore_weights.shape
+        ):
+            return [mcore_weights] * tp_split_size
+        return super()._weight_split_across_tp(
+            mcore_weights_name, mcore_weights, param, tp_split_size
+        )
+
+
+@register_model(list(MODEL_TYPES))
+class Qwen3VLBridge(VisionTowerBridge, LLMBridge):
+    """mbridge bridge for ``qwen3_vl`` and ``qwen3_vl_moe``; the experts' layout read last
+    (``"transformers"`` or ``"hub"``) is the one export writes."""
+
+    def __init__(self, hf_config, *args, **kwargs):
+        self.shapes = names.Shapes.of(hf_config)
+        self.expert_layout = "transformers"
+        self._expert_buffer: dict = {}
+        super().__init__(hf_config, *args, **kwargs)
+
+    def _build_config(self):
+        keywords = configs.language_keywords(self.hf_config)
+        return self._build_base_config(text_config_key="text_config", **keywords)
+
+    def _rope_args(self) -> dict:
+        rope = dict(getattr(self.hf_config.text_config, "rope_parameters", None) or {})
+        return {"rotary_base": rope.get("rope_theta", 5_000_000), "rotary_percent": 1.0}
 
     def _get_safetensor_io(self, weights_path: str):
         return SlicingSafeTensorIO(self._get_actual_hf_path(weights_path))  # "name[e]": a row
@@ -126,18 +152,6 @@ class Qwen3VLBridge(LLMBridge):
         if self.expert_layout == "hub":
             out = [t.transpose(1, 2).contiguous() for t in out]
         return out_names, out
-
-    def _weight_split_across_tp(self, mcore_weights_name, mcore_weights, param, tp_split_size):
-        """mbridge's split for Megatron's parallel linears; the tower's embeddings and mergers
-        (plain torch modules) are whole on every rank."""
-        if (
-            not getattr(param, "tensor_model_parallel", False)
-            and param.shape == mcore_weights.shape
-        ):
-            return [mcore_weights] * tp_split_size
-        return super()._weight_split_across_tp(
-            mcore_weights_name, mcore_weights, param, tp_split_size
-        )
 
     def _get_hf_shared_weight_keys(self):
         if getattr(self.hf_config, "tie_word_embeddings", False):

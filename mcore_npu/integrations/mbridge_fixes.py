@@ -25,6 +25,7 @@ import importlib
 # model_type -> (module, class) of the mbridge bridge the plugin subclasses
 FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
 QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+QWEN3_5_HUB_TYPES = ("qwen3_5", "qwen3_5_moe")  # the hub form: vision tower and language model
 NEMOTRON_H_TYPES = ("nemotron_h",)
 QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES + QWEN3_VL_TYPES

@@ -22,14 +22,20 @@ TEXT = dict(
 )  # fmt: skip
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=48)  # fmt: skip
-VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+# Qwen3-VL's tiny tower without deepstack (patch 4, temporal patch 2, merge 2, a 4 x 4 table)
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+              num_position_embeddings=16)  # fmt: skip
+# image, video, vision start and end: the vocabulary's last four ids
+IMAGE_IDS = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
+                 vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)  # fmt: skip
 KINDS = ("dense", "moe", "next", "hub")
 
 
 def model_class_and_config(kind: str):
     """``(transformers model class, config)`` of a tiny checkpoint: ``dense`` (Qwen3.5),
     ``moe`` (Qwen3.5-MoE), ``next`` (Qwen3-Next), ``hub`` (Qwen3.5-MoE's vision-language
-    class, the form hub checkpoints have; a 1-block vision tower)."""
+    class, the form hub checkpoints have; a 2-block vision tower)."""
     import transformers
 
     if kind == "dense":
@@ -42,7 +48,7 @@ def model_class_and_config(kind: str):
         return transformers.Qwen3NextForCausalLM, config
     if kind == "hub":
         config = transformers.Qwen3_5MoeConfig(text_config=dict(**TEXT, **MOE),
-                                               vision_config=VISION)  # fmt: skip
+                                               vision_config=VISION, **IMAGE_IDS)  # fmt: skip
         return transformers.Qwen3_5MoeForConditionalGeneration, config
     raise ValueError(f"kind: {kind!r}; pass one of {', '.join(KINDS)}")
 
@@ -50,7 +56,7 @@ def model_class_and_config(kind: str):
 def draw(model) -> None:
     """Every weight from N(0, 0.1^2); zero-centred norms from N(0, 0.2^2), the GDN output norm
     from 1 + N(0, 0.2^2); A_log kept (transformers' log U(0, 16)), dt_bias from N(1, 0.1^2);
-    the vision tower as built."""
+    the vision tower moved off its init by N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -59,7 +65,9 @@ def draw(model) -> None:
                 param.copy_(1 + 0.2 * noise)
             elif "norm" in name:
                 param.copy_(0.2 * noise)
-            elif name.endswith("A_log") or "visual" in name:
+            elif "visual" in name:
+                param.add_(0.1 * noise)
+            elif name.endswith("A_log"):
                 continue
             elif name.endswith("dt_bias"):
                 param.copy_(1 + 0.1 * noise)

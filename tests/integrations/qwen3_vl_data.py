@@ -8,15 +8,42 @@ from __future__ import annotations
 import torch
 
 from tests.integrations.conftest import _save_word_level_tokenizer
-from tests.vision_hf.qwen3_vl_models import GRIDS, VOCAB, image_prompt, pixels, tiny_model
+from tests.integrations.qwen3_5_models import IMAGE_IDS
+from tests.vision_hf.qwen3_vl_models import (
+    END,
+    GRIDS,
+    IMAGE,
+    START,
+    VOCAB,
+    image_prompt,
+    pixels,
+    tiny_model,
+)
 
 ONE_IMAGE = ((1, 4, 6),)
-ROWS = (  # (ids, image grids, pixel seed)
-    (image_prompt(GRIDS)[0], GRIDS, 2),
-    (torch.tensor([5, 9, 11, 4, 7, 3, 8]), (), 0),
-    (image_prompt(ONE_IMAGE, text=((7,), (3, 4)))[0], ONE_IMAGE, 5),
-    (image_prompt(((1, 2, 8),), text=((12, 13, 14), (15,)))[0], ((1, 2, 8),), 7),
-)
+
+
+def rows(tokens=(START, IMAGE, END)) -> tuple:
+    """The four rows ``(ids, image grids, pixel seed)`` with ``tokens`` (vision start, image,
+    vision end) as the checkpoint's config numbers them."""
+    return (
+        (image_prompt(GRIDS, tokens=tokens)[0], GRIDS, 2),
+        (torch.tensor([5, 9, 11, 4, 7, 3, 8]), (), 0),
+        (image_prompt(ONE_IMAGE, text=((7,), (3, 4)), tokens=tokens)[0], ONE_IMAGE, 5),
+        (image_prompt(((1, 2, 8),), text=((12, 13, 14), (15,)), tokens=tokens)[0],
+         ((1, 2, 8),), 7),
+    )  # fmt: skip
+
+
+ROWS = rows()
+# the same rows in the ids of tests/integrations/qwen3_5_models.py's Qwen3.5 hub checkpoint
+QWEN3_5_HUB_ROWS = rows(tuple(IMAGE_IDS[k] for k in ("vision_start_token_id", "image_token_id",
+                                                     "vision_end_token_id")))  # fmt: skip
+
+
+def family_rows(family: str) -> tuple:
+    """The rows of ``family`` (``"qwen3_5_hub"``: :data:`QWEN3_5_HUB_ROWS`; else :data:`ROWS`)."""
+    return QWEN3_5_HUB_ROWS if family == "qwen3_5_hub" else ROWS
 
 
 def save_checkpoint(path, *, moe: bool = False) -> str:
@@ -64,26 +91,26 @@ def _after_first(ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def train_batch(dp_rank: int = 0, dp_size: int = 1):
-    """This data-parallel rank's share of :data:`ROWS` (:func:`image_batch`) with the meta data
+def train_batch(dp_rank: int = 0, dp_size: int = 1, rows=ROWS):
+    """This data-parallel rank's share of ``rows`` (:func:`image_batch`) with the meta data
     verl's SFT trainer attaches for the whole global batch."""
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
 
-    share = len(ROWS) // dp_size
-    data = image_batch(ROWS[dp_rank * share : (dp_rank + 1) * share])
-    lengths = NonTensorData([len(ids) for ids, _, _ in ROWS])
-    tu.assign_non_tensor(data, temperature=1.0, global_batch_size=len(ROWS),
+    share = len(rows) // dp_size
+    data = image_batch(rows[dp_rank * share : (dp_rank + 1) * share])
+    lengths = NonTensorData([len(ids) for ids, _, _ in rows])
+    tu.assign_non_tensor(data, temperature=1.0, global_batch_size=len(rows),
                          pad_mode="no_padding", pad_token_id=0, update_lr_scheduler=True,
                          global_token_num=lengths)  # fmt: skip
     return data
 
 
-def train(worker, steps: int) -> list[dict | None]:
+def train(worker, steps: int, rows=ROWS) -> list[dict | None]:
     """``steps`` ``train_batch`` calls on the worker's data-parallel share of :func:`train_batch`:
     each one's metrics (None on ranks without outputs)."""
     from verl.utils import tensordict_utils as tu
 
     rank, size = worker.engine.get_data_parallel_rank(), worker.engine.get_data_parallel_size()
-    outputs = [worker.train_batch(train_batch(rank, size)) for _ in range(steps)]
+    outputs = [worker.train_batch(train_batch(rank, size, rows)) for _ in range(steps)]
     return [None if out is None else tu.get(out, "metrics") for out in outputs]

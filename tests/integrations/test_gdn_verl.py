@@ -12,7 +12,7 @@ engine, with the key sets of the five public Ascend recipes that train it, verba
   ``VERL_ENGINE_VENDOR=huawei``); the recipe's ``override_transformer_config`` goes in unchanged.
   The model comes from the plugin's Hugging Face path (mbridge has no Qwen3.5 bridge; the
   recipes' ``vanilla_mbridge=False`` falls back to it: ``weight_path.py``).
-- One forward and backward through verl's ``forward_backward_batch`` on the GPTModel cast to fp32
+- One forward and backward through verl's ``forward_backward_batch`` on the model cast to fp32
   (bf16 weights computed in fp32): log-probs within 1e-3 of transformers' (the same weights, fp32),
   in bshd as the recipes run it, thd (``use_remove_padding=True``) and thd with
   ``use_dynamic_bsz`` (a 16-token budget: the 24 tokens run as several micro-batches);
@@ -53,7 +53,7 @@ from tests.integrations.conftest import (
     training_worker_config,
 )
 from tests.integrations.log_probs import hf_log_probs, mean_negative_log_prob, packed_batch
-from tests.integrations.qwen3_5_models import VISION, draw
+from tests.integrations.qwen3_5_models import IMAGE_IDS, VISION, draw
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime")
 
@@ -82,12 +82,13 @@ QWEN3_5_MOE = dict(
 def save_tiny_qwen3_5_moe(path, *, hub: bool = False) -> str:
     """The tiny Qwen3.5 MoE checkpoint in ``path``: the text model (``Qwen3_5MoeForCausalLM``)
     or, with ``hub``, the form hub checkpoints have (``Qwen3_5MoeForConditionalGeneration``: the
-    same text model under ``model.language_model.``, a 1-block vision tower, ``vision_config``);
+    same text model under ``model.language_model.``, a 2-block vision tower, ``vision_config``);
     weights drawn as ``tests/integrations/qwen3_5_models.draw`` draws them (every norm away from
     its init), then rounded to bf16 (stored in fp32), and the word-level tokenizer."""
     torch.manual_seed(0)
     if hub:
-        config = transformers.Qwen3_5MoeConfig(text_config=QWEN3_5_MOE, vision_config=VISION)
+        config = transformers.Qwen3_5MoeConfig(text_config=QWEN3_5_MOE, vision_config=VISION,
+                                               **IMAGE_IDS)  # fmt: skip
         model = transformers.Qwen3_5MoeForConditionalGeneration(config)
     else:
         config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
@@ -218,7 +219,7 @@ def _forward_only_log_probs(engine, data, lengths=LENGTHS) -> list[torch.Tensor]
 )  # fmt: skip
 def test_the_gdn_hybrids_are_covered_by_the_weight_path_fallback(config_class, hub):
     """``vanilla_mbridge=False`` without Megatron-Bridge builds these through the plugin's own
-    bridge (``hf_qwen3_5``); the hub (vision-language) form trains its language model."""
+    bridges (``hf_qwen3_5``; the hub form, vision tower included, ``hf_qwen3_5_vl``)."""
     from mcore_npu.integrations.verl.weight_path import uncovered_reason
 
     config = config_class()
@@ -373,40 +374,3 @@ def test_the_hub_recipes_bshd_step_allocates_o_s_for_masks(qwen3_5_moe_hub, monk
         )
     assert max(growth["plugin"]) < 2.5  # O(S): twice the tokens, twice the bytes
     assert growth["verl"][1] > 3.5 and control[large][1] >= 2 * large * large  # O(S^2) seen
-
-
-def _with_images(data):
-    """The batch with one image in its first sample (verl's ``multi_modal_inputs``)."""
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
-
-    image = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
-    rows = [NonTensorData(image if i == 0 else {}) for i in range(len(LENGTHS))]
-    data["multi_modal_inputs"] = NonTensorStack(*rows)
-    return data
-
-
-@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
-def test_a_batch_with_images_is_refused_in_one_line(qwen3_5_moe_hub, thd):
-    """The plugin builds the hub checkpoint's language model, not its vision tower: a micro-batch
-    that carries images stops before the model runs, in one line that says so."""
-    engine, _ = _engine(qwen3_5_moe_hub, {}, thd=thd)
-    engine.module = engine._build_megatron_module()
-    data, _ = packed_batch(LENGTHS)
-    with pytest.raises(ValueError, match="carries pixel_values.*not its vision tower") as info:
-        engine.forward_backward_batch(_with_images(data), mean_negative_log_prob)
-    assert "\n" not in str(info.value)
-
-
-def test_what_only_verls_vision_forward_prepares_is_refused_on_the_hub_form(qwen3_5_moe_hub):
-    """Router replay (here R2) runs through verl's own forward, which for a vision-language
-    config hands the model unpacked rows for a vision tower: refused in one line, naming it."""
-    from verl.workers.config.engine import EngineRouterReplayConfig
-
-    replay = EngineRouterReplayConfig(mode="R2")
-    engine, _ = _engine(qwen3_5_moe_hub, {}, thd=True, router_replay=replay)
-    engine.module = engine._build_megatron_module()
-    assert engine.enable_routing_replay
-    data, _ = packed_batch(LENGTHS)
-    with pytest.raises(ValueError, match="^router replay: not with the vision-language") as info:
-        engine.forward_backward_batch(data, mean_negative_log_prob)
-    assert "\n" not in str(info.value)

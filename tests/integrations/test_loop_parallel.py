@@ -73,14 +73,14 @@ def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, q
            qwen3_vl_moe, tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
     and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``),
-    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL with
-    images at TP=2 and PP=2 (``qwen3_vl_layouts``)."""
+    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL (and the
+    Qwen3.5 hub checkpoint at PP=2) with images (``qwen3_vl_layouts``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
            qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
            f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}",
            f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}",
-           f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl},{qwen3_vl_moe}"]  # fmt: skip
+           f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl},{qwen3_vl_moe},{qwen3_5_hub}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     done = run_command(cmd, cwd=ROOT, env=env)
@@ -260,16 +260,17 @@ EXPECTED_VL = {
     "pp2": [(1, 2, 0, 1, 1, 1, False, True), (1, 2, 1, 1, 1, 1, False, False)],
     "ep2": [(1, 1, 0, 1, 2, 2, False, True)] * 2,
     "cp2": [(1, 1, 0, 2, 1, 1, False, True)] * 2,
+    "hub_pp2": [(1, 2, 0, 1, 1, 1, False, True), (1, 2, 1, 1, 1, 1, False, False)],
 }
 
 
 @pytest.mark.parametrize("layout", list(verl_loop_ranks.QWEN3_VL_LAYOUTS))
-def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_moe):
+def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_moe, qwen3_5_hub):
     """Qwen3-VL with images (two of different grids in one row) through verl's worker, fp32,
     thd: TP=2 (sequence parallel), PP=2 (the vision tower on stage 0 only), CP=2 (each rank its
     chunks of every packed row, split after the vision embedding) and, for the MoE form, EP=2
     (with DP=2: each rank trains on its half of the rows) train 5 steps with the losses of one
-    process within 1e-5."""
+    process within 1e-5; so does the Qwen3.5 hub checkpoint (GDN hybrid, no deepstack) at PP=2."""
     from tests.integrations import qwen3_vl_data
 
     records = [json.loads((launch / f"qwen3_vl_{layout}.rank{r}.json").read_text())
@@ -278,10 +279,11 @@ def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_m
                for r in records]  # fmt: skip
     assert layouts == EXPECTED_VL[layout], layouts
     family = verl_loop_ranks.QWEN3_VL_LAYOUTS[layout][0]
-    path = qwen3_vl_moe if family == "moe" else qwen3_vl
-    config = loop.worker_config(path, micro_batch=len(qwen3_vl_data.ROWS), dtype="float32")
+    path = {"dense": qwen3_vl, "moe": qwen3_vl_moe, "qwen3_5_hub": qwen3_5_hub}[family]
+    rows = qwen3_vl_data.family_rows(family)
+    config = loop.worker_config(path, micro_batch=len(rows), dtype="float32")
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    want = [m["loss"] for m in qwen3_vl_data.train(worker, STEPS)]
+    want = [m["loss"] for m in qwen3_vl_data.train(worker, STEPS, rows)]
     del worker
     got = next(r["losses"] for r in records if r["losses"] is not None)
     error = max(abs(a - b) for a, b in zip(got, want, strict=True))

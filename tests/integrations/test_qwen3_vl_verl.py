@@ -30,14 +30,17 @@ from tests.integrations.conftest import (
     training_worker_config,
 )
 from tests.integrations.log_probs import mean_negative_log_prob
-from tests.vision_hf.qwen3_vl_models import IMAGE, pixels
+from tests.vision_hf.qwen3_vl_models import pixels
 
 pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 
 TOLERANCE = 1e-3
 
 
-FAMILIES = ("dense", "moe")
+# Qwen3-VL dense and MoE; the tiny Qwen3.5 hub checkpoint (tests/integrations/conftest.py's
+# qwen3_5_hub: the GDN hybrid MoE under a 2-block vision tower without deepstack)
+FAMILIES = ("dense", "moe", "qwen3_5_hub")
+BRIDGES = {"dense": "Qwen3VLBridge", "moe": "Qwen3VLBridge", "qwen3_5_hub": "Qwen3_5VLBridge"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -46,9 +49,10 @@ def family(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, str]:
-    return {f: data.save_checkpoint(tmp_path_factory.mktemp(f"qwen3_vl_{f}"), moe=f == "moe")
-            for f in FAMILIES}  # fmt: skip
+def checkpoints(tmp_path_factory, qwen3_5_hub) -> dict[str, str]:
+    made = {f: data.save_checkpoint(tmp_path_factory.mktemp(f"qwen3_vl_{f}"), moe=f == "moe")
+            for f in FAMILIES[:2]}  # fmt: skip
+    return {**made, "qwen3_5_hub": qwen3_5_hub}
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +61,26 @@ def checkpoint(checkpoints, family) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint) -> list[torch.Tensor]:
+def rows(family) -> tuple:
+    return data.family_rows(family)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, rows) -> list[torch.Tensor]:
     """transformers' log p(token t+1) of every row, fp32 on the bf16-rounded weights."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
+    image = AutoConfig.from_pretrained(checkpoint).image_token_id
     out = []
     with torch.no_grad():
-        for ids, grids, seed in data.ROWS:
+        for ids, grids, seed in rows:
             extra = {}
             if grids:
                 extra = dict(
                     pixel_values=pixels(grids, seed),
                     image_grid_thw=torch.tensor(grids),
-                    mm_token_type_ids=(ids[None] == IMAGE).int(),
+                    mm_token_type_ids=(ids[None] == image).int(),
                 )
             logits = model.eval()(input_ids=ids[None], **extra).logits[0]
             log_probs = torch.log_softmax(logits.float(), -1)[:-1]
@@ -83,35 +93,37 @@ def _engine(path: str, *, thd: bool):
 
 
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
-def test_log_probs_with_images_match_transformers(checkpoint, reference, family, thd):
+def test_log_probs_with_images_match_transformers(checkpoint, rows, reference, family, thd):
     engine = _engine(checkpoint, thd=thd)
-    assert type(engine.bridge).__name__ == "Qwen3VLBridge"
+    assert type(engine.bridge).__name__ == BRIDGES[family]
     model = engine_model(engine)
     assert type(model).__name__ == "NPUQwen3VLModel" and model.vision is not None
     model.float()
-    result = engine.forward_backward_batch(data.image_batch(), mean_negative_log_prob)
-    rows = result["model_output"]["log_probs"].unbind()
-    got = [row[: len(ids) - 1].float() for row, (ids, _, _) in zip(rows, data.ROWS, strict=True)]
+    result = engine.forward_backward_batch(data.image_batch(rows), mean_negative_log_prob)
+    out = result["model_output"]["log_probs"].unbind()
+    got = [row[: len(ids) - 1].float() for row, (ids, _, _) in zip(out, rows, strict=True)]
     error = max(float((g - w).abs().max()) for g, w in zip(got, reference, strict=True))
     layout = "thd" if thd else "bshd"
     print(f"qwen3_vl {family} ({layout}): max |log p - log p_hf| = {error:.2e}")
     assert error < TOLERANCE
     grads = {name: accumulated_grad(p) for name, p in model.vision.named_parameters()}
-    for name in (
+    names = [
         "patch_embed.proj.weight",
         "merger.linear_fc2.weight",
-        "deepstack_merger_list.0.linear_fc1.weight",
         "blocks.0.self_attention.linear_qkv.weight",
         "blocks.1.mlp.linear_fc2.weight",
-    ):
+    ]
+    if family != "qwen3_5_hub":  # Qwen3.5's tower has no deepstack
+        names.append("deepstack_merger_list.0.linear_fc1.weight")
+    for name in names:
         assert torch.isfinite(grads[name]).all() and grads[name].abs().sum() > 0, name
 
 
 @pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
-def test_two_training_steps_with_images(checkpoint, family, thd):
-    config = loop.worker_config(checkpoint, remove_padding=thd, micro_batch=len(data.ROWS))
+def test_two_training_steps_with_images(checkpoint, rows, family, thd):
+    config = loop.worker_config(checkpoint, remove_padding=thd, micro_batch=len(rows))
     worker = loop.new_worker(config, loop.sft_loss_fn())
-    metrics = data.train(worker, 2)
+    metrics = data.train(worker, 2, rows)
     losses = [float(torch.tensor(m["loss"]).mean()) for m in metrics]
     norms = [float(torch.tensor(m["grad_norm"]).mean()) for m in metrics]
     print(f"qwen3_vl {family} ({'thd' if thd else 'bshd'}): losses {losses}, grad norms {norms}")

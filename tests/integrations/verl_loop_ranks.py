@@ -321,12 +321,13 @@ QWEN3_VL_LAYOUTS = {  # vanilla mbridge: SP on at TP > 1; PP: the vision tower o
     "pp2": ("dense", {"pipeline_model_parallel_size": 2}),
     "ep2": ("moe", {"expert_model_parallel_size": 2}),  # DP=2 too: each rank its 2 rows
     "cp2": ("dense", {"context_parallel_size": 2}),  # thd: each rank its chunks of every row
+    "hub_pp2": ("qwen3_5_hub", {"pipeline_model_parallel_size": 2}),  # Qwen3.5: GDN, no deepstack
 }
 
 
 def qwen3_vl_layouts(paths: str, out: Path) -> None:
-    """The tiny Qwen3-VL, dense and MoE (``paths``: ``DENSE,MOE``; tests/integrations/
-    qwen3_vl_data.py), through verl's worker at each of :data:`QWEN3_VL_LAYOUTS`, fp32, thd:
+    """The tiny Qwen3-VL, dense and MoE, and the tiny Qwen3.5 hub checkpoint (``paths``:
+    ``DENSE,MOE,HUB``; tests/integrations/qwen3_vl_data.py), through verl's worker at each of :data:`QWEN3_VL_LAYOUTS`, fp32, thd:
     :data:`STEPS` ``train_batch`` steps on the image rows; every rank writes its layout, where
     the vision tower is and its losses (``OUT/qwen3_vl_<layout>.rank<r>.json``)."""
     from megatron.core import parallel_state as mpu
@@ -334,15 +335,16 @@ def qwen3_vl_layouts(paths: str, out: Path) -> None:
     from tests.integrations import qwen3_vl_data as data
     from tests.integrations import verl_loop as loop
 
-    checkpoints = dict(zip(("dense", "moe"), paths.split(","), strict=True))
+    checkpoints = dict(zip(("dense", "moe", "qwen3_5_hub"), paths.split(","), strict=True))
     for name, (family, fields) in QWEN3_VL_LAYOUTS.items():
-        config = loop.worker_config(checkpoints[family], micro_batch=len(data.ROWS),
+        rows = data.family_rows(family)
+        config = loop.worker_config(checkpoints[family], micro_batch=len(rows),
                                     dtype="float32", **fields)  # fmt: skip
         worker = loop.new_worker(config, loop.sft_loss_fn())
         model = worker.engine.module[0]
         while not hasattr(model, "language_model"):
             model = model.module
-        metrics = data.train(worker, STEPS)
+        metrics = data.train(worker, STEPS, rows)
         record = {
             "tp": mpu.get_tensor_model_parallel_world_size(),
             "pp": mpu.get_pipeline_model_parallel_world_size(),

@@ -84,11 +84,13 @@ def tiny_model(seed: int = 0, *, moe: bool = False):
     return model
 
 
-def image_prompt(grids, text=((5, 6), (7, 8), (9, 10, 11))) -> torch.Tensor:
-    """``[1, S]`` ids: text, then per image ``START, IMAGE * (t·h·w/4), END``, then text."""
+def image_prompt(grids, text=((5, 6), (7, 8), (9, 10, 11)), tokens=(START, IMAGE, END)):
+    """``[1, S]`` ids: text, then per image ``START, IMAGE * (t·h·w/4), END`` (``tokens``),
+    then text."""
+    start, image, end = tokens
     ids = list(text[0])
     for (t, h, w), between in zip(grids, text[1:]):
-        ids += [START] + [IMAGE] * (t * h * w // 4) + [END] + list(between)
+        ids += [start] + [image] * (t * h * w // 4) + [end] + list(between)
     return torch.tensor([ids])
 
 

@@ -76,6 +76,19 @@ def test_positions_equal_transformers_get_rope_index(pair):
     assert not torch.equal(got[1], got[0])
 
 
+def test_image_ids_without_grids_are_text_as_transformers_reads_them(pair):
+    """Text whose ids happen to include the image and video ids, given no grid: transformers
+    takes every token as text (one position per token), and so does ``rope_index``."""
+    from mcore_npu.transformer.vision import rope_index
+
+    hf, model = pair
+    ids = torch.tensor([[5, IMAGE, 7, VIDEO, IMAGE, 9]])
+    got = rope_index(ids, image_token_id=IMAGE, video_token_id=VIDEO, spatial_merge_size=2)
+    assert torch.equal(got, torch.arange(6).expand(3, 1, 6))
+    with torch.no_grad():
+        assert (model(ids) - _hf_logits(hf, ids)).abs().max() <= TOLERANCE
+
+
 def test_vision_tower_matches_transformers(pair):
     hf, model = pair
     grid = torch.tensor(GRIDS)

@@ -124,6 +124,8 @@ class NPUQwen3VLModel(MegatronModule):
         labels=None,
         **kwargs,
     ):
+        images = pixel_values is not None or pixel_values_videos is not None
+        plan = self._plan(packed_seq_params, attention_mask, position_ids, images)
         if position_ids is None:
             position_ids = positions.rope_index(
                 input_ids,
@@ -136,7 +138,6 @@ class NPUQwen3VLModel(MegatronModule):
             )
         elif position_ids.dim() == 2:  # text positions [B, S]: the same on all three axes
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        plan = self._plan(packed_seq_params, attention_mask)
         ids = plan.ids(input_ids) if plan else input_ids
         where_to = dict(
             position_ids=plan.positions(position_ids) if plan else position_ids,
@@ -166,16 +167,19 @@ class NPUQwen3VLModel(MegatronModule):
         with lm.deepstack(features, where) if features else contextlib.nullcontext():
             return lm(ids, decoder_input=embeds, **where_to)
 
-    def _plan(self, packed_seq_params, attention_mask) -> PackPlan | None:
-        """verl's thd call packs here (this CP rank's chunks); bshd under CP is refused."""
+    def _plan(self, packed_seq_params, attention_mask, position_ids, images) -> PackPlan | None:
+        """verl's thd call packs here (this CP rank's chunks). bshd under CP: only text rows
+        already split (this rank's, with their positions and no mask, as ``GPTModel`` takes
+        them); whole rows, or images, are refused."""
         cp = self.language_model.pg_collection.cp
         size, rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
         if packs_itself(packed_seq_params, attention_mask):
             return PackPlan(attention_mask, packed_seq_params, size, rank)
-        if size > 1:
+        if size > 1 and (images or attention_mask is not None or position_ids is None):
             raise ValueError(
-                f"context_parallel_size: {size} with unpacked (bshd) rows; the Qwen3-VL model "
-                "splits packed batches only: use thd (use_remove_padding=True) under CP"
+                f"context_parallel_size: {size} with unpacked (bshd) rows holding images or a "
+                "mask; the model splits packed batches only: use thd (use_remove_padding=True) "
+                "under CP, or pass text rows already split, with position_ids and no mask"
             )
         return None
 

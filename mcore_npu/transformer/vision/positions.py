@@ -31,12 +31,14 @@ def rope_index(
     """mRoPE positions ``[3, B, S]`` long of ``input_ids [B, S]``; ``attention_mask [B, S]`` bool or
     0/1, **True / 1 = token** (left or right padding); grids ``[n, 3]`` (t, h, w) in patches, in
     the order the images / videos appear. Each video frame (t = 1 slices) is its own group, as
-    Qwen3-VL separates frames by timestamps."""
+    Qwen3-VL separates frames by timestamps. Without any grid every token is text, image ids
+    included, as transformers reads them."""
     grids = {IMAGE: _grid_rows(image_grid_thw), VIDEO: _video_frames(video_grid_thw)}
     used = {IMAGE: 0, VIDEO: 0}
     kinds = torch.zeros_like(input_ids)
-    kinds[input_ids == image_token_id] = IMAGE
-    kinds[input_ids == video_token_id] = VIDEO
+    if image_grid_thw is not None or video_grid_thw is not None:
+        kinds[input_ids == image_token_id] = IMAGE
+        kinds[input_ids == video_token_id] = VIDEO
     out = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
     for row in range(input_ids.shape[0]):
         keep = _kept(attention_mask, row, input_ids)
