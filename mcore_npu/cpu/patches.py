@@ -82,6 +82,7 @@ PATCHES: tuple[Patch, ...] = (
 
 FUNCTION_MODE = (
     shims.CudaFactoriesOnCpu,
-    "device='cuda' in torch factory calls -> the CPU; pin_memory dropped; Tensor.cuda() a no-op",
+    "device='cuda' in torch factory calls and Tensor.to('cuda') -> the CPU; pin_memory dropped; "
+    "Tensor.cuda() a no-op",
 )
 """The torch function mode ``apply()`` enters (thread-local: see ``apply_in_new_threads``)."""

@@ -11,14 +11,17 @@ from torch.overrides import TorchFunctionMode
 
 
 class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls to the CPU and drops
-    ``pin_memory=True`` (no pinned allocator without an accelerator). ``Tensor.cuda(...)``
-    returns the tensor itself, so ``module.cuda(...)`` leaves a module on the CPU."""
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls, and ``Tensor.to("cuda")``, to
+    the CPU and drops ``pin_memory=True`` (no pinned allocator without an accelerator).
+    ``Tensor.cuda(...)`` returns the tensor itself, so ``module.cuda(...)`` leaves a module on the
+    CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])  # verl: .to(get_device_name())
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}

@@ -42,6 +42,7 @@ from mcore_npu.integrations.verl.optimizer import (
     requested_keys,
 )
 from mcore_npu.integrations.verl.recipe import apply_recipe
+from mcore_npu.integrations.verl.replay import refuse_replay_settings
 from mcore_npu.integrations.verl.tf_config import build_mbridge_tf_config
 from mcore_npu.integrations.verl.weight_path import megatron_bridge_unavailable
 from mcore_npu.optimizer import AdamSettings
@@ -157,6 +158,7 @@ class _NPUEngineMixin:
         ``engine_config`` becomes this engine's own copy, the spec keywords go to
         :attr:`npu_spec_keywords`; a refused key raises ``ValueError`` here."""
         hf_config, config = self.model_config.hf_config, self.engine_config
+        refuse_replay_settings(config)
         megatron_bridge = not (config.vanilla_mbridge or self.mbridge_fallback)
         provider = weight_path.megatron_bridge_overrides(hf_config) if megatron_bridge else None
         self.engine_config, self.npu_spec_keywords, self.recipe_plan = apply_recipe(
