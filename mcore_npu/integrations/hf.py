@@ -17,18 +17,15 @@ See docs/hf_weights.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import torch
 
-from mcore_npu.integrations.mbridge_fixes import PLUGIN_BRIDGES
+from mcore_npu.integrations.mbridge_fixes import PLUGIN_BRIDGES, mbridge_expert_form
 from mcore_npu.transformer.layer_specs import (
     get_gpt_decoder_block_npu_spec,
     get_gpt_mtp_block_npu_spec,
 )
-
-logger = logging.getLogger(__name__)
 
 # model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
 NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
@@ -80,21 +77,6 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
     expose_hf_config_fields(bridge.hf_config)
     match_hf_routing(bridge)
     return bridge
-
-
-def mbridge_expert_form(config) -> dict:
-    """``{"moe_grouped_gemm": True}`` for an MoE config asking for sequential experts (one log
-    line), else ``{}``: mbridge maps only the grouped experts' names, and the grouped experts
-    compute the same function of the same weights (docs/weight_path.md)."""
-    if not getattr(config, "num_moe_experts", None) or getattr(config, "moe_grouped_gemm", True):
-        return {}
-    logger.info(
-        "moe_grouped_gemm=False: mbridge maps only grouped expert names "
-        "(mlp.experts.linear_fc1.weight{e}), so the grouped experts are built instead "
-        "(NPUGroupedMLP: the same computation of the same weights); Megatron-Bridge "
-        "(vanilla_mbridge=False) and the plugin's own trainer build sequential experts"
-    )
-    return {"moe_grouped_gemm": True}
 
 
 def bridge_from_config(hf_config, **bridge_kwargs):

@@ -16,9 +16,8 @@ from mbridge.core.util import unwrap_model
 from mcore_npu.integrations import hf_qwen3_vl as configs
 from mcore_npu.integrations import hf_qwen3_vl_weights as names
 from mcore_npu.integrations.bridge_provider import model_provider
-from mcore_npu.integrations.hf import mbridge_expert_form
 from mcore_npu.integrations.hf_qwen3_5 import SlicingSafeTensorIO, collect_fused_expert
-from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES
+from mcore_npu.integrations.mbridge_fixes import QWEN3_VL_TYPES, mbridge_expert_form
 
 MODEL_TYPES = QWEN3_VL_TYPES
 

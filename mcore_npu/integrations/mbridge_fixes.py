@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
+
+logger = logging.getLogger(__name__)
 
 # model_type -> (module, class) of the mbridge bridge the plugin subclasses
 FIXED_BRIDGES = {"deepseek_v3": ("mbridge.models.deepseek_v3", "DeepseekV3Bridge")}
@@ -167,3 +170,18 @@ def _check_topk_weights(hf_config) -> None:
             "exactly when top-k > 1, and no TransformerConfig field changes that; this "
             "checkpoint's expert weights cannot be reproduced"
         )
+
+
+def mbridge_expert_form(config) -> dict:
+    """``{"moe_grouped_gemm": True}`` for an MoE config asking for sequential experts (one log
+    line), else ``{}``: mbridge maps only the grouped experts' names, and the grouped experts
+    compute the same function of the same weights (docs/weight_path.md)."""
+    if not getattr(config, "num_moe_experts", None) or getattr(config, "moe_grouped_gemm", True):
+        return {}
+    logger.info(
+        "moe_grouped_gemm=False: mbridge maps only grouped expert names "
+        "(mlp.experts.linear_fc1.weight{e}), so the grouped experts are built instead "
+        "(NPUGroupedMLP: the same computation of the same weights); Megatron-Bridge "
+        "(vanilla_mbridge=False) and the plugin's own trainer build sequential experts"
+    )
+    return {"moe_grouped_gemm": True}

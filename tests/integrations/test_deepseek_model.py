@@ -293,7 +293,7 @@ def test_mbridge_builds_grouped_experts_for_moe_grouped_gemm_false_with_one_log_
 
     bridge = npu_bridge(tiny_deepseek_v3_model, kernel="reference", dtype=torch.float32)
     bridge.set_extra_args(**CPU_ARGS, moe_grouped_gemm=False)
-    with caplog.at_level(logging.INFO, logger="mcore_npu.integrations.hf"):
+    with caplog.at_level(logging.INFO, logger="mcore_npu.integrations.mbridge_fixes"):
         model = build_model(bridge).eval()
     lines = [r.getMessage() for r in caplog.records if "moe_grouped_gemm=False" in r.getMessage()]
     assert len(lines) == 1 and "grouped experts are built instead" in lines[0], lines
