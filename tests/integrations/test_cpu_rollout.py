@@ -174,3 +174,37 @@ def test_platform_answers_for_a_cpu():
     assert platform.ray_resource_options(2) == {"resources": {"NPU": 2}}
     assert not platform.is_ipc_supported() and not platform.is_available()
     assert platform.is_platform_available(use_smi_check=True)  # this machine has no accelerator
+
+
+def test_the_server_returns_each_tokens_experts_as_vllm(tmp_path):
+    """``enable_rollout_routing_replay=True`` on a tiny Qwen3-MoE: ``routed_experts`` is
+    ``[P + R - 1, L, k]`` (every token fed through the model: the prompt, then each sampled token
+    but the last), and equals the routes of one forward over those tokens."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mcore_npu.integrations.verl.cpu import rollout, routes
+    from tests.integrations import verl_loop
+
+    path = verl_loop.save_checkpoint("qwen3_moe", tmp_path / "moe")
+    config = RolloutConfig(name=rollout.NAME, prompt_length=16, response_length=6,
+                           enable_rollout_routing_replay=True)  # fmt: skip
+    server = rollout.HfCpuServer(config, HFModelConfig(path=path), replica_rank=0)
+    asyncio.run(server.update_weights(dict(server.model.state_dict()), global_steps=1))
+    prompt = [5, 9, 11, 4, 7]
+    params = {"temperature": 1.0, "ignore_eos": True}
+    output = asyncio.run(server.generate("r0", prompt, params))
+    got = output.routed_experts
+    layers, top_k = len(routes.routers(server.model)), server.model.config.num_experts_per_tok
+    assert got.shape == (len(prompt) + len(output.token_ids) - 1, layers, top_k)
+    assert got.dtype == torch.int16
+    with routes.recording(server.model) as recorded, torch.no_grad():
+        server.model(input_ids=torch.tensor([prompt + output.token_ids[:-1]]))
+    assert torch.equal(got, recorded.stacked())
+    dense = rollout.HfCpuServer(RolloutConfig(name=rollout.NAME, prompt_length=16,
+                                              response_length=2,
+                                              enable_rollout_routing_replay=True),
+                                HFModelConfig(path=verl_loop.save_checkpoint(
+                                    "qwen3", tmp_path / "dense")), replica_rank=0)  # fmt: skip
+    dense.synced = True
+    with pytest.raises(ValueError, match="enable_rollout_routing_replay: .* no MoE router"):
+        asyncio.run(dense.generate("r1", prompt, params))

@@ -4,7 +4,8 @@
   **every** rank (a collective) while the replica's first rank sends the tensors to the server;
 - :class:`HfCpuReplica`: one server actor per replica, named ``hf_cpu_server_<replica>_0``;
 - :class:`HfCpuServer`: a ``transformers`` causal LM in fp32 with **random** weights, replaced by
-  each sync's (it refuses to generate before the first), sampling through :func:`.sampler.sample`.
+  each sync's (it refuses to generate before the first), sampling through :func:`.sampler.sample`;
+  with ``enable_rollout_routing_replay`` it returns each token's experts (:mod:`.routes`), as vLLM.
 
 Not vLLM or SGLang: no batching, no paged KV cache, no NPU IPC, no HCCL. Diagnostics:
 ``MCORE_NPU_HF_CPU_DUMP_DIR`` (the weights after each sync) and ``MCORE_NPU_HF_CPU_SKIP_SYNC=1``
@@ -14,6 +15,7 @@ Not vLLM or SGLang: no batching, no paged KV cache, no NPU IPC, no HCCL. Diagnos
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from . import sampler
+from . import routes, sampler
 
 logger = logging.getLogger(__name__)
 
@@ -173,13 +175,16 @@ class HfCpuServer:
             self.config.seed, self.replica_rank, *key[:2], self.requests[key]
         )
         generator = torch.Generator().manual_seed(seed)
-        tokens, log_probs, stop = sampler.sample(
-            self.model, prompt_ids, settings, self.eos_ids, generator
-        )
+        replay = bool(getattr(self.config, "enable_rollout_routing_replay", False))
+        with routes.recording(self.model) if replay else contextlib.nullcontext() as recorded:
+            tokens, log_probs, stop = sampler.sample(
+                self.model, prompt_ids, settings, self.eos_ids, generator
+            )
         wants_log_probs = bool(sampling_params.get("logprobs", False))
         return TokenOutput(
             token_ids=tokens,
             log_probs=log_probs if wants_log_probs else None,
+            routed_experts=recorded.stacked() if replay else None,  # [P + R - 1, L, k], as vLLM
             stop_reason=stop,
             extra_fields={"global_steps": self.global_steps},
         )

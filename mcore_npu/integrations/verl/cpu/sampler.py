@@ -84,8 +84,8 @@ def sample(
         token, log_prob = pick(output.logits[0, -1].float(), sampling, generator)
         tokens.append(token)
         log_probs.append(log_prob)
-        if token in eos_ids and not sampling.ignore_eos:
-            break
+        if (token in eos_ids and not sampling.ignore_eos) or len(tokens) == sampling.max_tokens:
+            break  # the last token is never fed back (as vLLM)
         past = output.past_key_values
         output = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
     return tokens, log_probs, "completed"
