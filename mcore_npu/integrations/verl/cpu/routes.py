@@ -59,7 +59,7 @@ def recording(model):
 def _indices(output, top_k: int) -> torch.Tensor:
     """The ``[T, k]`` integer tensor among a router's outputs."""
     for tensor in output if isinstance(output, tuple) else (output,):
-        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
-            if tensor.dim() == 2 and tensor.shape[-1] == top_k:
-                return tensor
+        integer = isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()
+        if integer and tensor.dim() == 2 and tensor.shape[-1] == top_k:
+            return tensor
     raise ValueError(f"a router returned no [T, {top_k}] integer indices: {type(output)}")
