@@ -73,11 +73,13 @@ def launch(qwen3, qwen3_moe, tiny_deepseek_v3_model, qwen3_5_moe, qwen3_5_hub, q
            qwen3_vl_moe, tmp_path_factory):  # fmt: skip
     """The output folder of one torchrun launch: every run of ``RUNS``, then the DeepSeek-V3
     and Qwen3.5 bridge checks at TP=2 (``verl_loop_ranks.deepseek_tp2`` / ``qwen3_5_tp2``),
-    the Qwen3.5 hub checkpoint through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL (and the
-    Qwen3.5 hub checkpoint at PP=2) with images (``qwen3_vl_layouts``)."""
+    verl's R2 router replay at PP=2 and EP=2 (``replay_layouts``), the Qwen3.5 hub checkpoint
+    through verl at CP=2 (``qwen3_5_hub_cp2``) and Qwen3-VL (and the Qwen3.5 hub checkpoint at
+    PP=2) with images (``qwen3_vl_layouts``)."""
     out = tmp_path_factory.mktemp("ranks")
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT), str(out),
            qwen3, qwen3_moe, tiny_deepseek_v3_model, *RUNS, "deepseek_tp2",
+           verl_loop_ranks.REPLAY,
            f"{verl_loop_ranks.QWEN3_5_TP2}{qwen3_5_moe[0]}",
            f"{verl_loop_ranks.QWEN3_5_HUB_CP2}{qwen3_5_hub}",
            f"{verl_loop_ranks.QWEN3_VL}{qwen3_vl},{qwen3_vl_moe},{qwen3_5_hub}"]  # fmt: skip
@@ -291,3 +293,25 @@ def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_m
           file=sys.stderr)  # fmt: skip
     assert error <= 1e-5, (got, want)
     assert want[-1] < want[0]
+
+
+# per rank: (pp, ep, dp, the global layers of its routers)
+EXPECTED_REPLAY = {
+    "pp2": [(2, 1, 1, [0]), (2, 1, 1, [1])],
+    "ep2": [(1, 2, 2, [0, 1])] * 2,
+}
+
+
+@pytest.mark.parametrize("layout", list(verl_loop_ranks.REPLAY_LAYOUTS))
+def test_router_replay_layout(layout, launch):
+    """verl's R2 on the tiny Qwen3-MoE at PP=2 (each stage its layer's router) and EP=2 (DP=2):
+    after the routers are perturbed, the update routes every token of every MoE layer to the
+    experts recorded in ``compute_log_prob``, and those are the routes verl returns (the
+    one-process test, tests/integrations/test_router_replay.py, has the control showing the
+    perturbation moves the routes without replay)."""
+    records = [json.loads((launch / f"replay_{layout}.rank{r}.json").read_text())
+               for r in range(WORLD)]  # fmt: skip
+    layouts = [(r["pp"], r["ep"], r["dp"], r["layers"]) for r in records]
+    assert layouts == EXPECTED_REPLAY[layout], layouts
+    for record in records:
+        assert all(record["replayed"]) and all(record["returned"]), record

@@ -8,7 +8,8 @@ or ``tp2_sp@bf16`` (:data:`DTYPES`), or ``deepseek_tp2`` (:func:`deepseek_tp2`: 
 checkpoint through the plugin's bridge at TP=2, no verl worker), or ``qwen3_5_tp2=PATH``
 (:func:`qwen3_5_tp2`: a tiny Qwen3.5 checkpoint the same way), or ``qwen3_5_hub_cp2=PATH``
 (:func:`qwen3_5_hub_cp2`: a Qwen3.5 hub checkpoint's log-probs through verl at CP=2, bshd), or
-``qwen3_vl=PATH`` (:func:`qwen3_vl_layouts`: the tiny Qwen3-VL with images at TP=2 and PP=2).
+``qwen3_vl=PATH`` (:func:`qwen3_vl_layouts`: the tiny Qwen3-VL with images at TP=2 and PP=2), or
+``replay_layouts`` (:func:`replay_layouts`: verl's R2 router replay at PP=2 and EP=2).
 fp32 is a test oracle verl's config refuses
 (``verl_loop.force_fp32``); bf16 is how verl runs. Per run, every rank builds a worker whose
 engine (the plugin's, picked by verl's registry for ``("npu", "huawei")``) sets up Megatron's
@@ -362,6 +363,67 @@ def qwen3_vl_layouts(paths: str, out: Path) -> None:
         mpu.destroy_model_parallel()
 
 
+REPLAY = "replay_layouts"
+REPLAY_LAYOUTS = {"pp2": {"pipeline_model_parallel_size": 2},
+                  "ep2": {"expert_model_parallel_size": 2}}  # fmt: skip
+
+
+def replay_layouts(path: str, out: Path) -> None:
+    """verl's R2 on the tiny Qwen3-MoE at each of :data:`REPLAY_LAYOUTS` (thd, bf16): record in
+    ``compute_log_prob``, perturb the routers, update with the recorded routes (broadcast from
+    the rank that holds verl's output, as the trainer hands them to every rank). Every rank
+    writes whether each of its routers took the recorded experts for every token in the update
+    (forward hooks), and whether they are verl's returned routes
+    (``OUT/replay_<layout>.rank<r>.json``)."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.integrations import replay_checks as rc
+    from tests.integrations import verl_loop as loop
+
+    for name, fields in REPLAY_LAYOUTS.items():
+        worker = rc.replay_worker(path, "R2", **fields)
+        batch, samples = loop.rollout_batch(), rc.samples_of(loop.rollout_batch())
+        with rc.routes_used(worker) as recording:
+            recorded = rc.record_routes(worker, batch)
+        held = [recorded]
+        dist.broadcast_object_list(held, src=_last_holder(recorded is not None))
+        rc.perturb_routers(worker)
+        with rc.routes_used(worker) as seen:
+            rc.update_with_routes(worker, batch, routes=held[0])
+        numbers = _global_router_layers(worker)
+        want = rc.recorded_routes(held[0])
+        replayed, returned = [], []
+        for local, number in enumerate(numbers):
+            before = rc.routes_by_sample(recording, local, samples)[0]
+            after = rc.routes_by_sample(seen, local, samples)[0]
+            replayed.append(bool(torch.equal(before, after)))
+            returned.append(bool(torch.equal(before, want[number])))
+        record = {"pp": mpu.get_pipeline_model_parallel_world_size(),
+                  "ep": mpu.get_expert_model_parallel_world_size(),
+                  "dp": mpu.get_data_parallel_world_size(), "layers": numbers,
+                  "replayed": replayed, "returned": returned}  # fmt: skip
+        (out / f"replay_{name}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        del worker
+        gc.collect()
+        mpu.destroy_model_parallel()
+
+
+def _last_holder(holds: bool) -> int:
+    """The highest rank that ``holds`` (verl's output: the last pipeline stage)."""
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, holds)
+    return max(rank for rank, flag in enumerate(flags) if flag)
+
+
+def _global_router_layers(worker) -> list[int]:
+    """The global layer number (from 0) of each of this rank's routers, in order (every layer of
+    the tiny Qwen3-MoE is an MoE layer)."""
+    model = worker.engine.module[0]
+    while not hasattr(model, "decoder"):
+        model = model.module
+    return [layer.layer_number - 1 for layer in model.decoder.layers]
+
+
 def main(argv: list[str]) -> int:
     out, qwen3, qwen3_moe, deepseek_v3, *runs = argv
     from mcore_npu.training import cpu_support
@@ -373,6 +435,9 @@ def main(argv: list[str]) -> int:
         for run in runs:
             if run == "deepseek_tp2":
                 deepseek_tp2(deepseek_v3, Path(out))
+                continue
+            if run == REPLAY:
+                replay_layouts(qwen3_moe, Path(out))
                 continue
             if run.startswith(QWEN3_5_TP2):
                 qwen3_5_tp2(run[len(QWEN3_5_TP2) :], Path(out))
