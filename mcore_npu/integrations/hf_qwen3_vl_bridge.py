@@ -6,7 +6,8 @@ language config from ``text_config`` (verl's overrides apply to it) and a vision
 same tensor parallelism (no sequence parallelism). Names and tensors come from
 :mod:`.hf_qwen3_vl_weights`' one map; mbridge's own loader and exporter split and merge them over TP
 (the vision ``qkv`` per head, the non-gated vision ``linear_fc1`` by rows). The vision tower is
-on the first pipeline stage."""
+on the first pipeline stage. :class:`VisionTowerBridge` is what it shares with Qwen3.5's hub-form
+bridge (:mod:`.hf_qwen3_5_vl`)."""
 
 from __future__ import annotations
 

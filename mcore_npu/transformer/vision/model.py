@@ -1,5 +1,5 @@
-"""Qwen3-VL on the NPU spec: the vision tower, then a GPT language model with interleaved mRoPE
-and deepstack.
+"""Qwen3-VL (and Qwen3.5's hub form) on the NPU spec: the vision tower, then a GPT language model
+(Qwen3.5: the Gated DeltaNet hybrid) with interleaved mRoPE and deepstack (Qwen3.5: none).
 
 :class:`NPUQwen3VLModel` ``forward(input_ids [B, S], position_ids=None, attention_mask=None,
 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
