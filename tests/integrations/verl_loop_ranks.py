@@ -170,10 +170,7 @@ def deepseek_tp2(path: str, out: Path) -> None:
     )
     from mcore_npu.training import cpu_support
 
-    # mbridge's DeepSeek-V3 config says attention_backend=fused; Megatron's GPTModel checks and
-    # sets TE's NVTE_* variables per backend, and the layouts before left those of ``auto``
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)
+    _clear_attention_variables()  # DeepSeek-V3's config: attention_backend=fused
     mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     cpu_support.seed_cpu_streams(1, tp_rank=mpu.get_tensor_model_parallel_rank())
     bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
@@ -239,11 +236,7 @@ def qwen3_5_tp2(path: str, out: Path) -> None:
     cpu_support.seed_cpu_streams(1, tp_rank=mpu.get_tensor_model_parallel_rank())
     bridge = npu_bridge(path, kernel="reference", dtype=torch.float32)
     bridge.set_extra_args(**DEEPSEEK_CPU_ARGS)
-    # Megatron's LanguageModule writes NVTE_*_ATTN for its config's attention backend into the
-    # process environment and asserts that a later model agrees; the earlier runs of this shared
-    # launch built models with another backend, so this (separate) model starts from none
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)
+    _clear_attention_variables()
     model = build_model(bridge).eval()
     load_hf_weights(model, path, bridge=bridge)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -288,8 +281,7 @@ def qwen3_5_hub_cp2(path: str, out: Path) -> None:
 
     recipes = yaml.safe_load((ROOT / "tests" / "integrations" / "gdn_recipes.yaml").read_text())
     keys = next(r["keys"] for r in recipes["recipes"] if r["name"] == "qwen3_5_moe_32k_kvallgather")
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)  # see qwen3_5_tp2
+    _clear_attention_variables()
     config = loop.worker_config(path, remove_padding=False, dtype="float32",
                                 context_parallel_size=2, override_transformer_config=keys)  # fmt: skip
     worker = loop.new_worker(config, loop.sft_loss_fn())
@@ -380,6 +372,7 @@ def replay_layouts(path: str, out: Path) -> None:
     from tests.integrations import replay_checks as rc
     from tests.integrations import verl_loop as loop
 
+    _clear_attention_variables()
     for name, fields in REPLAY_LAYOUTS.items():
         worker = rc.replay_worker(path, "R2", **fields)
         batch, samples = loop.rollout_batch(), rc.samples_of(loop.rollout_batch())
@@ -422,6 +415,14 @@ def _global_router_layers(worker) -> list[int]:
     while not hasattr(model, "decoder"):
         model = model.module
     return [layer.layer_number - 1 for layer in model.decoder.layers]
+
+
+def _clear_attention_variables() -> None:
+    """Unset TE's ``NVTE_*_ATTN``: Megatron's LanguageModule writes them for its config's
+    attention backend into the process environment and asserts that a later model agrees; the
+    earlier runs of this shared launch may have built models with another backend."""
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
 
 
 def main(argv: list[str]) -> int:
