@@ -151,12 +151,17 @@ def qwen3_vl_model(
     """Qwen3-VL's model of one pipeline stage from its two configs: the vision tower where
     ``pre_process``, the language model from the NPU decoder-block spec (TE names)."""
     spec = language_spec(config, kernel=kernel, vp_stage=vp_stage, **(spec_keywords or {}))
-    rope = dict(getattr(hf_config.text_config, "rope_parameters", None) or {})
     return vision_language_model(
         hf_config, config, vision_cfg, spec,
         kernel=kernel, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-        rotary_base=rope.get("rope_theta", 5_000_000), rotary_percent=1.0,
+        **rope_args(hf_config),
     )  # fmt: skip
+
+
+def rope_args(hf_config) -> dict:
+    """Qwen3-VL's ``rotary_base`` and ``rotary_percent`` (the whole head rotates)."""
+    rope = dict(getattr(hf_config.text_config, "rope_parameters", None) or {})
+    return {"rotary_base": rope.get("rope_theta", 5_000_000), "rotary_percent": 1.0}
 
 
 def language_spec(config, *, kernel="auto", vp_stage=None, **spec_keywords):

@@ -121,8 +121,7 @@ class Qwen3VLBridge(VisionTowerBridge, LLMBridge):
         return self._build_base_config(text_config_key="text_config", **keywords)
 
     def _rope_args(self) -> dict:
-        rope = dict(getattr(self.hf_config.text_config, "rope_parameters", None) or {})
-        return {"rotary_base": rope.get("rope_theta", 5_000_000), "rotary_percent": 1.0}
+        return configs.rope_args(self.hf_config)
 
     def _get_safetensor_io(self, weights_path: str):
         return SlicingSafeTensorIO(self._get_actual_hf_path(weights_path))  # "name[e]": a row

@@ -375,7 +375,8 @@ def replay_layouts(path: str, out: Path) -> None:
     _clear_attention_variables()
     for name, fields in REPLAY_LAYOUTS.items():
         worker = rc.replay_worker(path, "R2", **fields)
-        batch, samples = loop.rollout_batch(), rc.samples_of(loop.rollout_batch())
+        batch = loop.rollout_batch()
+        samples = rc.samples_of(batch)
         with rc.routes_used(worker) as recording:
             recorded = rc.record_routes(worker, batch)
         held = [recorded]
