@@ -63,15 +63,15 @@ def save_chatml_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
-def save_model(path) -> str:
-    """The tiny Qwen3 (hidden 64, 2 layers, vocab 128; random fp32 weights, seed 0) and the
-    ChatML tokenizer in ``path``."""
+def save_model(path, family: str = "qwen3") -> str:
+    """The tiny Qwen3 (``family``: ``"qwen3_moe"``, Qwen3-MoE: 4 experts, top-2) (hidden 64,
+    2 layers, vocab 128; random fp32 weights, seed 0) and the ChatML tokenizer in ``path``."""
     import torch
     import transformers
 
     from tests.integrations import verl_loop
 
-    config = verl_loop.hf_config("qwen3")
+    config = verl_loop.hf_config(family)
     config.eos_token_id, config.pad_token_id, config.bos_token_id = 2, 0, None
     # std 0.25 instead of 0.02: peaked next-token distributions (not near-uniform), so that
     # weights that differ show in the probabilities the sync check compares
@@ -119,15 +119,20 @@ class Assets:
     train: str
     test: str
     reward: str
+    moe_model: str  # the same, Qwen3-MoE
 
 
 def save_assets(path) -> Assets:
     path = Path(path)
-    (path / "model").mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
     train, test = save_data(path)
     reward = path / "reward.py"
     reward.write_text(REWARD_FILE)
-    return Assets(save_model(path / "model"), train, test, str(reward))
+    models = {family: path / family for family in ("qwen3", "qwen3_moe")}
+    for family, where in models.items():
+        where.mkdir(exist_ok=True)
+        save_model(where, family)
+    return Assets(str(models["qwen3"]), train, test, str(reward), str(models["qwen3_moe"]))
 
 
 def recipe(assets: Assets, *, steps: int, out: Path) -> list[str]:

@@ -208,3 +208,35 @@ def test_the_server_returns_each_tokens_experts_as_vllm(tmp_path):
     dense.synced = True
     with pytest.raises(ValueError, match="enable_rollout_routing_replay: .* no MoE router"):
         asyncio.run(dense.generate("r1", prompt, params))
+
+
+def test_per_expert_exports_load_into_transformers_fused_experts(tmp_path):
+    """The actor exports each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` (the names
+    vLLM loads); the server's transformers 5 Qwen3-MoE keeps them fused (``gate_up_proj``
+    ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``): a model's weights, split per expert and loaded
+    into another, give back every tensor exactly."""
+    import transformers
+
+    from mcore_npu.integrations.verl.cpu import rollout
+    from tests.integrations import verl_loop
+
+    config = verl_loop.hf_config("qwen3_moe")
+    torch.manual_seed(1)
+    source = transformers.AutoModelForCausalLM.from_config(config)
+    per_expert = {}
+    for name, tensor in source.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                per_expert[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
+                per_expert[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
+        elif name.endswith("experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                per_expert[name.replace("down_proj", f"{e}.down_proj.weight")] = tensor[e]
+        else:
+            per_expert[name] = tensor
+    torch.manual_seed(2)
+    target = transformers.AutoModelForCausalLM.from_config(config)
+    rollout.load_exported(target, per_expert)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name

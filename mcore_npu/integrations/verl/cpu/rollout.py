@@ -8,8 +8,9 @@
   with ``enable_rollout_routing_replay`` it returns each token's experts (:mod:`.routes`), as vLLM.
 
 Not vLLM or SGLang: no batching, no paged KV cache, no NPU IPC, no HCCL. Diagnostics:
-``MCORE_NPU_HF_CPU_DUMP_DIR`` (the weights after each sync) and ``MCORE_NPU_HF_CPU_SKIP_SYNC=1``
-(ignore every sync). See docs/verl_main_ppo.md.
+``MCORE_NPU_HF_CPU_DUMP_DIR`` (the weights after each sync; with routing replay, each response's
+token ids and routes) and ``MCORE_NPU_HF_CPU_SKIP_SYNC=1`` (ignore every sync). See
+docs/verl_main_ppo.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 from pathlib import Path
 
 import ray
@@ -181,10 +183,13 @@ class HfCpuServer:
                 self.model, prompt_ids, settings, self.eos_ids, generator
             )
         wants_log_probs = bool(sampling_params.get("logprobs", False))
+        routed = recorded.stacked() if replay else None  # [P + R - 1, L, k], as vLLM
+        if routed is not None and os.environ.get(DUMP_DIR):
+            _dump_routes(os.environ[DUMP_DIR], request_id, prompt_ids + tokens, routed)
         return TokenOutput(
             token_ids=tokens,
             log_probs=log_probs if wants_log_probs else None,
-            routed_experts=recorded.stacked() if replay else None,  # [P + R - 1, L, k], as vLLM
+            routed_experts=routed,
             stop_reason=stop,
             extra_fields={"global_steps": self.global_steps},
         )
@@ -221,6 +226,13 @@ class HfCpuServer:
         pass
 
 
+def _dump_routes(dump_dir: str, request_id, ids: list[int], routed: torch.Tensor) -> None:
+    """Save one response's token ids (prompt then response, ``[P + R]``) and routes
+    (``[P + R - 1, L, k]``) as ``routes_<request id>.pt`` in ``dump_dir``."""
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": torch.tensor(ids), "routes": routed}, f"{dump_dir}/routes_{request_id}.pt")
+
+
 def _random_model(hf_config, seed: int):
     """The causal LM of ``hf_config``: fp32, SDPA attention, seeded random weights, eval mode."""
     import transformers
@@ -247,6 +259,7 @@ def load_exported(model, weights: dict) -> None:
     """Copy ``weights`` (HF name -> tensor) into ``model``: every name must be one of the model's,
     and every model weight must be given (a tied ``lm_head.weight`` follows the embedding)."""
     state = model.state_dict()
+    weights = fuse_experts(weights, state)
     unknown = sorted(set(weights) - set(state))
     if unknown:
         raise ValueError(f"rollout.name={NAME}: weights the model does not have: {unknown[:5]}")
@@ -257,6 +270,30 @@ def load_exported(model, weights: dict) -> None:
     with torch.no_grad():
         for name, tensor in weights.items():
             state[name].copy_(tensor.to(state[name].dtype))
+
+
+EXPERT = re.compile(r"(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+_proj)\.weight")
+
+
+def fuse_experts(weights: dict, state: dict) -> dict:
+    """``weights`` with per-expert tensors (``…experts.{e}.gate_proj / up_proj / down_proj.weight``,
+    the names the actor exports, as vLLM loads them) stacked into the fused tensors of
+    transformers 5's MoE blocks where ``state`` has them: ``…experts.gate_up_proj`` ``[E, 2I, H]``
+    (gate rows, then up) and ``…experts.down_proj`` ``[E, H, I]``."""
+    fused, parts = {}, collections.defaultdict(dict)
+    for name, tensor in weights.items():
+        match = EXPERT.fullmatch(name)
+        if match and f"{match['experts']}.gate_up_proj" in state:
+            parts[match["experts"], match["proj"]][int(match["e"])] = tensor
+        else:
+            fused[name] = tensor
+    experts_blocks = {experts for experts, _ in parts}
+    for experts in experts_blocks:
+        stacked = {proj: torch.stack([by_e[e] for e in sorted(by_e)])
+                   for (block, proj), by_e in parts.items() if block == experts}  # fmt: skip
+        fused[f"{experts}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], 1)
+        fused[f"{experts}.down_proj"] = stacked["down_proj"]
+    return fused
 
 
 def _load_replica():
