@@ -1,5 +1,5 @@
-"""The one place that imports the Ascend packages (``torch_npu``, ``fla_npu``, ``fla``), at call
-time, never at import of the plugin."""
+"""The one place that imports the Ascend packages (``torch_npu``, ``fla_npu``, ``fla``,
+``flash_attn_npu``), at call time, never at import of the plugin."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ FIXES = {
         "2.6.0 -> torch-npu 2.6.0.postN, ...); elsewhere use kernel='reference' or 'auto'"
     ),
     "fla_npu": "pip install flash-linear-attention-npu on the Ascend machine, or use 'auto'",
+    "flash_attn_npu": (
+        "pip install flash-attention-npu on the Ascend machine (batch-invariant mode's attention)"
+    ),
     "fla": "pip install flash-linear-attention (with triton-ascend) on the Ascend machine",
     "mamba_ssm": "pip install a triton-ascend build of mamba-ssm on the Ascend machine, or use 'auto'",
 }

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "batch_invariant_attention": "batch_invariant",
     "fusion_attention": "attention",
     "fusion_attention_grad": "attention",
     "fusion_attention_with_stats": "attention",

@@ -128,6 +128,11 @@ OPERATORS: dict[str, Operator] = {
                          ("mamba_chunk_scan_combined",)),)),
         Operator("rms_norm_gated", f"{_MAMBA}.norm:rms_norm_gated", f"{_MAMBA}.norm:rms_norm_gated",
                  f"{_MAMBA}.norm:validate_rms_norm_gated"),
+        Operator("batch_invariant_attention", f"{_OPS}.batch_invariant:batch_invariant_attention",
+                 f"{_OPS}.batch_invariant:fixed_block_attention",
+                 f"{_OPS}.batch_invariant:validate_batch_invariant_attention",
+                 (Kernel("flash_attn_npu", "flash_attn_npu",
+                         ("flash_attn_func", "flash_attn_varlen_func")),)),
     )
 }  # fmt: skip
 
@@ -210,6 +215,12 @@ def by_attribute(attribute: str):
 def reference(op: str):
     """The operator's pure-PyTorch reference."""
     return _resolve_path(operator(op).reference)
+
+
+def why_not(kernel: Kernel, **facts) -> str | None:
+    """Why ``kernel`` cannot run a call with ``facts`` on this machine (not installed, an attribute
+    missing, its probe refusing); None when it can."""
+    return _why_not(kernel, facts, strict=False)
 
 
 def _why_not(kernel: Kernel, facts: dict, *, strict: bool) -> str | None:

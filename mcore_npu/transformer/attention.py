@@ -19,6 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from mcore_npu.allocator import device as accelerator
 from mcore_npu.masks import (
     BottomRightCausalMask,
     FullAttention,
@@ -28,8 +29,9 @@ from mcore_npu.masks import (
     TopLeftCausalMask,
     describe_mask,
 )
-from mcore_npu.ops import fusion_attention, registry
+from mcore_npu.ops import batch_invariant, fusion_attention, registry
 from mcore_npu.ops import value_padding as padding
+from mcore_npu.ops.batch_invariant import batch_invariant_attention
 from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer import context_parallel
 from mcore_npu.transformer.extra_state import EmptyExtraState
@@ -47,6 +49,10 @@ class NPUFusionAttention(MegatronModule):
         k_channels, v_channels: MLA's q/k and value head dims; None = ``config.kv_channels``.
         value_padding: ``"auto"`` | ``"on"`` | ``"off"``: pad a smaller value head dim for the
             operator.
+        batch_invariant: batch-invariant mode: ``mcore_npu.ops.batch_invariant_attention``
+            instead of ``fusion_attention`` (flash_attn_npu on an NPU, the fixed-block reference
+            elsewhere; ``kernel="torch_npu"`` asks for flash_attn_npu by name); the mode's limits
+            and its NPU kernel are checked here, one line each.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class NPUFusionAttention(MegatronModule):
         k_channels: int | None = None,
         v_channels: int | None = None,
         value_padding: str = "auto",
+        batch_invariant: bool = False,
         **kwargs,
     ):
         super().__init__(config=config)
@@ -98,6 +105,30 @@ class NPUFusionAttention(MegatronModule):
                 groups=self.num_query_groups_per_partition,
             )
             self.cp_group = context_parallel.context_parallel_group(kwargs.get("pg_collection"))
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self._check_batch_invariant(v_channels)
+
+    def _check_batch_invariant(self, v_channels: int | None) -> None:
+        """The mode's limits (one ValueError line each) and, on an NPU, its kernel (ImportError
+        naming the package)."""
+        kind = getattr(self.attn_mask_type, "name", self.attn_mask_type)
+        if v_channels is not None and v_channels != self.head_dim:
+            raise ValueError(
+                f"batch-invariant mode does not support a value head dim ({v_channels}) other "
+                f"than the query's ({self.head_dim}), as Multi-Latent Attention has: use a model "
+                "without MLA"
+            )
+        batch_invariant.check_limits(
+            context_parallel_size=getattr(self.config, "context_parallel_size", 1),
+            dropout=self.dropout_p,
+            head_dim=self.head_dim,
+            mask_kind=kind,
+            window=self.window_size,
+        )
+        missing = batch_invariant.missing_kernel(accelerator.is_npu_available())
+        if missing:
+            raise ImportError(missing)
 
     def forward(
         self,
@@ -140,6 +171,8 @@ class NPUFusionAttention(MegatronModule):
             window_size=self.window_size,
             memo=self.seq_lengths_memo,
         )
+        if self.batch_invariant:
+            return self._attend_batch_invariant(query, key, value, mask, attention_bias)
         keep_prob = 1.0 - self.dropout_p if self.training else 1.0
         if self.cp_group is not None:
             return self._context_parallel(
@@ -158,6 +191,34 @@ class NPUFusionAttention(MegatronModule):
             out = fusion_attention(q, k, v, self.num_heads_per_partition, layout, **op_kwargs)
         _check_value_width(out, value.shape[-1], self.num_heads_per_partition, layout)
         return out.flatten(1) if packed else out  # thd: [t, np, hn] -> [t, np*hn]
+
+    def _attend_batch_invariant(self, query, key, value, mask, attention_bias) -> torch.Tensor:
+        """sbhd ``[s, b, n, hn]`` -> ``[s, b, n*hn]``; thd ``[t, n, hn]`` -> ``[t, n*hn]``."""
+        if attention_bias is not None:
+            raise ValueError(
+                "batch-invariant mode does not support attention_bias: use a model without one"
+            )
+        call = dict(scale=self.softmax_scale, kernel=_INVARIANT_KERNEL[self.kernel])
+        if isinstance(mask, Packed):
+            ends = (0, *mask.lengths.q)
+            if mask.lengths.q != mask.lengths.kv:
+                raise ValueError(
+                    "batch-invariant mode does not support packed cross attention: use "
+                    "self-attention"
+                )
+            longest = max(e - s for s, e in zip(ends[:-1], ends[1:], strict=True))
+            cu = torch.tensor(ends, dtype=torch.int32, device=query.device)
+            causal = _invariant_causal(mask.within, packed=True)
+            out = batch_invariant_attention(
+                query, key, value, layout="TND", causal=causal, cu_seqlens=cu,
+                max_seqlen=longest, **call,
+            )  # fmt: skip
+            return out.flatten(1)  # [t, n, hn] -> [t, n*hn]
+        causal = _invariant_causal(mask)
+        # [s, b, n, hn] -> [b, s, n, hn]
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        out = batch_invariant_attention(q, k, v, layout="BSND", causal=causal, **call)
+        return out.transpose(0, 1).flatten(2)  # [b, s, n, hn] -> [s, b, n*hn]
 
     def _context_parallel(
         self, query, key, value, mask, attention_bias, keep_prob, packed_seq_params
@@ -279,6 +340,25 @@ def _cp_mask(mask, where: str) -> tuple[bool, tuple[int, int] | None]:
         f"{type(mask).__name__} under {where}: only causal and full attention and sliding "
         "windows are split over CP ranks (a dense mask would be S x S per rank); fix: express "
         "padding by packing sequences, or use context_parallel_size=1"
+    )
+
+
+_INVARIANT_KERNEL = {"auto": "auto", "torch_npu": "flash_attn_npu", "reference": "reference"}
+"""The attention's ``kernel`` -> batch_invariant_attention's: the Ascend kernel asked for by
+name stays asked for by name (it raises rather than falls back)."""
+
+
+def _invariant_causal(mask, packed: bool = False) -> bool:
+    """Whether a mask description is causal (True) or none (False) for batch-invariant mode."""
+    if isinstance(mask, FullAttention):
+        return False
+    if isinstance(mask, TopLeftCausalMask):
+        return True
+    if isinstance(mask, BottomRightCausalMask) and packed:  # a segment: its q and kv are equal
+        return True
+    raise ValueError(
+        f"batch-invariant mode does not support the mask {type(mask).__name__}: use causal or no "
+        "mask (verl's right padding is causal)"
     )
 
 

@@ -156,8 +156,49 @@ def translate(
         else:
             raise _unknown(key, value, context, table)
     _place_stage_list(plan, context)
+    _check_switch_keys_agree(plan, overrides, table)
+    _check_batch_invariant(plan, overrides, context)
     _check_context_parallel(plan.megatron, context)
     return plan
+
+
+def _check_switch_keys_agree(plan: RecipePlan, overrides: Mapping, table: dict) -> None:
+    """A key set false whose ``true`` turns on a spec switch another key turned on (the three
+    batch-invariant keys): refused, the mode is one switch."""
+    for key, value in overrides.items():
+        on = ((table.get(key) or {}).get("values") or {}).get(True) or {}
+        if on.get("do") != "spec" or _value_key(value) is not False:
+            continue
+        if on["keyword"] in plan.spec and plan.spec[on["keyword"]] == on["set"]:
+            why = f"another key of the recipe turned {on['keyword']} on, and it is one switch"
+            raise _refusal(key, value, why, "give the keys of one switch the same value")
+
+
+def _check_batch_invariant(plan: RecipePlan, overrides: Mapping, context: RecipeContext) -> None:
+    """Batch-invariant mode's limits that the recipe itself shows (context parallelism,
+    attention dropout, a sliding window), before any model is built; the layers check the rest
+    (head dim, mask type, the NPU kernel) when they are built."""
+    if not plan.spec.get("batch_invariant"):
+        return
+    from mcore_npu.ops.batch_invariant import check_limits
+
+    key = next(k for k in overrides if k in _BATCH_INVARIANT_KEYS and _value_key(overrides[k]))
+    megatron = plan.megatron
+    try:
+        check_limits(
+            context_parallel_size=context.context_parallel_size,
+            dropout=megatron.get("attention_dropout") or 0.0,
+            window=megatron.get("window_size"),
+        )
+    except ValueError as error:  # one line: "batch-invariant mode does not support ...: use ..."
+        raise _refusal(key, overrides[key], str(error), "or turn the mode off") from None
+
+
+_BATCH_INVARIANT_KEYS = (
+    "use_flash_attn_npu_batch_invariant",
+    "batch_invariant_mode",
+    "use_batch_invariant_ops",
+)
 
 
 def _check_context_parallel(megatron: dict, context: RecipeContext) -> None:
@@ -337,7 +378,7 @@ def _describe(key: str, outcome: dict) -> str:
         ),
         "spec": lambda: (
             f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
-            + _SPEC_NOTES.get(outcome["set"], "")
+            + _KEYWORD_NOTES.get(outcome["keyword"], _SPEC_NOTES.get(outcome["set"], ""))
         ),
         "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
@@ -361,6 +402,12 @@ def _describe(key: str, outcome: dict) -> str:
 
 
 _SPEC_NOTES = {None: " (= the spec's `kernel`)", "off": " (Megatron's own module)"}
+_KEYWORD_NOTES = {
+    "batch_invariant": (
+        " (batch-invariant mode: flash_attn_npu's fixed-split attention on an NPU, the "
+        "fixed-block reference elsewhere; docs/true_on_policy.md)"
+    )
+}
 
 
 def _describe_gdn(key: str, outcome: dict) -> str:

@@ -48,6 +48,9 @@ class NPUSpecOptions:
         None = ``kernel``. moe_permute_kernel, rope_kernel: the fused MoE permute
         (``NPUMoELayer``) and RoPE; ``"off"`` (default) = Megatron's, None = ``kernel``.
     mla_value_padding: ``"auto"`` | ``"on"`` | ``"off"``: pad MLA's smaller value head to D.
+    batch_invariant: batch-invariant (true on-policy) mode: core attention through
+        ``mcore_npu.ops.batch_invariant_attention``, the mode's limits checked when a layer is
+        built (docs/true_on_policy.md).
     """
 
     kernel: str = "auto"
@@ -58,12 +61,15 @@ class NPUSpecOptions:
     moe_permute_kernel: str | None = "off"
     rope_kernel: str | None = "off"
     mla_value_padding: str = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_param_layout(self.param_layout)
         check_kernel(self.kernel)
         self.fused()
         value_padding.check_mode(self.mla_value_padding)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant: pass True or False, got {self.batch_invariant!r}")
 
     def fused(self) -> dict[str, str]:
         """Each fused operator's kernel, None resolved to ``kernel`` (``"off"``: Megatron's)."""
@@ -101,6 +107,7 @@ class NPUSpecProvider(BackendSpecProvider):
         self.kernel, self.param_layout = options.kernel, options.param_layout
         self.fused = options.fused()
         self.mla_value_padding = options.mla_value_padding
+        self.batch_invariant = options.batch_invariant
         self.rope_cache = RopeCosSinCache()  # cos/sin once per step for every layer
         self.seq_lengths_memo = (
             seq_lengths_memo if seq_lengths_memo is not None else SeqLengthsMemo()
@@ -213,6 +220,8 @@ class NPUSpecProvider(BackendSpecProvider):
             "seq_lengths_memo": self.seq_lengths_memo,
             "value_padding": self.mla_value_padding,
         }
+        if self.batch_invariant:
+            params["batch_invariant"] = True
         return ModuleSpec(module=module, params=params)
 
     def grouped_mlp_modules(

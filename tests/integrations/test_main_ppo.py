@@ -10,7 +10,7 @@ every verl process a CPU process (``mcore_npu.integrations.verl.cpu``). Nothing 
 stand-ins are the hardware's (gloo for HCCL, the ``hf_cpu`` rollout for vLLM, the project's CPU
 shims for torch_npu / CUDA entry points).
 
-Five launches, one subprocess each in its own session (killed as a group on a hang), with its Ray
+Eight launches, one subprocess each in its own session (killed as a group on a hang), with its Ray
 files in a fresh temp dir; after each, no process of the run may be left:
 
 - ``grpo``: the quick start as written, 3 steps, a checkpoint at step 2;
@@ -19,11 +19,13 @@ files in a fresh temp dir; after each, no process of the run may be left:
   bridge), at a learning rate the tiny model learns with;
 - ``critic``: GAE with a Megatron critic, 2 steps, its rollout ignoring every sync (it is also
   the no-sync control);
-- ``refused``: a recipe value the plugin refuses.
+- ``refused``: a recipe value the plugin refuses;
+- ``replay``, ``no_replay``, ``foreign_routes``: the public R3 router-replay recipe's lines on a
+  tiny Qwen3-MoE (:func:`replay_run`).
 
 They run side by side (``launches``, :func:`_conduct`): each launch spends most of its time
 starting Ray actors that import torch, Megatron and verl and leaves the 2 cores half idle alone;
-``critic`` and ``refused`` yield the CPU to the longest chain, grpo then resumed. The module's
+the short runs yield the CPU to the longest chain, grpo then resumed. The module's
 wall time is in docs/verl_main_ppo.md.
 """
 

@@ -144,7 +144,7 @@ def test_every_registered_operator_is_mcore_npu_ops_name_and_every_path_resolves
                 assert callable(registry._resolve_path(kernel.probe))
 
 
-ASCEND = ("torch_npu", "fla_npu", "fla")
+ASCEND = ("torch_npu", "fla_npu", "fla", "flash_attn_npu")
 
 
 def _modules():

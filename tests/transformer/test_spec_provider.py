@@ -64,6 +64,7 @@ BAD_OPTIONS = {
     "moe_permute_kernel": "fused",
     "rope_kernel": "fused",
     "mla_value_padding": "maybe",
+    "batch_invariant": "yes",
 }
 
 
