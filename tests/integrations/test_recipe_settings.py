@@ -1,7 +1,8 @@
-"""The 31 Ascend recipes' optimizer, offload, bridge and batching keys, verbatim, through verl.
+"""The 37 Ascend recipes' optimizer, offload, bridge and batching keys, verbatim, through verl.
 
-Per row of ``recipe_settings.yaml`` (``../shared/reference/recipe_settings.md``, tables 1a/1b):
-the recipe's Hydra overrides as it writes them go through verl's own path, one CPU process:
+Per row of ``recipe_settings.yaml`` (``../shared/reference/recipe_settings.md``, tables 1a/1b;
+rows 32-37 published after it): the recipe's Hydra overrides as it writes them go through
+verl's own path, one CPU process:
 
 1. Hydra composes verl 0.9.1's ``ppo_megatron_trainer`` with them (after the few keys the
    launcher and verl's trainer supply: model path, sizes, ``total_training_steps``; :data:`SCAFFOLD`).
@@ -41,8 +42,36 @@ pytestmark = pytest.mark.usefixtures("cpu_runtime", "own_attention_variables")
 ROWS = yaml.safe_load((Path(__file__).parent / "recipe_settings.yaml").read_text())["rows"]
 FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
            "deepseek_v3": "tiny_deepseek_v3_model", "mimo": "mimo",
-           "qwen3_5_hub": "qwen3_5_hub", "nemotron_h": "nemotron_h",
-           "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
+           "qwen3_5_hub": "qwen3_5_hub", "qwen3_5_dense_hub": "qwen3_5_dense_hub",
+           "nemotron_h": "nemotron_h", "qwen3_vl": "qwen3_vl",
+           "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dense_hub(tmp_path_factory) -> str:
+    """A tiny dense Qwen3.5 in the hub form, the form of Qwen3.5-4B (row 33):
+    ``Qwen3_5ForConditionalGeneration``, the text model of ``qwen3_5_models.TEXT`` (3 Gated
+    DeltaNet + 1 attention layers) with an MLP of 96, its 2-block vision tower and
+    ``vision_config``; weights bf16-exact, the word-level tokenizer."""
+    import transformers
+
+    from tests.integrations import qwen3_5_models as q
+    from tests.integrations.conftest import _save_word_level_tokenizer
+
+    config = transformers.Qwen3_5Config(text_config=dict(**q.TEXT, intermediate_size=96),
+                                        vision_config=q.VISION, **q.IMAGE_IDS)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    q.draw(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    path = tmp_path_factory.mktemp("tiny_qwen3_5_dense_hub")
+    model.save_pretrained(path, safe_serialization=True)
+    _save_word_level_tokenizer(path)
+    return str(path)
+
+
 A, AM, RM = (
     "actor_rollout_ref.actor.",
     "actor_rollout_ref.actor.megatron.",
@@ -75,8 +104,7 @@ ONE_PROCESS = {"context_parallel_size": "1", "tensor_model_parallel_size": "1",
                "pipeline_num_transformer_layers": None}  # fmt: skip
 # keys the plugin refuses until a later capability lands: the rows that set them stop with the
 # plugin's one-line refusal (test_rows_the_plugin_cannot_build_yet_are_refused_in_one_line)
-NOT_YET = {"experimental_attention_variant": "DeepSeek sparse attention (GLM-5)",
-           "use_flash_attn_npu_batch_invariant": "batch-invariant (true on-policy) mode"}  # fmt: skip
+NOT_YET = {"experimental_attention_variant": "DeepSeek sparse attention (GLM-5)"}
 
 
 def row_keys(row: dict) -> list[str]:
@@ -299,10 +327,14 @@ def _assert_checkpoint_loaded(engine, effective: dict, want) -> None:
 
 def _assert_actor_keys_in_effect(engine, effective: dict) -> None:
     """After the steps: verl's offload, the plugin's Adam where the optimizer keys ask for it,
-    the layout, the batching and the DDP gradient dtype, as the keys say."""
+    the layout, the batching, the DDP gradient dtype and batch-invariant mode, as the keys say."""
     from mcore_npu.optimizer import plugin_adams
+    from mcore_npu.transformer.attention import NPUFusionAttention
 
     config = engine.engine_config
+    invariant = _on(effective, AM + TC + "use_flash_attn_npu_batch_invariant")
+    attentions = [m for m in engine_model(engine).modules() if isinstance(m, NPUFusionAttention)]
+    assert attentions and all(a.batch_invariant is invariant for a in attentions)
     assert _offloaded(engine) == _on(effective, AM + "param_offload")
     ooc = A + "optim.override_optimizer_config."
     adams = plugin_adams(engine.optimizer)
@@ -424,9 +456,8 @@ NOT_YET_ROWS = [row for row in ROWS if not_yet(_runnable(row_keys(row)))]
 @pytest.mark.parametrize("row", NOT_YET_ROWS, ids=lambda row: f"row_{row['row']}")
 def test_rows_the_plugin_cannot_build_yet_are_refused_in_one_line(row, stand_in):
     """A row whose keys need a capability the plugin does not have yet (:data:`NOT_YET`: GLM-5's
-    DeepSeek sparse attention, row 25; the true-on-policy recipes' batch-invariant mode, rows 27
-    and 28 as their scripts run by default) stops before any model is built, in one line that
-    names the key."""
+    DeepSeek sparse attention, row 25) stops before any model is built, in one line that names
+    the key. (The true-on-policy recipes, rows 27 and 28, train: batch-invariant mode.)"""
     keys = _runnable(row_keys(row))
     config = _row_config(row["family"], keys, stand_in, "actor")
     with pytest.raises(ValueError) as info:
@@ -453,4 +484,17 @@ def test_every_row_of_the_census_is_here():
         f"census: {len(as_written)} of 31 recipes train 2 steps with their scripts' defaults, "
         f"{len(with_a_switch)} with a switch of their own; refused: {sorted(refused)}"
     )
-    assert refused == {"25", "27", "28"}  # docs/recipe_settings.md names these three
+    assert refused == {"25"}  # docs/recipe_settings.md names it
+
+
+def test_the_recipes_published_after_the_census_are_here():
+    """Rows 32..37: the verl Megatron recipes of verl-ascend-recipe published after the census
+    (Qwen3-VL and Qwen2.5 on-policy distillation, Qwen3.5-4B SAPO, Qwen2.5 CISPO, GDPO, GMPO),
+    each from verl-project/verl-ascend-recipe at a commit; each trains 2 steps, none is refused.
+    (Its MindSpeed-engine recipes, ``model_engine=mindspeed``, and its FSDP ones are not rows.)"""
+    newer = [row for row in ROWS if row["row"].isdigit() and int(row["row"]) > 31]
+    assert [row["row"] for row in newer] == [str(n) for n in range(32, 38)]
+    assert all(row["source"].startswith("verl-project/verl-ascend-recipe @") for row in newer)
+    trained = {r for case in ACTOR_CASES for r in case.split("_")[1:]}
+    assert {row["row"] for row in newer} <= trained
+    print(f"census, published after it: {len(newer)} recipes, all train 2 steps")
