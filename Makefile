@@ -17,7 +17,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env nemotron-env docs lint format bench bench-ssd clean-venv
+.PHONY: demo test test-fast test-verl test-main-ppo-replay test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env nemotron-env docs lint format bench bench-ssd clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -67,7 +67,13 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not distributed and not slow" $(FAST)
 
 test-verl: $(VERL_STAMP)
-	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations tests/vision_hf
+	$(VERL_BIN)/python -m pytest -q $(PARALLEL) tests/integrations tests/vision_hf \
+		--ignore=tests/integrations/test_main_ppo_replay.py
+
+# R3 router replay in verl's own trainer (docs/router_replay.md): three more main_ppo launches,
+# about 330 s of CPU, kept out of CI's test-verl
+test-main-ppo-replay: $(VERL_STAMP)
+	$(VERL_BIN)/python -m pytest -q tests/integrations/test_main_ppo_replay.py
 
 # Nemotron-H against transformers 5.25 (verl pins < 5.11): the environment of its own; Qwen3-VL
 # (tests/vision_hf) against both 5.10.4 (test-verl) and 5.25

@@ -223,6 +223,17 @@ class Result:
         return [m["data"][key] for m in rows]
 
 
+def succeeded(run: Result) -> None:
+    """Assert ``run`` exited 0 and left no process."""
+    assert run.returncode == 0, f"main_ppo exit {run.returncode}:\n{run.output[-6000:]}"
+    assert run.leftovers == [], f"processes left after the run: {run.leftovers}"
+
+
+def trained_steps(run: Result) -> list[int]:
+    """The steps whose metrics hold an actor update."""
+    return sorted({m["step"] for m in run.metrics if "actor/pg_loss" in m["data"]})
+
+
 MARKER = "MCORE_NPU_MAIN_PPO_RUN"
 RAY_STARTED = "Started a local Ray instance"
 

@@ -10,7 +10,7 @@ every verl process a CPU process (``mcore_npu.integrations.verl.cpu``). Nothing 
 stand-ins are the hardware's (gloo for HCCL, the ``hf_cpu`` rollout for vLLM, the project's CPU
 shims for torch_npu / CUDA entry points).
 
-Eight launches, one subprocess each in its own session (killed as a group on a hang), with its Ray
+Five launches, one subprocess each in its own session (killed as a group on a hang), with its Ray
 files in a fresh temp dir; after each, no process of the run may be left:
 
 - ``grpo``: the quick start as written, 3 steps, a checkpoint at step 2;
@@ -19,9 +19,9 @@ files in a fresh temp dir; after each, no process of the run may be left:
   bridge), at a learning rate the tiny model learns with;
 - ``critic``: GAE with a Megatron critic, 2 steps, its rollout ignoring every sync (it is also
   the no-sync control);
-- ``refused``: a recipe value the plugin refuses;
-- ``replay``, ``no_replay``, ``foreign_routes``: the public R3 router-replay recipe's lines on a
-  tiny Qwen3-MoE (:func:`replay_run`).
+- ``refused``: a recipe value the plugin refuses.
+
+The R3 router-replay runs are ``test_main_ppo_replay.py`` (``make test-main-ppo-replay``).
 
 They run side by side (``launches``, :func:`_conduct`): each launch spends most of its time
 starting Ray actors that import torch, Megatron and verl and leaves the 2 cores half idle alone;
@@ -31,21 +31,18 @@ wall time is in docs/verl_main_ppo.md.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import re
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("transfer_queue")
 
-from tests.integrations import main_ppo_run, route_probe
+from tests.integrations import main_ppo_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -114,54 +111,10 @@ def refused_run(assets, out):
     return overrides, {}
 
 
-def replay_run(assets, out, *, replay: bool = True, synced: bool = True, steps: int = 2):
-    """The quick start on the tiny Qwen3-MoE with the public R3 recipe's replay lines
-    (``router_replay.mode=R3``, ``enable_rollout_routing_replay``, ``calculate_log_probs``, thd)
-    and its MoE and KL settings (no KL loss, hence no reference model); actor TP=1 (DP=2, one
-    sequence a micro-batch), no validation, no checkpoint. The rollout dumps each response's
-    routes, the route probe (``route_probe.py``) each actor forward's. ``replay=False``: the same
-    run without ``router_replay.mode`` (the rollout still returns routes, which nothing replays);
-    ``synced=False``: the rollout ignores every sync, so it routes with other weights than the
-    actor's."""
-    keep = [o for o in main_ppo_run.recipe(assets, steps=steps, out=out)
-            if not o.startswith(REPLAY_DROPS)]  # fmt: skip
-    tc = "actor_rollout_ref.actor.megatron.override_transformer_config"
-    overrides = [
-        *keep,
-        f"actor_rollout_ref.model.path={assets.moe_model}",
-        "actor_rollout_ref.model.use_remove_padding=True",
-        "actor_rollout_ref.actor.use_kl_loss=False",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.calculate_log_probs=True",
-        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
-        f"+{tc}.moe_router_dtype=fp32",
-        f"+{tc}.moe_token_dispatcher_type=alltoall",
-        f"+{tc}.moe_permute_fusion=False",
-        NO_SAVE,
-        *NO_VALIDATION,
-    ]
-    if replay:
-        overrides.append("actor_rollout_ref.actor.megatron.router_replay.mode=R3")
-    env = {"MCORE_NPU_HF_CPU_DUMP_DIR": str(out / "rollout"),
-           route_probe.DIR_ENV: str(out / "actor"),
-           "VERL_USE_EXTERNAL_MODULES": f"{main_ppo_run.SWITCH['VERL_USE_EXTERNAL_MODULES']},"
-                                        "tests.integrations.route_probe",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           **({} if synced else {"MCORE_NPU_HF_CPU_SKIP_SYNC": "1"})}  # fmt: skip
-    return overrides, env
-
-
-# the quick start's lines the replay runs set otherwise
-REPLAY_DROPS = ("actor_rollout_ref.model.path=", "actor_rollout_ref.actor.use_kl_loss=",
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=")  # fmt: skip
-REPO = Path(__file__).resolve().parents[2]
-
-RUNS = {"grpo": grpo_run, "learning": learning_run, "critic": critic_run, "refused": refused_run,
-        "replay": replay_run, "no_replay": functools.partial(replay_run, replay=False),
-        "foreign_routes": functools.partial(replay_run, synced=False, steps=1)}  # fmt: skip
+RUNS = {"grpo": grpo_run, "learning": learning_run, "critic": critic_run, "refused": refused_run}
 # the two longest chains (grpo then the run resuming from its checkpoint; the 20 learning steps)
 # run at full priority, the short runs yield the CPU to them once their Ray instance is up
-YIELDING = {"critic": 10, "refused": 10, "replay": 10, "no_replay": 10, "foreign_routes": 10}
+YIELDING = {"critic": 10, "refused": 10}
 POLL_S = 0.5
 
 
@@ -250,15 +203,9 @@ def _run_fixture(name: str):
     return run
 
 
-grpo, learning, critic, refused, resumed, replay, no_replay, foreign_routes = map(
-    _run_fixture,
-    ("grpo", "learning", "critic", "refused", "resumed", "replay", "no_replay", "foreign_routes"),
+grpo, learning, critic, refused, resumed = map(
+    _run_fixture, ("grpo", "learning", "critic", "refused", "resumed")
 )
-
-
-def _succeeded(run: main_ppo_run.Result) -> None:
-    assert run.returncode == 0, f"main_ppo exit {run.returncode}:\n{run.output[-6000:]}"
-    assert run.leftovers == [], f"processes left after the run: {run.leftovers}"
 
 
 def _engines(run: main_ppo_run.Result) -> set[tuple[str, str, str]]:
@@ -266,13 +213,9 @@ def _engines(run: main_ppo_run.Result) -> set[tuple[str, str, str]]:
     return set(ENGINE_LINE.findall(run.output))
 
 
-def _trained_steps(run: main_ppo_run.Result) -> list[int]:
-    return sorted({m["step"] for m in run.metrics if "actor/pg_loss" in m["data"]})
-
-
 def test_three_grpo_steps_complete(grpo):
-    _succeeded(grpo)
-    assert _trained_steps(grpo) == list(range(1, STEPS + 1))
+    main_ppo_run.succeeded(grpo)
+    assert main_ppo_run.trained_steps(grpo) == list(range(1, STEPS + 1))
 
 
 def test_greedy_validation_runs_before_the_first_step_and_after_the_last(grpo):
@@ -312,7 +255,7 @@ def test_rollout_probs_match_the_actor_after_each_sync(grpo):
 
 
 def test_a_run_without_sync_exceeds_the_tolerance_tenfold(critic):
-    _succeeded(critic)
+    main_ppo_run.succeeded(critic)
     diffs = critic.series("training/rollout_probs_diff_max")  # measured: 0.598, 0.339
     assert len(diffs) == 2 and diffs[0] >= 10 * SYNC_TOLERANCE, diffs
 
@@ -324,7 +267,7 @@ def test_rollout_weights_after_step_2_equal_the_actor_export(grpo):
     import torch
     from safetensors.torch import load_file
 
-    _succeeded(grpo)
+    main_ppo_run.succeeded(grpo)
     dumps = grpo.out.parent / "rollout_weights"
     rollout = load_file(dumps / "replica0_step2.safetensors")
     export_dir = grpo.out.parent / "checkpoints" / "global_step_2" / "actor"
@@ -344,8 +287,8 @@ def test_resume_at_step_2_gives_the_same_step_3(grpo, resumed):
     """bf16 as the recipe runs (verl refuses an fp32 actor); every source of randomness is
     seeded (the rollout's per-request streams, verl's data order): step 3 of the resumed run
     equals the uninterrupted run's within 1e-6."""
-    _succeeded(resumed)
-    assert _trained_steps(resumed) == [3]
+    main_ppo_run.succeeded(resumed)
+    assert main_ppo_run.trained_steps(resumed) == [3]
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
         (again,) = resumed.series(key)
         assert again == pytest.approx(grpo.series(key)[2], abs=1e-6), key
@@ -353,7 +296,7 @@ def test_resume_at_step_2_gives_the_same_step_3(grpo, resumed):
 
 def test_without_the_vanilla_mbridge_line(learning):
     """verl's default bridge: the plugin's engines build and the export reaches the rollout."""
-    _succeeded(learning)
+    main_ppo_run.succeeded(learning)
     built = {(engine, role) for engine, _, role in _engines(learning)}
     assert built == {("NPUMegatronEngineWithLMHead", "training"),
                      ("NPUMegatronEngineWithLMHead", "forward only")}  # fmt: skip
@@ -364,7 +307,7 @@ def test_without_the_vanilla_mbridge_line(learning):
 def test_it_learns(learning):
     """Seed fixed: the mean reward of the last 5 of 20 steps is higher than at step 1, and the
     greedy validation's after step 20 higher than before step 1."""
-    _succeeded(learning)
+    main_ppo_run.succeeded(learning)
     scores = learning.series("critic/score/mean")
     assert len(scores) == LEARNING_STEPS, scores
     assert sum(scores[-5:]) / 5 > scores[0], scores
@@ -385,7 +328,7 @@ def test_a_refused_key_ends_the_run_with_the_plugins_message(refused):
 
 
 def test_a_critic_with_gae_runs_on_the_value_head_engine(critic):
-    _succeeded(critic)
+    main_ppo_run.succeeded(critic)
     built = {(engine, rank) for engine, rank, _ in _engines(critic)}
     assert {
         ("NPUMegatronEngineWithValueHead", "0"),
@@ -395,88 +338,3 @@ def test_a_critic_with_gae_runs_on_the_value_head_engine(critic):
     for key in (vf_loss, "actor/pg_loss"):
         values = critic.series(key)
         assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)
-
-
-def _rollout_routes(run: main_ppo_run.Result) -> dict:
-    """The rollout's dumps: ``{token ids (prompt + response): routes [P + R - 1, L, k]}``, each
-    row's expert ids sorted."""
-    import torch
-
-    found = {}
-    for file in (run.out.parent / "rollout").glob("routes_*.pt"):
-        saved = torch.load(file)
-        found[tuple(saved["ids"].tolist())] = saved["routes"].long().sort(dim=-1).values
-    return found
-
-
-def _routes_compared(run: main_ppo_run.Result) -> tuple[int, int, int]:
-    """``(actor forwards, rows compared, rows that differ)``: each actor forward's routes (the
-    route probe's) against the rollout's for the same sequence, token by token and layer by
-    layer, over every token the rollout fed (all but the last: the R3 replay mask's rows). Every
-    actor forward must be over one of the rollout's sequences."""
-    import torch
-
-    rollout = _rollout_routes(run)
-    forwards = [torch.load(f) for f in sorted((run.out.parent / "actor").glob("forward_*.pt"))]
-    rows = differ = 0
-    for forward in forwards:
-        key = tuple(forward["ids"].tolist())
-        assert key in rollout, f"an actor forward over a sequence the rollout never sampled: {key}"
-        want = rollout[key]  # [T - 1, L, k]
-        got = torch.stack(forward["routes"], dim=1)[:-1]  # [T - 1, L, k]
-        assert got.shape == want.shape, (got.shape, want.shape)
-        rows += got.shape[0] * got.shape[1]
-        differ += int((got != want).any(dim=-1).sum())
-    return len(forwards), rows, differ
-
-
-def _assert_replayed(run: main_ppo_run.Result, steps: int) -> None:
-    """``steps`` GRPO steps completed; in every actor forward (old log-probs and update) every
-    replayed row took the rollout's experts; losses and grad norms finite, grad norms non-zero."""
-    _succeeded(run)
-    assert _trained_steps(run) == list(range(1, steps + 1))
-    forwards, rows, differ = _routes_compared(run)
-    assert forwards >= 4 * steps and rows > 0, (forwards, rows)  # 4 sequences a step, update
-    assert differ == 0, f"{differ} of {rows} replayed rows routed elsewhere"
-    for key in ("actor/pg_loss", "actor/grad_norm"):
-        values = run.series(key)
-        assert len(values) == steps and all(math.isfinite(v) for v in values), (key, values)
-    assert all(v > 0 for v in run.series("actor/grad_norm"))
-
-
-def test_r3_trains_on_the_rollouts_routes(replay):
-    """The R3 recipe's lines, the rollout synced: 2 steps on the rollout's routes."""
-    _assert_replayed(replay, steps=2)
-
-
-def test_r3_follows_routes_the_actor_would_not_take(foreign_routes, assets):
-    """The rollout ignores every sync, so its routes come from other weights; the actor still
-    takes them on every replayed row. The control: the actor's own weights (the checkpoint,
-    transformers in fp32) route a quarter or more of those rows elsewhere."""
-    import torch
-    import transformers
-
-    from mcore_npu.integrations.verl.cpu import routes
-
-    _assert_replayed(foreign_routes, steps=1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        assets.moe_model, dtype=torch.float32
-    ).eval()
-    rows = differ = 0
-    for ids, want in _rollout_routes(foreign_routes).items():
-        with routes.recording(model) as recorded, torch.no_grad():
-            model(input_ids=torch.tensor([ids[:-1]]))
-        own = recorded.stacked().long().sort(dim=-1).values
-        rows += own.shape[0] * own.shape[1]
-        differ += int((own != want).any(dim=-1).sum())
-    assert rows > 0 and differ >= rows / 4, (differ, rows)
-
-
-def test_r3_keeps_the_rollout_probs_no_further_than_without_replay(replay, no_replay):
-    """``rollout_probs_diff_max`` with replay is no larger, step by step, than in the same run
-    without (same seeds, same prompts)."""
-    _succeeded(no_replay)
-    with_replay = replay.series("training/rollout_probs_diff_max")
-    without = no_replay.series("training/rollout_probs_diff_max")
-    assert len(with_replay) == len(without) == 2, (with_replay, without)
-    assert all(a <= b for a, b in zip(with_replay, without)), (with_replay, without)
