@@ -12,6 +12,9 @@ from typing import Any
 _EXPORTS = {
     "batch_invariant_attention": "batch_invariant",
     "fusion_attention": "attention",
+    "lightning_indexer": "dsa",
+    "sparse_flash_attention": "dsa",
+    "sparse_lightning_indexer_grad_kl_loss": "dsa",
     "fusion_attention_grad": "attention",
     "fusion_attention_with_stats": "attention",
     "grouped_linear": "fused",

@@ -95,3 +95,71 @@ def masked_causal_conv1d(_op, *, width=None, dtype=None, grad=False, **_facts) -
     if dtype is not None and dtype not in ("float16", "bfloat16"):
         return f"it takes float16 / bfloat16 only, got {dtype}"
     return None
+
+
+def lightning_indexer(_op, *, query=None, key=None, layout="BSND", **_facts) -> str | None:
+    """npu_lightning_indexer: fp16/bf16, D = 128, one key head, at most 64 query heads (TND:
+    exactly 64)."""
+    from mcore_npu.ops import dsa
+
+    if query is None:
+        return None
+    if str(query.dtype) not in ("torch.float16", "torch.bfloat16"):
+        return f"it takes float16/bfloat16, got {str(query.dtype).removeprefix('torch.')}"
+    if query.shape[-1] != dsa.INDEXER_HEAD_DIM:
+        return f"it takes D = {dsa.INDEXER_HEAD_DIM}, got D = {query.shape[-1]}"
+    heads = query.shape[-2]
+    if heads > dsa.INDEXER_MAX_HEADS or (layout == "TND" and heads != dsa.INDEXER_MAX_HEADS):
+        limit = "exactly 64 in TND" if layout == "TND" else "at most 64"
+        return f"it takes {limit} query heads, got {heads}"
+    return None
+
+
+def sparse_flash_attention(
+    _op, *, query=None, key=None, query_rope=None, attention_mode=2, grad=False, **_facts
+) -> str | None:
+    """npu_sparse_flash_attention: fp16/bf16, one KV head, D = 512 plus a 64-wide rope part,
+    a power-of-two query head count (per rank) up to 128; training needs attention_mode=2."""
+    from mcore_npu.ops import dsa
+
+    if query is None:
+        return None
+    if str(query.dtype) not in ("torch.float16", "torch.bfloat16"):
+        return f"it takes float16/bfloat16, got {str(query.dtype).removeprefix('torch.')}"
+    if key is not None and key.shape[-2] != 1:
+        return f"it takes one KV head, got {key.shape[-2]}"
+    if query.shape[-1] != dsa.SFA_HEAD_DIM:
+        return f"it takes D = {dsa.SFA_HEAD_DIM}, got D = {query.shape[-1]}"
+    if query_rope is None or query_rope.shape[-1] != dsa.SFA_ROPE_DIM:
+        got = "none" if query_rope is None else query_rope.shape[-1]
+        return f"it takes a rope part of {dsa.SFA_ROPE_DIM}, got {got}"
+    heads = query.shape[-2]
+    if heads & (heads - 1) or heads > 128:
+        return f"it takes a power-of-two query head count up to 128, got {heads}"
+    if grad and attention_mode != 2:
+        return f"its gradient needs attention_mode=2 (absorbed MLA), got {attention_mode}"
+    return None
+
+
+KL_LOSS_HEADS, KL_LOSS_INDEX_HEADS = (32, 64, 128), (8, 16, 32, 64)
+KL_LOSS_TOPK = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
+
+
+def sparse_lightning_indexer_grad_kl_loss(
+    _op, *, query=None, query_index=None, query_rope=None, sparse_count=None, **_facts
+) -> str | None:
+    """npu_sparse_lightning_indexer_grad_kl_loss: fp16/bf16, D = 512 with a 64-wide rope part,
+    N1 in 32/64/128, indexer heads in 8/16/32/64, top-k a multiple of 1024 up to 8192."""
+    if query is None:
+        return None
+    if str(query.dtype) not in ("torch.float16", "torch.bfloat16"):
+        return f"it takes float16/bfloat16, got {str(query.dtype).removeprefix('torch.')}"
+    if query.shape[-1] != 512 or query_rope is None or query_rope.shape[-1] != 64:
+        return "it takes D = 512 with a rope part of 64"
+    if query.shape[-2] not in KL_LOSS_HEADS:
+        return f"it takes 32, 64 or 128 query heads, got {query.shape[-2]}"
+    if query_index is not None and query_index.shape[-2] not in KL_LOSS_INDEX_HEADS:
+        return f"it takes 8, 16, 32 or 64 indexer heads, got {query_index.shape[-2]}"
+    if sparse_count is not None and sparse_count not in KL_LOSS_TOPK:
+        return f"it takes a top-k in {list(KL_LOSS_TOPK)}, got {sparse_count}"
+    return None

@@ -133,6 +133,19 @@ OPERATORS: dict[str, Operator] = {
                  f"{_OPS}.batch_invariant:validate_batch_invariant_attention",
                  (Kernel("flash_attn_npu", "flash_attn_npu",
                          ("flash_attn_func", "flash_attn_varlen_func")),)),
+        Operator("lightning_indexer", f"{_OPS}.dsa.indexer:lightning_indexer",
+                 f"{_OPS}.dsa.indexer:indexer_reference", f"{_OPS}.dsa.indexer:validate_lightning_indexer",
+                 _npu("npu_lightning_indexer", probe=f"{_PROBES}:lightning_indexer")),
+        Operator("sparse_flash_attention", f"{_OPS}.dsa.attention:sparse_flash_attention",
+                 f"{_OPS}.dsa.attention:sparse_attention_reference",
+                 f"{_OPS}.dsa.attention:validate_sparse_flash_attention",
+                 _npu("npu_sparse_flash_attention", "npu_sparse_flash_attention_grad",
+                      probe=f"{_PROBES}:sparse_flash_attention")),
+        Operator("sparse_lightning_indexer_grad_kl_loss",
+                 f"{_OPS}.dsa.kl_loss:sparse_lightning_indexer_grad_kl_loss",
+                 f"{_OPS}.dsa.kl_loss:indexer_kl_loss_reference", f"{_OPS}.dsa.kl_loss:validate_indexer_kl_loss",
+                 _npu("npu_sparse_lightning_indexer_grad_kl_loss",
+                      probe=f"{_PROBES}:sparse_lightning_indexer_grad_kl_loss")),
     )
 }  # fmt: skip
 

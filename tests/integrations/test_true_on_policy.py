@@ -4,10 +4,11 @@ plugin's engine, on CPU: the three keys of verl's true-on-policy Ascend recipes 
 first or last in a packed (thd) batch of sequences of other lengths, or right-padded in a bshd
 batch; for a dense and an MoE model, within 0.1 of transformers.
 
-The CPU path without the mode gives the same bits today (verified below, kept as a regression
-test); with the mode its attention is the fixed-block reference (``mcore_npu.ops.batch_invariant``),
-whose invariance does not depend on PyTorch's fused kernel (tests/ops/test_batch_invariant.py
-shows that kernel's bits change with the padded length).
+Without the mode the CPU path keeps the bits of packed (thd) placements but not of right
+padding: the MoE model's padded log-probs move by about 2e-4 (the regression test below keeps
+both facts). With the mode, attention is the fixed-block reference
+(``mcore_npu.ops.batch_invariant``), whose invariance does not depend on PyTorch's fused kernel
+(tests/ops/test_batch_invariant.py shows that kernel's bits change with the padded length).
 """
 
 from __future__ import annotations
