@@ -17,7 +17,7 @@ DOCS_VENV  ?= .venv-docs
 DOCS_BIN   := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-main-ppo-replay test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env nemotron-env docs lint format bench bench-ssd clean-venv
+.PHONY: demo test test-fast test-verl test-main-ppo-replay test-nemotron test-megatron-bridge test-compat compat-smoke compat-smoke-envs verl-env nemotron-env docs lint format bench bench-ssd bench-dsa clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; run with PYTHON=/path/to/python3.11" >&2; exit 1; }
@@ -50,15 +50,15 @@ $(DOCS_STAMP): requirements-docs.lock
 demo: $(STAMP)
 	$(BIN)/mcore-npu train --config configs/gpt_tiny.yaml
 
-# tests/integrations need the verl environment, tests/nemotron the Nemotron-H one: `make test`
-# leaves them out, `make test-verl` / `make test-nemotron` run only them. All run on TEST_WORKERS
-# pytest-xdist workers (0: in one process); a test module stays on one worker, so its module
-# fixtures are made once.
+# tests/integrations need the verl environment, tests/nemotron and tests/dsa_hf the Nemotron-H
+# one: `make test` leaves them out, `make test-verl` / `make test-nemotron` run only them. All
+# run on TEST_WORKERS pytest-xdist workers (0: in one process); a test module stays on one
+# worker, so its module fixtures are made once.
 TEST_WORKERS ?= 2
 PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron --ignore=tests/vision_hf
+	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron --ignore=tests/vision_hf --ignore=tests/dsa_hf
 
 # the inner loop: the operator, mask, CPU-runtime and spec unit tests, no torchrun and no
 # trainer runs in a subprocess (docs/contributing.md: run it first; under 2 minutes on 2 cores)
@@ -76,9 +76,9 @@ test-main-ppo-replay: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q tests/integrations/test_main_ppo_replay.py
 
 # Nemotron-H against transformers 5.25 (verl pins < 5.11): the environment of its own; Qwen3-VL
-# (tests/vision_hf) against both 5.10.4 (test-verl) and 5.25
+# (tests/vision_hf) against both 5.10.4 (test-verl) and 5.25; GLM-5 / DeepSeek-V3.2 (tests/dsa_hf)
 test-nemotron: $(NEMO_STAMP)
-	$(NEMO_BIN)/python -m pytest -q $(PARALLEL) tests/nemotron tests/vision_hf
+	$(NEMO_BIN)/python -m pytest -q $(PARALLEL) tests/nemotron tests/vision_hf tests/dsa_hf
 
 # opt-in, not CI: verl's Megatron-Bridge path (vanilla_mbridge=False) against a scratch
 # megatron-bridge 0.3.1 (--no-deps, its TE/Triton-only modules replaced by stand-ins) in
@@ -130,6 +130,11 @@ bench: $(STAMP)
 # Mamba2's scan against transformers 5.25's pure-torch one (docs/mamba_ops.md), not CI
 bench-ssd: $(NEMO_STAMP)
 	$(NEMO_BIN)/mcore-npu bench ssd --out bench-out
+
+# DSA's sparse attention reference against dense masked attention at S=8192, top-k 2048
+# (docs/bench.md#dsa-sparse-attention), not CI: about 10 GiB and 1.5 min on 2 cores
+bench-dsa: $(STAMP)
+	$(BIN)/mcore-npu bench dsa --out bench-out
 
 clean-venv:
 	rm -rf $(VENV) $(VERL_VENV) $(NEMO_VENV) $(DOCS_VENV)

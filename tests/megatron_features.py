@@ -20,6 +20,7 @@ GDN_CONFIG_FIELDS = (
     "linear_num_key_heads",
     "linear_attention_freq",
 )
+DSA_CONFIG_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_topk")
 
 
 def missing_fields(*names: str) -> list[str]:

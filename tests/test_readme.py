@@ -116,6 +116,12 @@ def test_readme_headline_figures_match_the_saved_results():
         time, peak = (g["measured"] for g in goals)
         assert f"{time:.2f}× time" in _headline(label) and f"({peak:.2f}×)" in _headline(label)
 
+    dsa = json.loads((BENCH / "dsa.json").read_text())
+    peak = {r["method"]: r["peak_bytes"] for r in dsa["rows"]}
+    row = _headline("DeepSeek sparse attention")
+    assert f"{dsa['time_ratio']:.2f}× time" in row and f"({dsa['peak_ratio']:.3f}×)" in row
+    assert _mib(peak["dense masked"]) in row and _mib(peak["reference"]) in row
+
     cp = json.loads((BENCH / "cp.json").read_text())
     ring = next(r for r in cp["rows"] if r["cp"] == 2 and r["comm"] == "p2p")
     row = _headline("context parallelism")

@@ -11,8 +11,8 @@ spec the bridge builds changes, on the bridge instance (mbridge is not patched):
 :func:`use_npu_spec` also fixes the Hugging Face config fields transformers >= 5 leaves off and
 the router's softmax form. DeepSeek-V3 gets the plugin's subclass (:mod:`.mbridge_fixes`),
 Qwen3.5 / Qwen3-Next and Nemotron-H the plugin's own bridges (:mod:`.hf_qwen3_5`,
-:mod:`.hf_nemotron_h`). Needs ``mcore-npu[hf]``; ``import mcore_npu`` never imports this module.
-See docs/hf_weights.md.
+:mod:`.hf_nemotron_h`), GLM-5 / DeepSeek-V3.2 (DeepSeek Sparse Attention) :mod:`.hf_dsa`.
+Needs ``mcore-npu[hf]``; ``import mcore_npu`` never imports this module. See docs/hf_weights.md.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
     Overrides ``_get_transformer_layer_spec`` on this instance only; the spec follows
     ``bridge.config`` at build time, so a later ``bridge.set_extra_args(...)`` still applies.
     MTP layers: from the NPU spec for MiMo, else refused (:func:`refuse_mbridge_mtp`). A bridge
-    that builds its own NPU spec (``own_npu_spec``: Nemotron-H, Qwen3-VL) gets ``kernel``.
+    that builds its own NPU spec (``own_npu_spec``: Nemotron-H, Qwen3-VL, DSA) gets ``kernel``.
     """
     if getattr(bridge, "own_npu_spec", False):
         bridge.npu_kernel = kernel
@@ -91,6 +91,10 @@ def bridge_from_config(hf_config, **bridge_kwargs):
         from mcore_npu.integrations import hf_nemotron_h  # registers its bridge with mbridge
 
         return hf_nemotron_h.NemotronHBridge(hf_config, **bridge_kwargs)
+    if model_type in mbridge_fixes.DSA_TYPES:
+        from mcore_npu.integrations import hf_dsa  # registers its bridge with mbridge
+
+        return hf_dsa.DSABridge(hf_config, **bridge_kwargs)
     if model_type in mbridge_fixes.QWEN3_VL_TYPES:
         from mcore_npu.integrations import hf_qwen3_vl_bridge  # registers its bridge with mbridge
 

@@ -31,9 +31,10 @@ QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "
 QWEN3_5_HUB_TYPES = ("qwen3_5", "qwen3_5_moe")  # the hub form: vision tower and language model
 NEMOTRON_H_TYPES = ("nemotron_h",)
 QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES + QWEN3_VL_TYPES
+DSA_TYPES = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek Sparse Attention: GLM-5, DeepSeek-V3.2
+PLUGIN_BRIDGES = QWEN3_5_TYPES + NEMOTRON_H_TYPES + QWEN3_VL_TYPES + DSA_TYPES
 """Model types mbridge has no bridge for, bridged by the plugin (``integrations.hf_qwen3_5``,
-``integrations.hf_nemotron_h``)."""
+``integrations.hf_nemotron_h``, ``integrations.hf_qwen3_vl_bridge``, ``integrations.hf_dsa``)."""
 FP8_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales (DeepSeek-V3's FP8 release)
 
 _RENAMED_KEYWORDS = {"max_position_embeddings": "original_max_position_embeddings"}

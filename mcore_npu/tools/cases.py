@@ -36,6 +36,7 @@ DEFAULT_TABLE = _table("attention_cases.yaml")
 FUSED_TABLE = _table("fused_ops_cases.yaml")
 GDN_TABLE = _table("gated_delta_cases.yaml")
 MAMBA_TABLE = _table("mamba_cases.yaml")
+DSA_TABLE = _table("dsa_cases.yaml")
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,15 @@ class MambaCase(OperatorCase):
     quantities = ("forward", "state", *(f"grad{i}" for i in range(9)))
 
 
-KINDS = {cls.kind: cls for cls in (AttentionCase, FusedCase, GatedDeltaCase, MambaCase)}
+class DsaCase(OperatorCase):
+    kind = "dsa"
+    operators = ("lightning_indexer", "sparse_flash_attention")
+    # the output (indexer: the selected keys' scores), the indexer's wrong selections, the
+    # gradients of query, key, value, query_rope, key_rope
+    quantities = ("forward", "indices", *(f"grad{i}" for i in range(5)))
+
+
+KINDS = {cls.kind: cls for cls in (AttentionCase, FusedCase, GatedDeltaCase, MambaCase, DsaCase)}
 
 
 def table_kind(path) -> str | None:

@@ -27,7 +27,7 @@ import torch
 
 from mcore_npu.allocator import device as accelerators
 from mcore_npu.ops import fusion_attention, fusion_attention_grad, fusion_attention_with_stats
-from mcore_npu.tools import fused_cases, gdn_cases, mamba_cases
+from mcore_npu.tools import dsa_cases, fused_cases, gdn_cases, mamba_cases
 from mcore_npu.tools.cases import (
     DEFAULT_TABLE,
     AttentionCase,
@@ -318,6 +318,7 @@ CHECKS = {  # a case's kind -> (its oracle-mode check, its hardware-mode check)
     "fused_ops": (fused_cases.check_reference_fused_case, fused_cases.check_kernel_fused_case),
     "gated_delta": (gdn_cases.check_reference_gdn_case, gdn_cases.check_kernel_gdn_case),
     "mamba": (mamba_cases.check_reference_mamba_case, mamba_cases.check_kernel_mamba_case),
+    "dsa": (dsa_cases.check_reference_dsa_case, dsa_cases.check_kernel_dsa_case),
 }
 
 

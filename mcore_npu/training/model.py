@@ -66,8 +66,11 @@ def transformer_config(cfg):
     if resolve_backend(cfg.attention.backend) == "npu_fusion":
         fields["apply_rope_fusion"] = False  # the intent is in rope_kernel (Megatron's is TE-only)
     if is_mla(cfg):
+        from mcore_npu.transformer.dsa import DSATransformerConfig, is_dsa
+
         rope = dict(rotary_base=float(m.rotary_base), rotary_percent=float(m.rotary_percent))
-        return MLATransformerConfig(**fields, **rope)  # an MLA layer builds its own RoPE
+        config_class = DSATransformerConfig if is_dsa(fields) else MLATransformerConfig
+        return config_class(**fields, **rope)  # an MLA layer builds its own RoPE
     if is_gdn(cfg):  # Megatron's own config asserts CP == 1 for GDN
         from mcore_npu.transformer.gated_delta_net import GDNTransformerConfig
 

@@ -1,7 +1,7 @@
 """Megatron's hybrid layer pattern, one symbol per layer: what the installed stack builds.
 
 ``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE (megatron-core 0.16+), ``G`` Gated DeltaNet
-(0.17+), ``+`` MLA (0.19); ``D`` (DeepSeek Sparse Attention) is not built by the NPU spec. The
+(0.17+), ``D`` DeepSeek Sparse Attention (0.18+), ``+`` MLA (0.19). The
 pipe ``|`` and the MTP separator ``/`` of 0.17+ patterns are not taken by the trainer (the spec
 builds MTP for Megatron's own builder)."""
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 SLOTS = {"M": "mamba_layer", "*": "attention_layer", "-": "mlp_layer", "E": "moe_layer",
-         "G": "gdn_layer", "+": "mla_layer"}  # fmt: skip
-SINCE = {"E": "0.16", "G": "0.17", "+": "0.19"}
+         "G": "gdn_layer", "+": "mla_layer", "D": "dsa_layer"}  # fmt: skip
+SINCE = {"E": "0.16", "G": "0.17", "D": "0.18", "+": "0.19"}
 """The megatron-core release whose hybrid stack first has the symbol's slot."""
 
 
@@ -36,7 +36,7 @@ def check_pattern(pattern, num_layers: int) -> str:
             f"hybrid_pattern: {pattern!r} has {unknown}, which the installed megatron-core's "
             f"hybrid stack with the NPU spec does not build{' (' + ', '.join(newer) + ')' if newer else ''}; "
             f"use the symbols {known!r} (M Mamba, * attention, - MLP, E MoE, G Gated DeltaNet, "
-            "+ MLA), one per layer"
+            "+ MLA, D DSA), one per layer"
         )
     if len(pattern) != num_layers:
         raise ValueError(

@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.backends import resolve_backend
+from mcore_npu.transformer.dsa import NPUDSASelfAttention, is_dsa
 from mcore_npu.transformer.gated_delta_net.spec import (
     dense_block_config,
     hybrid_layer_specs,
@@ -55,13 +56,15 @@ def get_gpt_layer_npu_spec(*, pg_collection=None, **kwargs) -> ModuleSpec:
     return npu_layer_spec(provider, pg_collection=pg_collection, **kwargs)
 
 
-def npu_layer_spec(provider: NPUSpecProvider, *, pg_collection=None, **kwargs) -> ModuleSpec:
+def npu_layer_spec(
+    provider: NPUSpecProvider, *, pg_collection=None, dsa: bool = False, **kwargs
+) -> ModuleSpec:
     """Megatron's local layer spec for ``kwargs`` (``get_gpt_layer_local_spec``'s keywords)
-    swapped by ``provider``, which a model's layers share."""
+    swapped by ``provider``, which a model's layers share; ``dsa``: MLA made DSA."""
     _check_keywords(kwargs, megatron_specs.get_gpt_layer_local_spec)
     spec = copy.deepcopy(megatron_specs.get_gpt_layer_local_spec(**kwargs))
     grouped = bool(kwargs.get("moe_grouped_gemm", False))
-    return _swap_npu_parts(spec, provider, grouped, pg_collection)
+    return _swap_npu_parts(spec, provider, grouped, pg_collection, dsa)
 
 
 def get_gpt_decoder_block_npu_spec(
@@ -107,12 +110,14 @@ def get_gpt_decoder_block_npu_spec(
     )
     provider = NPUSpecProvider(options)  # one per model: every layer shares its memo
     swapped: dict[int, ModuleSpec] = {}
-    block.layer_specs = [
-        swapped.setdefault(
-            id(spec), _swap_npu_parts(spec, provider, moe_grouped_gemm, pg_collection)
-        )
-        for spec in block.layer_specs
-    ]
+    swap = functools.partial(
+        _swap_npu_parts, provider=provider, grouped=moe_grouped_gemm,
+        pg_collection=pg_collection, dsa=is_dsa(config),
+    )  # fmt: skip
+    for spec in block.layer_specs:  # layers may share one spec object: swap it once
+        if id(spec) not in swapped:
+            swapped[id(spec)] = swap(spec)
+    block.layer_specs = [swapped[id(spec)] for spec in block.layer_specs]
     if is_gdn(config):
         block.layer_specs = hybrid_layer_specs(
             block.layer_specs,
@@ -128,8 +133,12 @@ def get_gpt_decoder_block_npu_spec(
 
 def _builder_config(config, moe_grouped_gemm: bool):
     """``dense_block_config(config)`` with the experts' form asked for (a shallow copy if it
-    differs)."""
+    differs); DSA's MLA layers are built as MLA (0.16.1's dispatch refuses ``"dsa"``) and made
+    DSA by :func:`_swap_npu_parts`."""
     view = dense_block_config(config)
+    if is_dsa(view):
+        view = copy.copy(view)
+        view.experimental_attention_variant = None
     if bool(getattr(view, "moe_grouped_gemm", False)) == moe_grouped_gemm:
         return view
     view = copy.copy(view)
@@ -174,18 +183,23 @@ def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:
 
 
 def _swap_npu_parts(
-    layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool, pg_collection=None
-) -> ModuleSpec:
-    """Swap core attention, torch norms and MLP / MoE parts of one (copied) layer spec, fuse the
-    norms in the te layout, and bind the MLP slot to ``pg_collection``."""
+    layer: ModuleSpec, provider: NPUSpecProvider, grouped: bool, pg_collection=None,
+    dsa: bool = False,
+) -> ModuleSpec:  # fmt: skip
+    """Swap core attention, torch norms and MLP / MoE parts of one (copied) layer spec (MLA ->
+    DSA with ``dsa``), fuse the norms in the te layout, and bind the MLP slot to
+    ``pg_collection``."""
     subs = layer.submodules
     attention = subs.self_attention.submodules
     attention.core_attention = provider.core_attention()
     module = subs.self_attention.module if isinstance(subs.self_attention, ModuleSpec) else None
     if module is SelfAttention:
         subs.self_attention = provider.self_attention(subs.self_attention)
+    elif module is MLASelfAttention and dsa:
+        subs.self_attention = provider.dsa_self_attention(subs.self_attention)
     elif module is MLASelfAttention:
         subs.self_attention = provider.mla_self_attention(subs.self_attention)
+    attention = subs.self_attention.submodules  # DSA's is a copy
     for owner, name in (
         (subs, "input_layernorm"),
         (subs, "pre_mlp_layernorm"),
@@ -274,6 +288,8 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
     subs = layer.submodules
     if subs.self_attention.module is NPUMLASelfAttention:
         _fuse_latent_norms(subs.self_attention.submodules, provider)
+    elif subs.self_attention.module is NPUDSASelfAttention:
+        pass  # the indexer reads the normalised q latent: the latent norms stay (as in 0.19)
     elif subs.self_attention.module in (SelfAttention, NPUSelfAttention, NPURotarySelfAttention):
         subs.self_attention.submodules.linear_qkv = provider.column_parallel_layer_norm_linear()
         subs.input_layernorm = IdentityOp

@@ -238,3 +238,15 @@ def config_fields() -> frozenset[str]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def require_config_fields(owner: str, fields, what: str, since: str) -> None:
+    """ValueError naming ``owner`` and the missing fields where the installed
+    ``TransformerConfig`` lacks some of ``fields`` (``what`` came with megatron-core ``since``)."""
+    missing = [name for name in fields if name not in config_fields()]
+    if missing:
+        raise ValueError(
+            f"{owner}: the installed megatron-core's TransformerConfig has no "
+            f"{', '.join(missing)}: {what} config fields came with megatron-core {since}; "
+            f"install megatron-core>={since} to build {what}"
+        )

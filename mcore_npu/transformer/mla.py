@@ -335,8 +335,9 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
 
         def megatrons(x, kind):
             return apply_rotary_pos_emb(
-                x, angles, config=config, cu_seqlens=cu[kind], mscale=mscale, cp_group=cp_group
-            )
+                x, angles, config=config, cu_seqlens=cu[kind], mscale=mscale, cp_group=cp_group,
+                **_MLA_PAIRS,
+            )  # fmt: skip
 
         return megatrons
 
@@ -377,6 +378,15 @@ class NPUMLASelfAttention(MLASelfAttention, _MLAConstruction):
             return _cos_sin(chosen, mscale, dtype)
 
         return self.rope_cache.cos_sin(angles, what, make)
+
+
+# MLA's rope slice is in interleaved pairs: megatron-core 0.19 asks for that by keyword (its
+# default is off), before it followed config.multi_latent_attention
+_MLA_PAIRS = (
+    {"mla_rotary_interleaved": True}
+    if "mla_rotary_interleaved" in inspect.signature(apply_rotary_pos_emb).parameters
+    else {}
+)
 
 
 def _first(*tensors):

@@ -158,6 +158,7 @@ def translate(
     _place_stage_list(plan, context)
     _check_switch_keys_agree(plan, overrides, table)
     _check_batch_invariant(plan, overrides, context)
+    _check_sparse_attention_cp(plan, overrides)
     _check_context_parallel(plan.megatron, context)
     return plan
 
@@ -199,6 +200,30 @@ _BATCH_INVARIANT_KEYS = (
     "batch_invariant_mode",
     "use_batch_invariant_ops",
 )
+
+
+DSA_VARIANT = "dsa"
+"""``experimental_attention_variant`` of DeepSeek sparse attention (GLM-5, DeepSeek-V3.2)."""
+DSA_CP_COMM_TYPE = "all_gather"
+"""The one context-parallel algorithm of DSA layers (MindSpeed's ``kvallgather_cp_algo``)."""
+DSA_CP_NOTE = "DSA layers run context parallelism by K/V all-gather only"
+
+
+def _check_sparse_attention_cp(plan: RecipePlan, overrides: Mapping) -> None:
+    """With DSA layers (``experimental_attention_variant=dsa``): a CP algorithm other than
+    all-gather is refused, at any CP size, naming the recipe key that chose it; all-gather's log
+    line says it is DSA's one algorithm."""
+    megatron = plan.megatron
+    chosen = megatron.get("cp_comm_type")
+    if megatron.get("experimental_attention_variant") != DSA_VARIANT or chosen is None:
+        return
+    key = "context_parallel_algo" if "context_parallel_algo" in overrides else "cp_comm_type"
+    for comm_type in [chosen] if isinstance(chosen, str) else chosen:
+        if comm_type != DSA_CP_COMM_TYPE:
+            why = f"it selects cp_comm_type={comm_type!r}, and {DSA_CP_NOTE}"
+            raise _refusal(key, overrides[key], why, "use kvallgather_cp_algo (all_gather)")
+    start = f"{PREFIX}.{key}="
+    plan.log = [f"{line} ({DSA_CP_NOTE})" if line.startswith(start) else line for line in plan.log]
 
 
 def _check_context_parallel(megatron: dict, context: RecipeContext) -> None:
@@ -380,7 +405,7 @@ def _describe(key: str, outcome: dict) -> str:
             f"NPU spec `{outcome['keyword']}={outcome['set']!r}`"
             + _KEYWORD_NOTES.get(outcome["keyword"], _SPEC_NOTES.get(outcome["set"], ""))
         ),
-        "cp": lambda: f"Megatron's `cp_comm_type={outcome['set']!r}`",
+        "cp": lambda: _describe_cp(outcome["set"]),
         "optimizer": lambda: f"verl's `megatron.{outcome['field']}` (DDP and optimizer)",
         "offload": lambda: (
             "the CPU optimizer offload, one log line: "
@@ -401,13 +426,25 @@ def _describe(key: str, outcome: dict) -> str:
     return text.replace("|", "\\|")
 
 
-_SPEC_NOTES = {None: " (= the spec's `kernel`)", "off": " (Megatron's own module)"}
+_SPEC_NOTES = {
+    None: " (= the spec's `kernel`)",
+    "off": " (Megatron's own module)",
+    "auto": " (the torch_npu kernel where it runs, the registry's fallback elsewhere)",
+    "reference": " (the PyTorch reference)",
+}
 _KEYWORD_NOTES = {
     "batch_invariant": (
         " (batch-invariant mode: flash_attn_npu's fixed-split attention on an NPU, the "
         "fixed-block reference elsewhere; docs/true_on_policy.md)"
     )
 }
+
+
+def _describe_cp(comm_type: str) -> str:
+    text = f"Megatron's `cp_comm_type={comm_type!r}`"
+    if comm_type != DSA_CP_COMM_TYPE:
+        text += "; refused with DSA layers (all-gather only)"
+    return text
 
 
 def _describe_gdn(key: str, outcome: dict) -> str:

@@ -11,6 +11,7 @@ Megatron's module for that part. See docs/specs.md."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -25,6 +26,9 @@ from mcore_npu.ops.registry import KERNELS, check_kernel
 from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.attention import NPUFusionAttention, TELayoutNPUFusionAttention
 from mcore_npu.transformer.backends import check_param_layout
+from mcore_npu.transformer.dsa import SPEC_KEYWORDS as DSA_SPEC_KEYWORDS
+from mcore_npu.transformer.dsa import NPUDSASelfAttention, NPUSparseAttention
+from mcore_npu.transformer.dsa.settings import check_spec_keywords as check_dsa_keywords
 from mcore_npu.transformer.experts import NPUGroupedMLP
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
@@ -33,6 +37,7 @@ from mcore_npu.transformer.norms import SequenceParallelNorm
 from mcore_npu.transformer.rope import NPURotarySelfAttention, RopeCosSinCache
 from mcore_npu.transformer.self_attention import NPUSelfAttention
 
+DSA_KERNELS = ("lightning_indexer_kernel", "sparse_attention_kernel", "indexer_loss_kernel")
 FUSED_KERNELS = (*KERNELS, "off")
 """Values of the fused operators' kernels (``rms_norm_kernel``, ...); None = ``kernel``."""
 
@@ -51,6 +56,12 @@ class NPUSpecOptions:
     batch_invariant: batch-invariant (true on-policy) mode: core attention through
         ``mcore_npu.ops.batch_invariant_attention``, the mode's limits checked when a layer is
         built (docs/true_on_policy.md).
+    dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon: DSA layers' indexer RoPE on
+        interleaved pairs (GLM-5) or halves, and its key norm's epsilon; None = the config's
+        0.19 field, else False / ``layernorm_epsilon`` (docs/dsa.md).
+    lightning_indexer_kernel, sparse_attention_kernel, indexer_loss_kernel: DSA layers'
+        operators (``lightning_indexer``, ``sparse_flash_attention``, the indexer KL loss);
+        None = ``kernel``.
     """
 
     kernel: str = "auto"
@@ -62,10 +73,19 @@ class NPUSpecOptions:
     rope_kernel: str | None = "off"
     mla_value_padding: str = "auto"
     batch_invariant: bool = False
+    dsa_indexer_rope_interleaved: bool | None = None
+    dsa_indexer_k_norm_epsilon: float | None = None
+    lightning_indexer_kernel: str | None = None
+    sparse_attention_kernel: str | None = None
+    indexer_loss_kernel: str | None = None
 
     def __post_init__(self) -> None:
         check_param_layout(self.param_layout)
         check_kernel(self.kernel)
+        for name in DSA_KERNELS:
+            if getattr(self, name) is not None:
+                check_kernel(getattr(self, name), what=name)
+        check_dsa_keywords(self.dsa_indexer_rope_interleaved, self.dsa_indexer_k_norm_epsilon)
         self.fused()
         value_padding.check_mode(self.mla_value_padding)
         if not isinstance(self.batch_invariant, bool):
@@ -212,6 +232,17 @@ class NPUSpecProvider(BackendSpecProvider):
         return ModuleSpec(
             module=NPUMLASelfAttention, params=params, submodules=attention.submodules
         )
+
+    def dsa_self_attention(self, attention: ModuleSpec) -> ModuleSpec:
+        """``MLASelfAttention`` spec -> ``NPUDSASelfAttention`` with ``NPUSparseAttention`` as
+        core attention (DSA configs)."""
+        mla = self.mla_self_attention(attention)
+        subs = copy.copy(mla.submodules)
+        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo}
+        for name in (*DSA_SPEC_KEYWORDS, *DSA_KERNELS):
+            params[name] = getattr(self.options, name)
+        subs.core_attention = ModuleSpec(module=NPUSparseAttention, params=params)
+        return ModuleSpec(module=NPUDSASelfAttention, params=mla.params, submodules=subs)
 
     def core_attention(self) -> ModuleSpec:
         module = TELayoutNPUFusionAttention if self.te_layout else NPUFusionAttention

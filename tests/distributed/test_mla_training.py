@@ -15,6 +15,9 @@ micro-batches of 1:
   (expert data parallel 1, data parallel 2), and CP=2 x EP=2 (the experts split over the two
   context-parallel ranks, as the Moonlight recipe runs them: configs/ascend_moonlight_16b.yaml).
 
+The same model with DeepSeek Sparse Attention (configs/gpt_tiny_dsa.yaml's keys) runs once in
+each launch: one process, then TP=2 with SP and all-gather CP=2.
+
 Every run starts from the seed (no checkpoint): with ``use_cpu_initialization`` Megatron draws
 every weight whole and each rank keeps its shard, and the grouped experts draw all experts on
 every rank, so all layouts start from the one process's weights.
@@ -28,6 +31,7 @@ import sys
 import pytest
 
 from tests.launch import CONFIGS, layout_runs, max_abs_diff, read_metrics, reported
+from tests.megatron_features import DSA_CONFIG_FIELDS, missing_fields, needs_fields
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -47,6 +51,14 @@ LAYOUTS = {  # name: (overrides, the layout Megatron's parallel state must have 
                 {"tp": 1, "cp": 2, "ep": 2, "dp": 1, "sp": False}),
 }  # fmt: skip
 MODULES = "attention=NPUMLASelfAttention, router=NPUTopKRouter, experts=NPUGroupedMLP"
+# the same model with DeepSeek Sparse Attention (configs/gpt_tiny_dsa.yaml's keys): 16 of up to 64
+# keys per query; its runs share the two launches
+DSA = ["model.experimental_attention_variant=dsa", "model.dsa_indexer_n_heads=4",
+       "model.dsa_indexer_head_dim=32", "model.dsa_indexer_topk=16",
+       "model.dsa_indexer_loss_coeff=0.0"]  # fmt: skip
+DSA_LAYOUTS = {name: LAYOUTS[name] for name in ("tp2", "cp2_all_gather")}
+HAS_DSA = not missing_fields(*DSA_CONFIG_FIELDS)  # megatron-core 0.16+
+DSA_MODULES = MODULES.replace("NPUMLASelfAttention", "NPUDSASelfAttention")
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +74,21 @@ def one_process(tmp_path_factory):
                          "model.param_layout=local", "model.moe_grouped_gemm=false"]],
         ["chain_te_again", [*BATCH, *chain, "train.resume=true"]],
     ]  # fmt: skip
+    if HAS_DSA:
+        runs.append(["dsa_single", [*BATCH, *DSA, f"train.metrics_file={work}/dsa_single.jsonl"]])
     return work, layout_runs(CONFIG, runs)
 
 
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory):
-    """``(workdir, stdout)`` of one 2-rank launch running every layout of ``LAYOUTS``."""
+    """``(workdir, stdout)`` of one 2-rank launch running every layout of ``LAYOUTS`` (and of
+    ``DSA_LAYOUTS`` with the DSA keys)."""
     work = tmp_path_factory.mktemp("mla_parallel")
     runs = [[name, [*BATCH, *overrides, f"train.metrics_file={work / name}.jsonl"]]
             for name, (overrides, _) in LAYOUTS.items()]  # fmt: skip
+    for name, (overrides, _) in DSA_LAYOUTS.items() if HAS_DSA else ():
+        metrics = f"train.metrics_file={work}/dsa_{name}.jsonl"
+        runs.append([f"dsa_{name}", [*BATCH, *DSA, *overrides, metrics]])
     return work, layout_runs(CONFIG, runs, nproc=2)
 
 
@@ -90,6 +108,24 @@ def test_parallel_layout_matches_one_process(layout, one_process, parallel):
     print(f"{layout}: max |loss - one process| over {STEPS} steps = {error:.1e}", file=sys.stderr)
     assert error <= 1e-5, (losses, single)
     assert single[-1] < single[0] - 0.5  # the model learns, so the steps differ
+
+
+@needs_fields(*DSA_CONFIG_FIELDS, feature="DeepSeek Sparse Attention")
+@pytest.mark.parametrize("layout", list(DSA_LAYOUTS))
+def test_dsa_layout_matches_one_process(layout, one_process, parallel):
+    """DeepSeek Sparse Attention (top-k 16 of 64) at TP=2 with SP and at all-gather CP=2: 5 losses
+    within 1e-5 of one process's, and different from the dense MLA run's (the selection acts)."""
+    work, stdout = parallel
+    single = _losses(one_process[0] / "dsa_single.jsonl")
+    assert reported(one_process[1], "dsa_single", "modules") == DSA_MODULES
+    assert reported(stdout, f"dsa_{layout}", "modules") == DSA_MODULES
+    assert json.loads(reported(stdout, f"dsa_{layout}", "layout")) == DSA_LAYOUTS[layout][1]
+    losses = _losses(work / f"dsa_{layout}.jsonl")
+    assert len(losses) == STEPS == len(single)
+    error = max_abs_diff(losses, single)
+    print(f"dsa {layout}: max |loss - one process| = {error:.1e}", file=sys.stderr)
+    assert error <= 1e-5, (losses, single)
+    assert max_abs_diff(single, _losses(one_process[0] / "single.jsonl")) > 1e-4
 
 
 def test_resume_across_layouts_equals_the_uninterrupted_run(one_process):

@@ -44,7 +44,7 @@ FIXTURE = {"qwen2": "tiny_hf_model", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
            "deepseek_v3": "tiny_deepseek_v3_model", "mimo": "mimo",
            "qwen3_5_hub": "qwen3_5_hub", "qwen3_5_dense_hub": "qwen3_5_dense_hub",
            "nemotron_h": "nemotron_h", "qwen3_vl": "qwen3_vl",
-           "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
+           "qwen3_vl_moe": "qwen3_vl_moe", "glm_moe_dsa": "glm_moe_dsa"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,24 @@ def qwen3_5_dense_hub(tmp_path_factory) -> str:
     model.save_pretrained(path, safe_serialization=True)
     _save_word_level_tokenizer(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def glm_moe_dsa(tmp_path_factory) -> str:
+    """A tiny GLM-5 (row 25): transformers' ``GlmMoeDsaForCausalLM`` of
+    ``tests/dsa_hf/dsa_models.py`` (hidden 64, vocab 128, 3 layers: the first dense, MoE after;
+    MLA with the DSA indexer, ``index_topk`` 5, fewer than the tokens of every census sequence;
+    the engine builds it through the plugin's DSA bridge); weights bf16-exact, the word-level
+    tokenizer."""
+    from tests.dsa_hf import dsa_models
+    from tests.integrations.conftest import save_bf16_exact
+
+    torch.manual_seed(0)
+    _, model_class = dsa_models.classes("glm_moe_dsa")
+    model = model_class(dsa_models.tiny_config("glm_moe_dsa"))
+    dsa_models.draw(model, dsa_models.SEEDS["glm_moe_dsa"])
+    assert min(loop.PROMPT_LENGTHS) + min(loop.RESPONSE_LENGTHS) > dsa_models.TOPK
+    return save_bf16_exact(model, tmp_path_factory.mktemp("tiny_glm_moe_dsa"))
 
 
 A, AM, RM = (
@@ -102,9 +120,6 @@ TC = "override_transformer_config."
 # by tests/transformer/test_recipe_keys.py
 ONE_PROCESS = {"context_parallel_size": "1", "tensor_model_parallel_size": "1",
                "pipeline_num_transformer_layers": None}  # fmt: skip
-# keys the plugin refuses until a later capability lands: the rows that set them stop with the
-# plugin's one-line refusal (test_rows_the_plugin_cannot_build_yet_are_refused_in_one_line)
-NOT_YET = {"experimental_attention_variant": "DeepSeek sparse attention (GLM-5)"}
 
 
 def row_keys(row: dict) -> list[str]:
@@ -121,12 +136,6 @@ def row_keys(row: dict) -> list[str]:
             key = f"{key.split('=', 1)[0]}={ONE_PROCESS[name]}"
         scaled.append(key)
     return scaled
-
-
-def not_yet(keys: list[str]) -> str | None:
-    """The capability a row needs that the plugin refuses today, or None."""
-    names = {_split(key)[0].rsplit(".", 1)[-1] for key in keys if TC in key}
-    return next((what for name, what in NOT_YET.items() if name in names), None)
 
 
 def _runnable(keys: list[str]) -> list[str]:
@@ -156,8 +165,6 @@ def _cases(section) -> dict[str, tuple[str, list[str]]]:
     groups: dict = {}
     for row in ROWS:
         keys = _runnable(row_keys(row))
-        if not_yet(keys):
-            continue
         signature = (row["family"], tuple(sorted(section(_effective(keys)).items())))
         groups.setdefault(signature, ([], keys))[0].append(row["row"])
     return {"rows_" + "_".join(rows): (sig[0], keys) for sig, (rows, keys) in groups.items()}
@@ -325,16 +332,39 @@ def _assert_checkpoint_loaded(engine, effective: dict, want) -> None:
         engine.to("cpu", model=True, optimizer=False, grad=False)
 
 
+# the NPU DSA core attention's operators -> the recipe switch that chooses each one's kernel
+DSA_SWITCHES = {"indexer": "use_fused_lightning_indexer",
+                "attention": "use_fused_sparse_flash_attention",
+                "loss": "use_fused_lightning_indexer_kl_loss"}  # fmt: skip
+
+
+def _assert_attention_in_effect(engine, effective: dict) -> None:
+    """DSA rows (GLM-5): every attention layer's core attention is the NPU DSA one, its operators'
+    kernels as the fused switches chose (true: "auto", false: "reference"); other rows: every
+    core attention is ``NPUFusionAttention``, in batch-invariant mode as the keys say."""
+    from mcore_npu.transformer.attention import NPUFusionAttention
+    from mcore_npu.transformer.dsa import NPUSparseAttention
+
+    modules = list(engine_model(engine).modules())
+    if effective.get(AM + TC + "experimental_attention_variant", "").strip("'\"") == "dsa":
+        sparse = [m for m in modules if isinstance(m, NPUSparseAttention)]
+        want = {op: "auto" if _on(effective, AM + TC + key) else "reference"
+                for op, key in DSA_SWITCHES.items() if AM + TC + key in effective}  # fmt: skip
+        assert sparse and all(want.items() <= m.kernels.items() for m in sparse), want
+        assert not any(isinstance(m, NPUFusionAttention) for m in modules)
+        return
+    invariant = _on(effective, AM + TC + "use_flash_attn_npu_batch_invariant")
+    attentions = [m for m in modules if isinstance(m, NPUFusionAttention)]
+    assert attentions and all(a.batch_invariant is invariant for a in attentions)
+
+
 def _assert_actor_keys_in_effect(engine, effective: dict) -> None:
     """After the steps: verl's offload, the plugin's Adam where the optimizer keys ask for it,
     the layout, the batching, the DDP gradient dtype and batch-invariant mode, as the keys say."""
     from mcore_npu.optimizer import plugin_adams
-    from mcore_npu.transformer.attention import NPUFusionAttention
 
     config = engine.engine_config
-    invariant = _on(effective, AM + TC + "use_flash_attn_npu_batch_invariant")
-    attentions = [m for m in engine_model(engine).modules() if isinstance(m, NPUFusionAttention)]
-    assert attentions and all(a.batch_invariant is invariant for a in attentions)
+    _assert_attention_in_effect(engine, effective)
     assert _offloaded(engine) == _on(effective, AM + "param_offload")
     ooc = A + "optim.override_optimizer_config."
     adams = plugin_adams(engine.optimizer)
@@ -450,41 +480,21 @@ def test_verls_own_engine_asserts_on_use_mbridge_false(qwen3):
                                  config.checkpoint_config)  # fmt: skip
 
 
-NOT_YET_ROWS = [row for row in ROWS if not_yet(_runnable(row_keys(row)))]
-
-
-@pytest.mark.parametrize("row", NOT_YET_ROWS, ids=lambda row: f"row_{row['row']}")
-def test_rows_the_plugin_cannot_build_yet_are_refused_in_one_line(row, stand_in):
-    """A row whose keys need a capability the plugin does not have yet (:data:`NOT_YET`: GLM-5's
-    DeepSeek sparse attention, row 25) stops before any model is built, in one line that names
-    the key. (The true-on-policy recipes, rows 27 and 28, train: batch-invariant mode.)"""
-    keys = _runnable(row_keys(row))
-    config = _row_config(row["family"], keys, stand_in, "actor")
-    with pytest.raises(ValueError) as info:
-        loop.new_worker(config, loop.sft_loss_fn())
-    message = str(info.value)
-    assert "\n" not in message and any(name in message for name in NOT_YET), message
-    print(f"row {row['row']} ({not_yet(keys)}): {message}")
-
-
 def test_every_row_of_the_census_is_here():
     """Rows 1..31 of ``recipe_settings.md`` (and the variants 4'a, 4'b, 13', 17', 27', 28'),
-    each with a source script and a stand-in this module has; each trains, or is refused for a
-    capability of :data:`NOT_YET`."""
+    each with a source script and a stand-in this module has; each trains (actor and reference
+    cases cover every row)."""
     ids = [row["row"] for row in ROWS]
     assert set(ids) >= {str(n) for n in range(1, 32)} and len(ids) == len(set(ids))
     assert all(row["source"] and row["family"] in FIXTURE for row in ROWS)
-    refused = {row["row"] for row in NOT_YET_ROWS}
-    assert {r for case in ACTOR_CASES for r in case.split("_")[1:]} == set(ids) - refused
-    assert {r for case in REF_CASES for r in case.split("_")[1:]} == set(ids) - refused
-    trained = set(ids) - refused
-    as_written = [n for n in map(str, range(1, 32)) if n in trained]
-    with_a_switch = [n for n in map(str, range(1, 32)) if n in trained or f"{n}'" in trained]
+    assert {r for case in ACTOR_CASES for r in case.split("_")[1:]} == set(ids)
+    assert {r for case in REF_CASES for r in case.split("_")[1:]} == set(ids)
+    as_written = [n for n in map(str, range(1, 32)) if n in ids]
+    with_a_switch = [n for n in map(str, range(1, 32)) if n in ids or f"{n}'" in ids]
     print(
         f"census: {len(as_written)} of 31 recipes train 2 steps with their scripts' defaults, "
-        f"{len(with_a_switch)} with a switch of their own; refused: {sorted(refused)}"
+        f"{len(with_a_switch)} with a switch of their own"
     )
-    assert refused == {"25"}  # docs/recipe_settings.md names it
 
 
 def test_the_recipes_published_after_the_census_are_here():

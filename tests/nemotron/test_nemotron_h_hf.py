@@ -11,9 +11,6 @@ the plugin model imports none of mamba_ssm, causal_conv1d, triton, transformer_e
 
 from __future__ import annotations
 
-import importlib.abc
-import os
-import sys
 import types
 from pathlib import Path
 
@@ -23,8 +20,17 @@ import torch
 pytest.importorskip("mbridge")
 pytest.importorskip("transformers.models.nemotron_h")
 
-import safetensors.torch
-
+from tests.hf_model_checks import (
+    batches,
+    logit_errors,
+    logit_moves,
+    npu_logits,
+    packed_errors,
+    plugin_run,
+    run_tp2,
+    saved_and_exported,
+    tp2_results,
+)
 from tests.nemotron.nemotron_models import PATTERN, VOCAB, save_tiny, tiny_config
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
@@ -33,95 +39,20 @@ TOLERANCE = 1e-4  # max |logit difference|, absolute (the logits' max |value| is
 PACKED_TOLERANCE = 1e-5
 LENGTHS = (7, 12, 33)
 BLOCKED = ("mamba_ssm", "causal_conv1d", "triton", "transformer_engine")
-CPU_ARGS = dict(
-    use_cpu_initialization=True,
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    gradient_accumulation_fusion=False,
-    variable_seq_lengths=False,
-)
-
-
-class _Blocker(importlib.abc.MetaPathFinder):
-    """Refuses every import of the packages in ``BLOCKED``; records ``(name, importing file)``."""
-
-    def __init__(self):
-        self.attempts: list[tuple[str, str]] = []
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            frame = sys._getframe(1)
-            while frame.f_code.co_filename.startswith("<frozen"):
-                frame = frame.f_back
-            self.attempts.append((name, frame.f_code.co_filename))
-            raise ModuleNotFoundError(f"blocked by the test: {name}")
-        return None
-
-
-def _batches():
-    """length -> ``[2, length]`` token ids."""
-    gen = torch.Generator().manual_seed(1)
-    return {n: torch.randint(0, VOCAB, (2, n), generator=gen) for n in LENGTHS}
-
-
-def _npu_logits(model, ids, **kwargs):
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    with torch.no_grad():
-        return model(ids, positions, None, **kwargs)
-
-
-def _packed_params():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    ends = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    return ends, PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=ends,
-        cu_seqlens_kv=ends,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
-    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The checkpoint, transformers' logits, and the plugin's bridge, model and logits (sbhd and
-    packed thd), the plugin built and run with ``BLOCKED`` refused at import."""
-    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
-
+    packed thd), the plugin built and run with ``BLOCKED`` refused at import
+    (:func:`~tests.hf_model_checks.plugin_run`)."""
     path = tmp_path_factory.mktemp("tiny_nemotron_h")
     hf_model = save_tiny(path)
-    batches = _batches()
+    tokens = batches(LENGTHS, VOCAB)
     with torch.no_grad():
-        hf = {n: hf_model(input_ids=ids).logits for n, ids in batches.items()}
-    before = {m for m in sys.modules if m.split(".")[0] in BLOCKED}
-    blocker = _Blocker()
-    sys.meta_path.insert(0, blocker)
-    try:
-        bridge = npu_bridge(str(path), kernel="reference", dtype=torch.float32)
-        bridge.set_extra_args(**CPU_ARGS)
-        model = build_model(bridge).eval()
-        load_hf_weights(model, str(path), bridge=bridge)
-        npu = {n: _npu_logits(model, ids) for n, ids in batches.items()}
-        single = {n: _npu_logits(model, ids[:1]) for n, ids in batches.items()}
-        _, params = _packed_params()
-        packed = _npu_logits(
-            model, torch.cat([batches[n][0] for n in LENGTHS])[None], packed_seq_params=params
-        )[0]
-    finally:
-        sys.meta_path.remove(blocker)
-    new = {m for m in sys.modules if m.split(".")[0] in BLOCKED} - before
+        hf = {n: hf_model(input_ids=ids).logits for n, ids in tokens.items()}
     return types.SimpleNamespace(
-        path=str(path),
-        hf=hf,
-        bridge=bridge,
-        model=model,
-        npu=npu,
-        single=single,
-        packed=packed,
-        attempts=blocker.attempts,
-        new_modules=new,
+        path=str(path), batches=tokens, hf=hf, **vars(plugin_run(path, BLOCKED, tokens))
     )
 
 
@@ -149,25 +80,16 @@ def test_npu_bridge_builds_the_hybrid_model_from_the_npu_spec(run):
 
 
 def test_logits_match_transformers(run):
-    errors, scale = [], 0.0
-    for n in LENGTHS:
-        for got in (run.npu[n], run.single[n]):
-            want = run.hf[n][: got.shape[0]]
-            errors.append(float((got - want).abs().max()))
-            scale = max(scale, float(want.abs().max()))
+    errors, scale = logit_errors(run, LENGTHS)
     print(
-        f"tiny nemotron_h: max |logit - transformers| for {LENGTHS} tokens, batch 2 and 1: "
-        f"{[f'{e:.2e}' for e in errors]}; max |logit| {scale:.2f}"
+        f"tiny nemotron_h: max |logit - transformers| (tokens, batch): "
+        f"{ {key: f'{e:.2e}' for key, e in errors.items()} }; max |logit| {scale:.2f}"
     )
-    assert max(errors) <= TOLERANCE, errors
+    assert max(errors.values()) <= TOLERANCE, errors
 
 
 def test_packed_thd_gives_each_sequences_logits(run):
-    ends, _ = _packed_params()
-    own, hf = [], []
-    for n, a, b in zip(LENGTHS, ends[:-1], ends[1:], strict=True):
-        own.append(float((run.packed[a:b] - run.single[n][0]).abs().max()))
-        hf.append(float((run.packed[a:b] - run.hf[n][0]).abs().max()))
+    own, hf = packed_errors(run, LENGTHS)
     print(
         f"packed thd: max |logit - unpacked| per sequence {[f'{e:.2e}' for e in own]}, "
         f"- transformers {[f'{e:.2e}' for e in hf]}"
@@ -176,10 +98,7 @@ def test_packed_thd_gives_each_sequences_logits(run):
 
 
 def test_export_is_bit_exact(run):
-    from mcore_npu.integrations.hf import export_hf_weights
-
-    saved = safetensors.torch.load_file(str(next(Path(run.path).glob("*.safetensors"))))
-    exported = dict(export_hf_weights(run.model, run.bridge))
+    saved, exported = saved_and_exported(run)
     assert exported.keys() == saved.keys()
     for key, tensor in saved.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
@@ -261,30 +180,20 @@ def test_a_wrong_mapping_moves_the_logits(run):
     """The comparison can fail: each Mamba tensor the draw moved away from its init, put back
     to its init or permuted over heads, moves the logits far beyond the tolerance."""
     mixer = run.model.decoder.layers[0].mixer
-    ids = _batches()[12][:1]
+    ids = run.batches[12][:1]
     want = run.hf[12][:1]
     wrongs = {
-        "D": lambda: mixer.D.fill_(1.0),
-        "dt_bias": lambda: mixer.dt_bias.copy_(mixer.dt_bias.flip(0)),
-        "A_log": lambda: mixer.A_log.copy_(mixer.A_log.flip(0)),
-        "norm.weight": lambda: mixer.norm.weight.fill_(1.0),
-        "in_proj.layer_norm_weight": lambda: mixer.in_proj.layer_norm_weight.fill_(1.0),
-        "conv1d.bias": lambda: mixer.conv1d.bias.zero_(),
+        "D": lambda p: p.fill_(1.0),
+        "dt_bias": lambda p: p.copy_(p.flip(0)),
+        "A_log": lambda p: p.copy_(p.flip(0)),
+        "norm.weight": lambda p: p.fill_(1.0),
+        "in_proj.layer_norm_weight": lambda p: p.fill_(1.0),
+        "conv1d.bias": lambda p: p.zero_(),
     }
-    moved = {}
-    for name, wrong in wrongs.items():
-        param = mixer.get_parameter(name)
-        kept = param.detach().clone()
-        try:
-            with torch.no_grad():
-                wrong()
-            moved[name] = float((_npu_logits(run.model, ids) - want).abs().max())
-        finally:
-            with torch.no_grad():
-                param.copy_(kept)
+    moved = logit_moves(run.model, mixer, wrongs, ids, want)
     print(f"max |logit - transformers| with one tensor wrong: {moved}")
     assert min(moved.values()) > 10 * TOLERANCE, moved
-    assert float((_npu_logits(run.model, ids) - want).abs().max()) <= TOLERANCE
+    assert float((npu_logits(run.model, ids) - want).abs().max()) <= TOLERANCE
 
 
 @pytest.mark.distributed
@@ -292,18 +201,9 @@ def test_tensor_parallel_2_loads_and_exports_bit_exact(run):
     """Two processes (torchrun, gloo) at TP = 2 (``tp_export.py``): the weights load split per
     rank, export back to every tensor of the checkpoint ``torch.equal``, and the TP = 2 logits are
     the one-process ones."""
-    from tests.launch import ROOT, TORCHRUN, run_command
-
-    ids = _batches()[12]
-    torch.save(ids, Path(run.path) / "tp1_ids.pt")
-    torch.save(run.npu[12], Path(run.path) / "tp1_logits.pt")
-    module = "tests.nemotron.tp_export"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", module, run.path]
-    done = run_command(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_tp2("tests.nemotron.tp_export", run.path, run.batches[12], run.npu[12])
     assert done.returncode == 0, done.stderr[-4000:]
-    export = next(line.split()[1:] for line in done.stdout.splitlines() if "TP_EXPORT" in line)
+    export, diff = tp2_results(done.stdout)
     assert export[1:] == ["True", "True"] and int(export[0]) > 0, export
-    lines = done.stdout.splitlines()
-    diff = next(float(line.split()[1]) for line in lines if line.startswith("TP_LOGITS"))
     assert diff <= 1e-5, diff
     print(f"TP = 2: {export[0]} tensors exported bit-exact; logits within {diff:.1e} of TP = 1")

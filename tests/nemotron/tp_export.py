@@ -7,18 +7,9 @@ through ``tests/bridge_tp2.py``."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-import torch
 
 from tests.bridge_tp2 import check
-from tests.nemotron.test_nemotron_h_hf import CPU_ARGS
-
-
-def logits(model):
-    ids = torch.load(Path(sys.argv[1]) / "tp1_ids.pt")
-    return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
-
+from tests.hf_model_checks import CPU_ARGS, tp1_ids_logits
 
 if __name__ == "__main__":
-    check(sys.argv[1], CPU_ARGS, logits)
+    check(sys.argv[1], CPU_ARGS, tp1_ids_logits)

@@ -116,7 +116,7 @@ def test_indexer_sparse_mode_0_sees_every_key_and_blocks_match_one_block(monkeyp
     whole = ops.lightning_indexer(p["query"], p["key"], p["weights"], **common)
     for (b, t), (expected, _) in oracle.items():
         assert set(whole[0][b, t, 0].tolist()) == expected
-    monkeypatch.setattr(dsa, "QUERY_BLOCK", 2)  # several query blocks: the same answer
+    monkeypatch.setattr(dsa.indexer, "QUERY_BLOCK", 2)  # several query blocks: the same answer
     blocked = ops.lightning_indexer(p["query"], p["key"], p["weights"], **common)
     assert torch.equal(blocked[0], whole[0])
     torch.testing.assert_close(blocked[1], whole[1], rtol=1e-6, atol=1e-6)
@@ -203,7 +203,7 @@ def test_attention_blocks_of_keys_and_query_blocks_give_the_same_answer(monkeypa
     expected, where, _ = _attention_oracle(p["query"], p["key"], p["value"], idx, 0.5, "BSND",
                                            p["lengths"], block=block, mode=0)  # fmt: skip
     _close(_valid(out, where), expected)
-    monkeypatch.setattr(dsa, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(dsa.attention, "QUERY_BLOCK", 3)  # several query blocks
     again = ops.sparse_flash_attention(*args, sparse_block_size=block, sparse_mode=0)[0]
     torch.testing.assert_close(again, out, rtol=1e-6, atol=1e-6)
 
@@ -226,6 +226,51 @@ def test_a_query_with_no_selected_key_gets_zeros():
     out, _, _ = ops.sparse_flash_attention(p["query"], p["key"], p["value"], idx, 1.0,
                                            layout_query="TND", layout_kv="TND")  # fmt: skip
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_key_passed_as_value_gets_both_gradients():
+    """The DSA layer passes ``key`` as ``value``: one tensor's gradient is the sum of both."""
+    p = _problem("BSND", lengths=(9, 9), n=4, d=8, rope=4, seed=3, dtype=torch.float64)
+    idx = torch.randint(-1, 9, (2, 9, 1, 5), generator=_gen(5), dtype=torch.int32)
+    cotangent = torch.randn(2, 9, 4, 8, generator=_gen(6), dtype=torch.float64)
+
+    def grads(same):
+        k, v = p["key"].clone().requires_grad_(), p["key"].clone().requires_grad_()
+        q = p["query"].clone().requires_grad_()
+        out = dsa.sparse_attention_reference(q, k, k if same else v, idx, 0.4,
+                                             query_rope=p["query_rope"], key_rope=p["key_rope"])[0]  # fmt: skip
+        (out * cotangent).sum().backward()
+        return q.grad, k.grad, v.grad
+
+    (q_same, k_same, v_unused), (q_two, k_two, v_two) = grads(True), grads(False)
+    assert v_unused is None
+    torch.testing.assert_close(q_same, q_two, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k_same, k_two + v_two, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_backward_recomputes_instead_of_keeping_the_gathered_keys():
+    """S = 1024, top-k = 256, D = Dv = 32, rope 8: the gathered keys, values and key ropes of
+    all queries take S * k * (D + Dv + rope) * 4 B = 72 MiB, all of which autograd through the
+    gathers kept until the backward. Saved now: the inputs and the [S, N] softmax max and sum;
+    forward + backward peaks at about one 128-query block's gathers and their gradients."""
+    from mcore_npu.tools.bench.memory import track_allocations
+
+    seq, top_k, heads, d, rope = 1024, 256, 4, 32, 8
+    g = _gen(8)
+    leaves = [torch.randn(1, seq, n, width, generator=g).requires_grad_()
+              for n, width in ((heads, d), (1, d), (1, d), (heads, rope), (1, rope))]  # fmt: skip
+    idx = torch.randint(0, seq, (1, seq, 1, top_k), generator=g, dtype=torch.int32)
+    gathered = seq * top_k * (d + d + rope) * 4
+    with track_allocations() as usage:
+        out, _, _ = dsa.sparse_attention_reference(*leaves[:3], idx, 0.1, query_rope=leaves[3],
+                                                   key_rope=leaves[4], sparse_mode=0)  # fmt: skip
+        inputs = {t.data_ptr() for t in (*leaves, idx)}
+        for saved in out.grad_fn.saved_tensors:
+            if saved is not None:
+                assert saved.data_ptr() in inputs or saved.numel() <= seq * heads, saved.shape
+        out.backward(torch.ones_like(out))
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in leaves)
+    assert usage.peak_bytes < gathered / 3, (usage.peak_bytes, gathered)
 
 
 # ------------------------------------------------------------------------------------ refusals

@@ -19,7 +19,7 @@ VOCAB = 96
 PACKED = (5, 8, 3)  # thd: three sequences, 16 tokens
 
 
-def mla_config(q_lora_rank=32, **overrides):
+def mla_config(q_lora_rank=32, config_class=None, **overrides):
     """DeepSeek-V3's shape, tiny: D = 16 + 8 = 24 for q/k, Dv = 12, yarn RoPE."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -34,7 +34,18 @@ def mla_config(q_lora_rank=32, **overrides):
         original_max_position_embeddings=8,
     )  # fmt: skip
     fields.update(overrides)
-    return MLATransformerConfig(**fields)
+    return (config_class or MLATransformerConfig)(**fields)
+
+
+def dsa_config(topk, coeff=0.0, sparse_loss=True, **overrides):
+    """:func:`mla_config` with DeepSeek Sparse Attention: 8 indexer heads of 16, ``topk`` keys."""
+    from mcore_npu.transformer.dsa import DSATransformerConfig
+
+    return mla_config(
+        config_class=DSATransformerConfig, experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=8, dsa_indexer_head_dim=16, dsa_indexer_topk=topk,
+        dsa_indexer_loss_coeff=coeff, dsa_indexer_use_sparse_loss=sparse_loss, **overrides,
+    )  # fmt: skip
 
 
 def gpt(config, spec, seed=0, **kwargs):

@@ -70,6 +70,13 @@ def mla(seed: int):
     return mla_models.gpt(config, _block(config), seed=seed)
 
 
+def dsa(seed: int):
+    """DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2), tiny: MLA with a lightning indexer
+    choosing 4 of 16 keys, trained by its KL loss (so every parameter gets a gradient)."""
+    config = mla_models.dsa_config(topk=4, coeff=0.1)
+    return mla_models.gpt(config, _block(config), seed=seed)
+
+
 def gdn(seed: int):
     """Qwen3.5's hybrid, tiny: Gated DeltaNet layers and one full-attention layer."""
     from tests.transformer.gdn_models import gdn_config, gdn_gpt
@@ -78,7 +85,8 @@ def gdn(seed: int):
 
 
 def _gdn_refusal() -> str | None:
-    """megatron-core 0.15 has no Gated DeltaNet config fields: GDNTransformerConfig refuses."""
+    """megatron-core 0.15 has no Gated DeltaNet / DSA config fields: GDNTransformerConfig and
+    DSATransformerConfig refuse."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     names = {field.name for field in dataclasses.fields(TransformerConfig)}
@@ -100,6 +108,7 @@ MODELS = {
         moe, ("NPUFusionAttention", "NPUTopKRouter", "NPUGroupedMLP", "NPUSharedExpertMLP")
     ),
     "mla": Entry(mla, ("NPUMLASelfAttention", "NPUFusionAttention", "NPUMLP")),
+    "dsa": Entry(dsa, ("NPUDSASelfAttention", "NPUSparseAttention", "NPUMLP"), _gdn_refusal),
     "gdn": Entry(gdn, ("NPUGatedDeltaNet", "NPUFusionAttention"), _gdn_refusal),
     "hybrid": Entry(hybrid, ("NPUMambaMixer", "NPUFusionAttention", "NPUMLP")),
 }
@@ -108,6 +117,7 @@ MODELS = {
 def _npu_classes() -> dict[str, type]:
     """The NPU classes an entry may name, by name."""
     from mcore_npu.transformer.attention import NPUFusionAttention
+    from mcore_npu.transformer.dsa import NPUDSASelfAttention, NPUSparseAttention
     from mcore_npu.transformer.experts import NPUGroupedMLP
     from mcore_npu.transformer.gated_delta_net import NPUGatedDeltaNet
     from mcore_npu.transformer.mamba import NPUMambaMixer
@@ -116,8 +126,9 @@ def _npu_classes() -> dict[str, type]:
     from mcore_npu.transformer.norms import NPURMSNorm
     from mcore_npu.transformer.router import NPUTopKRouter
 
-    found = (NPUFusionAttention, NPUGatedDeltaNet, NPUGroupedMLP, NPUMambaMixer,
-             NPUMLASelfAttention, NPUMLP, NPUSharedExpertMLP, NPURMSNorm, NPUTopKRouter)  # fmt: skip
+    found = (NPUDSASelfAttention, NPUFusionAttention, NPUGatedDeltaNet, NPUGroupedMLP,
+             NPUMambaMixer, NPUMLASelfAttention, NPUMLP, NPUSharedExpertMLP, NPURMSNorm,
+             NPUSparseAttention, NPUTopKRouter)  # fmt: skip
     return {cls.__name__: cls for cls in found}
 
 

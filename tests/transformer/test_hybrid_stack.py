@@ -63,12 +63,21 @@ def test_gated_deltanet_layers_in_the_pattern():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_the_local_layout_and_dsa_are_refused_by_name():
+def test_the_local_layout_is_refused_by_name():
     with pytest.raises(ValueError, match="param_layout: 'local'.*pass param_layout='te'"):
         hybrid_model("M*", param_layout="local")
-    if "dsa_layer" in SLOTS:
-        with pytest.raises(ValueError, match="hybrid pattern: 'D'"):
-            hybrid_model("MD")
+
+
+@pytest.mark.skipif("dsa_layer" not in SLOTS, reason="the D slot came with megatron-core 0.18")
+def test_dsa_layers_in_the_pattern():
+    """``D``: the NPU DSA layer (attention only), its indexer choosing 4 of 16 keys and trained
+    by its KL loss, so every parameter gets a finite gradient."""
+    from tests.transformer.mla_models import dsa_config
+
+    model = hybrid_model("D-D", dsa_config(topk=4, coeff=0.1, num_layers=3, is_hybrid_model=True))
+    _run(model)
+    assert type(model.decoder.layers[0].self_attention).__name__ == "NPUDSASelfAttention"
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def _hybrid_key(key: str) -> str:

@@ -35,6 +35,8 @@ MLA = RecipeContext(config_class=MLATransformerConfig, num_layers=4)
 GDN = RecipeContext(config_class=TransformerConfig, num_layers=4, gated_delta_net=True)
 GDN_CP2 = RecipeContext(config_class=TransformerConfig, num_layers=4, context_parallel_size=2,
                         gated_delta_net=True)  # fmt: skip
+MLA_CP2 = RecipeContext(config_class=MLATransformerConfig, num_layers=4, context_parallel_size=2)
+DSA = {"experimental_attention_variant": "dsa"}
 
 # (overrides, context, megatron kwargs, spec keywords, optimizer fields, a log fragment or None)
 CASES = [
@@ -139,6 +141,30 @@ CASES = [
     ({"use_mamba_mem_eff_path": False}, BASE, {}, {}, {}, "Mamba"),
     ({"ckpt_acceleration": True}, BASE, {}, {}, {}, "dist_checkpointing"),
     ({"hidden_dropout": 0.0}, BASE, {"hidden_dropout": 0.0}, {}, {}, None),  # a plain field
+    # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): Megatron's fields, the three fused
+    # switches onto the DSA operators' kernels, the absorbed form accepted in one line
+    (DSA, MLA, DSA, {}, {}, None),
+    ({**DSA, "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 8,
+      "dsa_indexer_loss_coeff": 0.01, "dsa_indexer_use_sparse_loss": True}, MLA,
+     {**DSA, "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 8,
+      "dsa_indexer_loss_coeff": 0.01, "dsa_indexer_use_sparse_loss": True}, {}, {}, None),
+    ({"use_dsa_absorb": True}, MLA, {}, {}, {}, "use_dsa_absorb=true: the NPU DSA layer runs MLA "
+                                                "in the absorbed form"),
+    ({"use_fused_lightning_indexer": True, "use_fused_sparse_flash_attention": True,
+      "use_fused_lightning_indexer_kl_loss": True}, MLA, {},
+     {"lightning_indexer_kernel": "auto", "sparse_attention_kernel": "auto",
+      "indexer_loss_kernel": "auto"}, {}, "use_fused_lightning_indexer=true: NPU spec "
+                                          "lightning_indexer_kernel='auto'"),
+    ({"use_fused_lightning_indexer": False, "use_fused_sparse_flash_attention": "False",
+      "use_fused_lightning_indexer_kl_loss": False}, MLA, {},
+     {"lightning_indexer_kernel": "reference", "sparse_attention_kernel": "reference",
+      "indexer_loss_kernel": "reference"}, {}, "sparse_attention_kernel='reference'"),
+    # DSA's one CP algorithm, accepted with a line that says so (CP 1: Megatron 0.16.1's config
+    # asserts context_parallel_size == 1 with dsa)
+    ({**DSA, "context_parallel_algo": "kvallgather_cp_algo"}, MLA,
+     {**DSA, "cp_comm_type": "all_gather"}, {}, {},
+     "context_parallel_algo=kvallgather_cp_algo: cp_comm_type='all_gather' (DSA layers run "
+     "context parallelism by K/V all-gather only)"),
 ]  # fmt: skip
 
 # (overrides, context, fragments the one-line message must contain)
@@ -189,19 +215,23 @@ REFUSALS = [
     ({"reset_position_ids": True}, BASE, ["reset_position_ids=true", "use_remove_padding=True"]),
     ({"fp8": "hybrid"}, BASE, ["fp8=hybrid", "Transformer Engine"]),
     ({"use_mamba_mem_eff_path": True}, BASE, ["use_mamba_mem_eff_path=true", "Mamba"]),
-    ({"experimental_attention_variant": "dsa"}, BASE, ["experimental_attention_variant=dsa",
-                                                       "DeepSeek sparse attention"]),
-    ({"experimental_attention_variant": "dsa"}, GDN, ["DeepSeek sparse attention"]),
+    ({"experimental_attention_variant": "mamba"}, BASE,
+     ["experimental_attention_variant=mamba", "gated_delta_net", "dsa", "remove the key"]),
     ({"experimental_attention_variant": "gated_delta_net"}, BASE,
      ["experimental_attention_variant=gated_delta_net", "no linear-attention layers"]),
-    ({"use_dsa_absorb": True}, BASE, ["use_dsa_absorb", "DeepSeek sparse attention"]),
-    ({"use_fused_lightning_indexer": True}, BASE, ["lightning indexer"]),
-    ({"use_fused_sparse_flash_attention": True}, BASE, ["sparse flash attention"]),
-    ({"dsa_indexer_n_heads": 64}, BASE, ["dsa_indexer_n_heads=64", "dsa"]),
-    ({"dsa_indexer_head_dim": 128}, BASE, ["dsa_indexer_head_dim=128"]),
-    ({"dsa_indexer_topk": 2048}, BASE, ["dsa_indexer_topk=2048"]),
-    ({"dsa_indexer_loss_coeff": 0.1}, BASE, ["dsa_indexer_loss_coeff=0.1"]),
-    ({"dsa_indexer_use_sparse_loss": True}, BASE, ["dsa_indexer_use_sparse_loss=true"]),
+    ({"use_dsa_absorb": False}, MLA, ["use_dsa_absorb=false", "absorbed form the NPU kernel "
+                                      "takes", "set it true or remove it"]),
+    ({"use_fused_lightning_indexer": "fused"}, MLA, ["use_fused_lightning_indexer=fused",
+                                                     "accepts only true, false"]),
+    # with DSA layers every CP algorithm but all-gather is refused, in either key order, at any
+    # CP size, naming the key that chose it
+    ({"context_parallel_algo": "megatron_cp_algo", **DSA}, MLA_CP2,
+     ["context_parallel_algo=megatron_cp_algo", "cp_comm_type='p2p'", "K/V all-gather only",
+      "use kvallgather_cp_algo"]),
+    ({**DSA, "context_parallel_algo": "ulysses_cp_algo"}, MLA,
+     ["context_parallel_algo=ulysses_cp_algo", "cp_comm_type='a2a'", "K/V all-gather only"]),
+    ({**DSA, "cp_comm_type": ["all_gather", "p2p"]}, MLA_CP2,
+     ["cp_comm_type=['all_gather', 'p2p']", "cp_comm_type='p2p'", "K/V all-gather only"]),
     ({"moe_permute_fusion": True, "use_fused_moe_token_permute_and_unpermute": False}, BASE,
      ["use_fused_moe_token_permute_and_unpermute=false", "moe_permute_kernel"]),
     ({"use_fused_rmsnrom": True}, BASE, ["use_fused_rmsnrom", "did you mean 'use_fused_rmsnorm'"]),
@@ -299,7 +329,8 @@ def test_the_issues_census_keys_are_in_the_table():
     bias_dropout_fusion reset_position_ids fp8 use_mamba_mem_eff_path
     experimental_attention_variant use_dsa_absorb use_fused_lightning_indexer
     use_fused_sparse_flash_attention use_fused_moe_token_permute_and_unpermute ckpt_acceleration
-    fused_permute_unpermute""",
+    fused_permute_unpermute use_fused_lightning_indexer_kl_loss dsa_indexer_use_sparse_loss
+    dsa_indexer_loss_coeff""",
     )
     assert set(census) - set(load_table()) == set()
 
@@ -407,3 +438,58 @@ def test_the_qwen3_5_recipes_translate_at_their_own_parallel_sizes(recipe):
              "moe_permute_fusion": "moe_permute_kernel"}  # fmt: skip
     assert plan.spec == {**{fused[key]: None for key in keys if key in fused},
                          "gdn_naive_l2norm": True}  # fmt: skip
+
+
+CENSUS = Path(__file__).parents[1] / "integrations" / "recipe_settings.yaml"
+TC = "megatron.override_transformer_config."
+
+
+def _census_transformer_keys(row: str) -> dict:
+    """A census row's actor ``override_transformer_config`` keys, values as YAML reads them."""
+    rows = yaml.safe_load(CENSUS.read_text())["rows"]
+    keys = next(r for r in rows if r["row"] == row)["transformer_keys"]
+    pairs = (key.lstrip("+").split("=", 1) for key in keys if "actor." + TC in key)
+    return {path.rsplit(".", 1)[-1]: yaml.safe_load(value.strip("'\"")) for path, value in pairs}
+
+
+DSA_SPEC = {"rms_norm_kernel": None, "swiglu_kernel": None, "lightning_indexer_kernel": "auto",
+            "sparse_attention_kernel": "auto", "indexer_loss_kernel": "auto"}  # fmt: skip
+
+
+def test_the_glm5_recipe_translates_at_its_own_parallel_sizes():
+    """GLM-5's recipe (census row 25), verbatim, at TP2 PP8 CP4 on an MLA model: every key
+    accepted; the DSA fields and the all-gather CP to Megatron, the fused switches to the NPU
+    spec's DSA kernels, use_dsa_absorb in one line."""
+    keys = _census_transformer_keys("25")
+    context = RecipeContext(config_class=MLATransformerConfig, num_layers=78,
+                            tensor_parallel_size=2, pipeline_parallel_size=8,
+                            context_parallel_size=4, sequence_parallel=True)  # fmt: skip
+    plan = translate(keys, context)
+    assert keys["context_parallel_size"] == 4 and keys["dsa_indexer_loss_coeff"] == 0
+    dsa = {"experimental_attention_variant": "dsa", "dsa_indexer_use_sparse_loss": True,
+           "dsa_indexer_loss_coeff": 0, "cp_comm_type": "all_gather"}  # fmt: skip
+    assert dsa.items() <= plan.megatron.items(), plan.megatron
+    assert plan.spec == DSA_SPEC
+    lines = [line for line in plan.log if "use_dsa_absorb=true" in line]
+    assert len(lines) == 1 and "absorbed form" in lines[0], plan.log
+
+
+def test_the_deepseek_v3_2_recipe_keys_translate_at_its_own_parallel_sizes():
+    """The DeepSeek-V3.2-Exp Ascend script (verl main_ppo, DeepSeek-V3.2-Exp-bf16, TP8 PP16 EP16
+    CP1) sets GLM-5's DSA keys with an indexer loss of 0.001: all accepted by the translator (the
+    DSA layer itself refuses a trained indexer under TP > 1 when it is built)."""
+    keys = {"experimental_attention_variant": "dsa", "use_dsa_absorb": True,
+            "dsa_indexer_use_sparse_loss": True, "dsa_indexer_loss_coeff": 0.001,
+            "use_fused_lightning_indexer": True, "use_fused_sparse_flash_attention": True,
+            "use_fused_lightning_indexer_kl_loss": True, "moe_router_enable_expert_bias": True,
+            "context_parallel_size": 1, "context_parallel_algo": "kvallgather_cp_algo",
+            "reset_position_ids": False, "use_ascend_mc2": False, "use_fused_rmsnorm": True,
+            "use_fused_swiglu": True}  # fmt: skip
+    context = RecipeContext(config_class=MLATransformerConfig, num_layers=61,
+                            tensor_parallel_size=8, pipeline_parallel_size=16,
+                            sequence_parallel=True)  # fmt: skip
+    plan = translate(keys, context)
+    assert plan.megatron == {"experimental_attention_variant": "dsa", "cp_comm_type": "all_gather",
+                             "dsa_indexer_use_sparse_loss": True, "dsa_indexer_loss_coeff": 0.001,
+                             "moe_router_enable_expert_bias": True}  # fmt: skip
+    assert plan.spec == DSA_SPEC

@@ -65,6 +65,11 @@ BAD_OPTIONS = {
     "rope_kernel": "fused",
     "mla_value_padding": "maybe",
     "batch_invariant": "yes",
+    "dsa_indexer_rope_interleaved": "yes",
+    "dsa_indexer_k_norm_epsilon": "small",
+    "lightning_indexer_kernel": "fused",
+    "sparse_attention_kernel": "fused",
+    "indexer_loss_kernel": "fused",
 }
 
 

@@ -13,7 +13,12 @@ import pytest
 from mcore_npu.training.config import ConfigError, load_config
 from mcore_npu.transformer.megatron_features import version_with
 from tests.launch import CONFIGS
-from tests.megatron_features import GDN_CONFIG_FIELDS, config_fields, missing_fields
+from tests.megatron_features import (
+    DSA_CONFIG_FIELDS,
+    GDN_CONFIG_FIELDS,
+    config_fields,
+    missing_fields,
+)
 
 pytestmark = [pytest.mark.cpu_only]
 
@@ -59,6 +64,24 @@ def test_a_gated_deltanet_config_is_refused_naming_the_version():
     assert "install megatron-core>=0.16" in message
     with pytest.raises(ConfigError) as info:  # mcore-npu train --config configs/gpt_tiny_gdn.yaml
         load_config(CONFIGS / "gpt_tiny_gdn.yaml")
+    assert "megatron-core 0.16+ has" in _one_line(info.value)
+
+
+def test_a_dsa_config_is_refused_naming_the_version():
+    from mcore_npu.transformer.dsa import DSATransformerConfig
+    from tests.transformer.mla_models import dsa_config
+
+    if not missing_fields(*DSA_CONFIG_FIELDS):
+        assert type(dsa_config(topk=4)) is DSATransformerConfig
+        assert load_config(CONFIGS / "gpt_tiny_dsa.yaml").model.num_layers > 0
+        return
+    with pytest.raises(ValueError) as info:
+        dsa_config(topk=4)
+    message = _one_line(info.value)
+    assert message.startswith("DSATransformerConfig: the installed megatron-core")
+    assert "install megatron-core>=0.16" in message
+    with pytest.raises(ConfigError) as info:  # mcore-npu train --config configs/gpt_tiny_dsa.yaml
+        load_config(CONFIGS / "gpt_tiny_dsa.yaml")
     assert "megatron-core 0.16+ has" in _one_line(info.value)
 
 

@@ -98,12 +98,19 @@ def indexer_reference(query, key, weights, *, actual_seq_lengths_query=None,
             take = min(sparse_count, skv)
             if take == 0:
                 continue
-            best, where = scores.topk(take, dim=-1)
+            best, where = _top(scores, take)
             where = where.to(torch.int32).masked_fill(best == float("-inf"), -1)
             out_i[s:e, 0, :take] = where
             out_v[s:e, 0, :take] = best
     values = values.to(query.dtype) if return_value else values.new_empty(0).to(query.dtype)
     return indices, values
+
+
+def _top(scores, take: int):
+    """The ``take`` best scores per row and their key positions, equal scores in key order (a
+    stable sort: the same choice whatever the number of masked keys after them)."""
+    best, where = scores.sort(dim=-1, descending=True, stable=True)
+    return best[..., :take], where[..., :take]
 
 
 def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,

@@ -78,45 +78,53 @@ def indexer_kl_loss_reference(query, key, query_index, key_index, weights, spars
     loss is float32 of shape ``[1]``; the gradients take their inputs' dtypes."""
     del softmax_max, softmax_sum
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    leaves = [t.detach().to(compute).requires_grad_() for t in (query_index, key_index, weights)]
-    qi_all, ki_all, w_all = leaves
-    loss = torch.zeros((), dtype=compute, device=query.device)
-    q_segments = _segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
-    k_segments = _segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
-    for (b, q0, sq), (kb, k0, skv) in zip(q_segments, k_segments):
-        if skv == 0 or sq == 0:
-            continue
-        q = _seq(query, layout, b, q0, sq).to(compute)
-        k = _seq(key, layout, kb, k0, skv)[:, 0].to(compute)
-        qi, w = _seq(qi_all, layout, b, q0, sq), _seq(w_all, layout, b, q0, sq)
-        ki = _seq(ki_all, layout, kb, k0, skv)[:, 0]
-        idx = _seq(sparse_indices, layout, b, q0, sq)[:, 0].long()  # [sq, K]
-        qr = kr = None
-        if query_rope is not None:
-            qr = _seq(query_rope, layout, b, q0, sq).to(compute)
-            kr = _seq(key_rope, layout, kb, k0, skv)[:, 0].to(compute)
-        for s in range(0, sq, QUERY_BLOCK):
-            e = min(s + QUERY_BLOCK, sq)
-            pos = idx[s:e]
-            keep = (pos >= 0) & (pos < skv)
-            if sparse_mode == 3:
-                keep &= pos <= torch.arange(s, e, device=query.device)[:, None] + (skv - sq)
-            pos = pos.clamp(0, skv - 1)
-            with torch.no_grad():  # the target distribution
-                main = torch.einsum("qnd,qmd->qnm", q[s:e], k[pos])
-                if qr is not None:
-                    main = main + torch.einsum("qnd,qmd->qnm", qr[s:e], kr[pos])
-                main = (main * scale_value).masked_fill(~keep[:, None], float("-inf"))
-                probs = torch.softmax(main, -1).nan_to_num(0.0).sum(1)  # [blk, M]
-                target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(compute).tiny)
-            scores = torch.einsum("qnd,qmd->qnm", qi[s:e], ki[pos]).relu()
-            scores = torch.einsum("qnm,qn->qm", scores, w[s:e]).masked_fill(~keep, float("-inf"))
-            log_q = torch.log_softmax(scores, -1).masked_fill(~keep, 0.0)
-            log_p = torch.where(target > 0, target, 1).log()
-            loss = loss + (target * (log_p - log_q)).sum()
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+    with torch.enable_grad():  # it takes its own gradients, in any grad mode
+        leaves = [t.detach().to(compute).requires_grad_() for t in (query_index, key_index,
+                                                                    weights)]  # fmt: skip
+        qi_all, ki_all, w_all = leaves
+        loss = torch.zeros((), dtype=compute, device=query.device)
+        q_segments = _segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
+        k_segments = _segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
+        for (b, q0, sq), (kb, k0, skv) in zip(q_segments, k_segments):
+            if skv == 0 or sq == 0:
+                continue
+            main = [_seq(t, layout, b, q0, sq).to(compute) for t in (query, query_rope)
+                    if t is not None]  # fmt: skip
+            keys = [_seq(t, layout, kb, k0, skv)[:, 0].to(compute) for t in (key, key_rope)
+                    if t is not None]  # fmt: skip
+            index = (_seq(qi_all, layout, b, q0, sq), _seq(ki_all, layout, kb, k0, skv)[:, 0],
+                     _seq(w_all, layout, b, q0, sq))  # fmt: skip
+            chosen = _seq(sparse_indices, layout, b, q0, sq)[:, 0].long()  # [sq, K]
+            for s in range(0, sq, QUERY_BLOCK):
+                rows = slice(s, min(s + QUERY_BLOCK, sq))
+                loss = loss + _block_loss(main, keys, index, chosen, rows, skv - sq,
+                                          scale_value, sparse_mode)  # fmt: skip
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
     d_qi, d_ki, d_w = (g.to(t.dtype) for g, t in zip(grads, (query_index, key_index, weights)))
     return d_qi, d_ki, d_w, loss.detach().float().reshape(1)
+
+
+def _block_loss(main, keys, index, chosen, rows, offset, scale_value, sparse_mode):
+    """``sum KL(p || softmax(I))`` of the queries ``rows`` of one sequence: ``main`` the
+    attention's query (and rope) ``[sq, N, D]``, ``keys`` its key (and rope) ``[skv, D]``,
+    ``index`` the indexer's query, key and weights, ``chosen`` ``[sq, K]`` key positions."""
+    qi, ki, w = index
+    pos = chosen[rows]
+    keep = (pos >= 0) & (pos < keys[0].shape[0])
+    if sparse_mode == 3:
+        keep &= pos <= torch.arange(rows.start, rows.stop, device=pos.device)[:, None] + offset
+    pos = pos.clamp(0, keys[0].shape[0] - 1)
+    with torch.no_grad():  # the target distribution
+        logits = sum(torch.einsum("qnd,qmd->qnm", q[rows], k[pos]) for q, k in zip(main, keys))
+        logits = (logits * scale_value).masked_fill(~keep[:, None], float("-inf"))
+        probs = torch.softmax(logits, -1).nan_to_num(0.0).sum(1)  # [blk, M]
+        tiny = torch.finfo(probs.dtype).tiny
+        target = probs / probs.sum(-1, keepdim=True).clamp_min(tiny)
+    scores = torch.einsum("qnd,qmd->qnm", qi[rows], ki[pos]).relu()
+    scores = torch.einsum("qnm,qn->qm", scores, w[rows]).masked_fill(~keep, float("-inf"))
+    log_q = torch.log_softmax(scores, -1).masked_fill(~keep, 0.0)
+    log_p = torch.where(target > 0, target, 1).log()
+    return (target * (log_p - log_q)).sum()
 
 
 def sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,

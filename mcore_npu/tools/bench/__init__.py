@@ -1,4 +1,4 @@
-"""``mcore-npu bench {attention,mask,step,cp,gdn,ssd}``: measurements behind docs/figures.md.
+"""``mcore-npu bench {attention,mask,step,cp,gdn,ssd,dsa}``: measurements behind docs/figures.md.
 
 Each benchmark module has ``measure(quick) -> dict`` (JSON-able: ``name``, ``rows``, ``goals``,
 ...), ``table(result) -> str`` (Markdown) and ``plot(result, path)`` (a PNG); :func:`run` writes
@@ -13,7 +13,7 @@ import importlib
 import json
 from pathlib import Path
 
-BENCHMARKS = ("attention", "mask", "step", "cp", "gdn", "ssd")
+BENCHMARKS = ("attention", "mask", "step", "cp", "gdn", "ssd", "dsa")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``python -m mcore_npu.tools.bench {attention,mask,step,cp,gdn,ssd}`` is ``mcore-npu bench``."""
+"""``python -m mcore_npu.tools.bench {attention,mask,step,cp,gdn,ssd,dsa}`` is ``mcore-npu bench``."""
 
 import argparse
 import sys

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_npu.transformer.megatron_features import config_fields
+from mcore_npu.transformer.megatron_features import require_config_fields
 
 GDN = "gated_delta_net"
 
@@ -32,13 +32,7 @@ class GDNTransformerConfig(TransformerConfig):
 
     def __init__(self, *args, **kwargs) -> None:
         fields = ("experimental_attention_variant", *_HEAD_FIELDS)
-        missing = [name for name in fields if name not in config_fields()]
-        if missing:
-            raise ValueError(
-                f"GDNTransformerConfig: the installed megatron-core's TransformerConfig has no "
-                f"{', '.join(missing)}: Gated DeltaNet config fields came with megatron-core 0.16; "
-                "install megatron-core>=0.16 to build Gated DeltaNet hybrids"
-            )
+        require_config_fields("GDNTransformerConfig", fields, "Gated DeltaNet", "0.16")
         super().__init__(*args, **kwargs)
 
     def __post_init__(self) -> None:

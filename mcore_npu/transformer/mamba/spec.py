@@ -5,14 +5,14 @@ left out; ``-`` the NPU dense MLP with its attention left out (Megatron's ``MLPL
 NPU MoE layer with its attention left out. In the te layout the input norms sit inside the
 projections (``mixer.in_proj.layer_norm_weight``, ``self_attention.linear_qkv.layer_norm_weight``,
 ``mlp.linear_fc1.layer_norm_weight``), as in Megatron's ``mamba_stack_spec``; ``G`` (0.17+) is
-``NPUGatedDeltaNet``, ``+`` (0.19) the NPU MLA layer; ``D`` is refused. See docs/mamba_layer.md."""
+``NPUGatedDeltaNet``, ``D`` (0.18+) the NPU DSA layer, ``+`` (0.19) the NPU MLA layer
+(``NPUDSASelfAttention``, MLP left out). See docs/mamba_layer.md."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 
-import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
@@ -69,7 +69,7 @@ def get_hybrid_stack_npu_spec(
         "moe_layer": lambda: mlp_only(layer(**experts)),
         "gdn_layer": lambda: _gdn_layer(layer(), provider),
         "mla_layer": lambda: attention_only(layer(multi_latent_attention=True)),
-        "dsa_layer": lambda: ModuleSpec(module=NotBuilt, params={"symbol": "D", "what": DSA}),
+        "dsa_layer": lambda: attention_only(layer(multi_latent_attention=True, dsa=True)),
         "mtp_block_spec": lambda: mtp_block_spec(provider),
     }
     names = [field.name for field in dataclasses.fields(StackSubmodules) if field.name in slots]
@@ -77,16 +77,6 @@ def get_hybrid_stack_npu_spec(
     return ModuleSpec(
         module=NPUHybridStack, submodules=submodules, params={"final_norm": provider.layer_norm()}
     )
-
-
-DSA = "DeepSeek Sparse Attention layers are not built by the NPU spec yet"
-
-
-class NotBuilt(torch.nn.Module):
-    """A slot the NPU spec does not fill: building it raises, naming the pattern symbol."""
-
-    def __init__(self, *args, symbol: str, what: str, **kwargs):
-        raise ValueError(f"hybrid pattern: {symbol!r}: {what}; remove {symbol!r} from the pattern")
 
 
 def mtp_block_spec(provider) -> ModuleSpec:

@@ -1,0 +1,220 @@
+"""The plugin's mbridge bridge for DeepSeek Sparse Attention checkpoints: GLM-5
+(``model_type: glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``).
+
+:class:`DSABridge` is the plugin's DeepSeek-V3 bridge (``mbridge_fixes.fixed_bridge_class
+("deepseek_v3")``: the config keywords fixed, the plain safetensors reader) registered with
+mbridge's ``register_model`` for both types, plus:
+
+- the config: ``experimental_attention_variant="dsa"`` and the indexer's ``dsa_indexer_n_heads``
+  / ``dsa_indexer_head_dim`` / ``dsa_indexer_topk`` (``index_n_heads``, ``index_head_dim``,
+  ``index_topk``), ``dsa_indexer_loss_coeff=0.0``; ``moe_layer_freq`` from ``mlp_layer_types``
+  (``"dense"`` / ``"sparse"`` per layer, which transformers derives from
+  ``first_k_dense_replace``);
+- the layer spec: the NPU decoder-block spec in TE layout, built by the bridge itself
+  (``own_npu_spec``) with the two DSA spec keywords of the checkpoint: the indexer's RoPE
+  interleaved for GLM-5, half-split for DeepSeek-V3.2 (``dsa_indexer_rope_interleaved``), and
+  its key LayerNorm's eps, 1e-6 in transformers (``dsa_indexer_k_norm_epsilon``);
+- the names: the DSA layer keeps MLA's latent norms apart from the up projections
+  (``q_layernorm`` / ``kv_layernorm``) and adds the indexer's four tensors (:data:`LAYER_MAP`).
+
+Every tensor is moved, never changed, so export is bit-exact. What the plugin does not build is
+refused (``ValueError`` naming the Hugging Face field): cross-layer top-k sharing (GLM-5
+``indexer_types`` with ``"shared"``), attention biases, an activation other than SiLU, MLA
+without ``q_lora_rank``, multi-token-prediction layers. See docs/hf_weights.md.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mbridge.core import register_model
+
+from mcore_npu.integrations.mbridge_fixes import DSA_TYPES, fixed_bridge_class, mbridge_expert_form
+from mcore_npu.transformer.dsa import DSATransformerConfig
+
+MODEL_TYPES = DSA_TYPES
+INDEXER_K_NORM_EPS = 1e-6  # transformers 5.25: nn.LayerNorm(index_head_dim, eps=1e-6)
+# model_type -> whether the indexer rotates its rope slice in interleaved pairs (transformers 5.25:
+# GlmMoeDsaIndexer apply_rotary_pos_emb_interleave, DeepseekV32Indexer apply_rotary_pos_emb)
+INDEXER_ROPE_INTERLEAVED = {"glm_moe_dsa": True, "deepseek_v32": False}
+MLP_LAYER_TYPES = {"dense": 0, "sparse": 1}
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron name after ``decoder.layers.{i}.`` -> Hugging Face name after ``model.layers.{i}.``
+LAYER_MAP = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    # the latent norms fused into the up projections (MLA's TE layout), should a layer hold them so
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    # the lightning indexer
+    "self_attention.core_attention.indexer.linear_wq_b.weight": "self_attn.indexer.wq_b.weight",
+    "self_attention.core_attention.indexer.linear_wk.weight": "self_attn.indexer.wk.weight",
+    "self_attention.core_attention.indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "self_attention.core_attention.indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "self_attention.core_attention.indexer.linear_weights_proj.weight": (
+        "self_attn.indexer.weights_proj.weight"
+    ),
+}
+
+
+def _refuse(field: str, value, why: str) -> None:
+    raise ValueError(f"{field}: {value!r}; {why}")
+
+
+def check_supported(hf_config) -> None:
+    """``ValueError`` naming the Hugging Face field for what the plugin's DSA model cannot hold or
+    compute (the MoE routing and RoPE checks are the DeepSeek-V3 bridge's, when it builds)."""
+    h = hf_config
+    shared = [i for i, kind in enumerate(getattr(h, "indexer_types", None) or []) if kind != "full"]
+    if shared:
+        kinds = sorted({h.indexer_types[i] for i in shared})
+        _refuse(
+            "indexer_types",
+            kinds,
+            f"layers {shared} reuse an earlier layer's top-k (cross-layer sharing, "
+            "index_topk_freq > 1 / index_topk_pattern with 'S'); the plugin's DSA layer runs its "
+            "own indexer in every layer. Use a checkpoint whose indexer_types are all 'full'",
+        )
+    if getattr(h, "attention_bias", False):
+        _refuse(
+            "attention_bias",
+            True,
+            "Megatron's MLA projections have no bias (add_bias_linear=False); use a checkpoint "
+            "without attention biases",
+        )
+    if getattr(h, "hidden_act", "silu") != "silu":
+        _refuse("hidden_act", h.hidden_act, "the bridge builds SwiGLU MLPs and experts ('silu')")
+    if getattr(h, "q_lora_rank", None) is None:
+        _refuse(
+            "q_lora_rank",
+            None,
+            "the DSA indexer reads the query latent (q_a_layernorm(q_a_proj(x))); MLA without a "
+            "query down projection has none",
+        )
+    heads, groups = h.num_attention_heads, getattr(h, "num_key_value_heads", None)
+    if groups is not None and groups != heads:
+        _refuse(
+            "num_key_value_heads",
+            groups,
+            f"MLA has a key and a value per head: num_attention_heads ({heads})",
+        )
+    kinds = list(getattr(h, "mlp_layer_types", None) or [])
+    unknown = sorted({kind for kind in kinds if kind not in MLP_LAYER_TYPES})
+    if unknown:
+        _refuse("mlp_layer_types", unknown, "each layer is 'dense' or 'sparse' (MoE)")
+    if kinds and len(kinds) != h.num_hidden_layers:
+        _refuse(
+            "mlp_layer_types",
+            f"{len(kinds)} entries",
+            f"one per layer: num_hidden_layers = {h.num_hidden_layers}",
+        )
+
+
+def moe_layer_freq(hf_config) -> list[int]:
+    """Megatron's ``moe_layer_freq`` (1 = MoE) from ``mlp_layer_types``, else from
+    ``first_k_dense_replace`` (the first k dense)."""
+    kinds = list(getattr(hf_config, "mlp_layer_types", None) or [])
+    if kinds:
+        return [MLP_LAYER_TYPES[kind] for kind in kinds]
+    layers = hf_config.num_hidden_layers
+    dense = min(int(getattr(hf_config, "first_k_dense_replace", 0) or 0), layers)
+    return [0] * dense + [1] * (layers - dense)
+
+
+def dsa_keywords(hf_config) -> dict:
+    """The DSA ``TransformerConfig`` keywords of a Hugging Face config (the DeepSeek-V3 ones
+    come from the DeepSeek-V3 bridge)."""
+    check_supported(hf_config)
+    return dict(
+        experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=hf_config.index_n_heads,
+        dsa_indexer_head_dim=hf_config.index_head_dim,
+        dsa_indexer_topk=hf_config.index_topk,
+        dsa_indexer_loss_coeff=0.0,
+        moe_layer_freq=moe_layer_freq(hf_config),
+    )
+
+
+def dsa_spec_keywords(hf_config) -> dict:
+    """The NPU spec's DSA keywords for this checkpoint: the indexer's RoPE layout and key-norm
+    eps (megatron-core 0.16.1's config has neither field; 0.19's names)."""
+    model_type = hf_config.model_type
+    if model_type not in INDEXER_ROPE_INTERLEAVED:
+        raise ValueError(
+            f"model_type: {model_type!r} is not a DSA checkpoint the plugin bridges (those: "
+            f"{', '.join(INDEXER_ROPE_INTERLEAVED)})"
+        )
+    return dict(
+        dsa_indexer_rope_interleaved=INDEXER_ROPE_INTERLEAVED[model_type],
+        dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
+    )
+
+
+def refuse_mtp(config, hf_config) -> None:
+    """``ValueError`` when the config asks for multi-token-prediction layers: mbridge's DeepSeek
+    bridge builds them from Transformer Engine's spec and maps DeepSeek-V3's 61 layers only."""
+    layers = getattr(config, "mtp_num_layers", None)
+    if layers:
+        field = "num_nextn_predict_layers"
+        raise ValueError(
+            f"{field}: {getattr(hf_config, field, layers)} (mtp_num_layers={layers}); the DSA "
+            "bridge does not build multi-token-prediction layers (transformers 5.25 does not "
+            "either: it skips their model.layers.{num_hidden_layers}.* tensors). Turn MTP off "
+            "(mbridge: bridge.set_extra_args(mtp_num_layers=None); verl: "
+            "actor_rollout_ref.model.mtp.enable=False); the main model loads and exports without "
+            "those tensors"
+        )
+
+
+@register_model(list(MODEL_TYPES))
+class DSABridge(fixed_bridge_class("deepseek_v3")):
+    """mbridge bridge for ``glm_moe_dsa`` and ``deepseek_v32``: the plugin's DeepSeek-V3 bridge
+    with the DSA config, the NPU spec's DSA layer and the indexer's weights."""
+
+    TransformerConfigClass = DSATransformerConfig  # DSA under context parallelism too
+    own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
+    npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
+    npu_kernel = "auto"
+
+    def _build_base_config(self, text_config_key=None, **keywords):
+        keywords = {**keywords, **dsa_keywords(self.hf_config)}
+        return super()._build_base_config(text_config_key=text_config_key, **keywords)
+
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        refuse_mtp(self.config, self.hf_config)
+        from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
+        self.has_vp_stage = True  # read by DeepseekV3Bridge's provider
+        keywords = {
+            "kernel": self.npu_kernel,
+            **mbridge_expert_form(self.config),
+            **dsa_spec_keywords(self.hf_config),
+            **self.npu_spec_keywords,
+        }
+        return get_gpt_decoder_block_npu_spec(
+            self.config,
+            param_layout="te",
+            normalization=self.config.normalization,
+            vp_stage=vp_stage,
+            **keywords,
+        )
+
+    def _weight_name_mapping_attention(self, name: str) -> list[str]:
+        """Hugging Face names of one layer's attention tensor (``ValueError`` if none)."""
+        match = _LAYER.match(name)
+        hf = None if match is None else LAYER_MAP.get(match.group(2))
+        if hf is None:
+            raise ValueError(
+                f"{name}: no Hugging Face tensor of {self.hf_config.model_type} maps to this "
+                "Megatron parameter; build the model through this bridge (the NPU spec's DSA "
+                "layer, param_layout='te')"
+            )
+        return [f"model.layers.{match.group(1)}.{hf}"]

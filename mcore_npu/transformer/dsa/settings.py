@@ -1,0 +1,126 @@
+"""A DSA layer's settings, read once from Megatron's config and the two NPU spec keywords
+megatron-core 0.16.1's config lacks (0.19's field names), and the limits checked at build."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+DSA = "dsa"
+SPEC_KEYWORDS = ("dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon")
+
+
+def is_dsa(config) -> bool:
+    """Whether ``config`` (a config, or its fields as a dict) asks for DSA layers."""
+    if isinstance(config, dict):
+        return config.get("experimental_attention_variant") == DSA
+    return getattr(config, "experimental_attention_variant", None) == DSA
+
+
+@dataclasses.dataclass(frozen=True)
+class DSASettings:
+    """heads / head_dim / topk: the indexer's (``dsa_indexer_*``); loss_coeff: the indexer KL
+    loss's weight (0: the indexer runs without grad); sparse_loss: the loss over the selected
+    keys only; rope_interleaved: the indexer's RoPE on interleaved pairs (GLM-5) or halves
+    (DeepSeek-V3.2); k_norm_eps: the indexer key LayerNorm's epsilon."""
+
+    heads: int
+    head_dim: int
+    topk: int
+    loss_coeff: float = 0.0
+    sparse_loss: bool = False
+    rope_interleaved: bool = False
+    k_norm_eps: float = 1e-6
+
+    @property
+    def trains_indexer(self) -> bool:
+        return self.loss_coeff > 0
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: {value!r}; DSA needs a positive int (set it in the config)")
+    return value
+
+
+def dsa_settings(config, rope_interleaved=None, k_norm_epsilon=None) -> DSASettings:
+    """The settings of ``config`` (which :func:`is_dsa`); the keywords override the config's
+    0.19 fields (None: the field, else False / ``layernorm_epsilon``). ValueError naming the
+    field for what the NPU DSA layer does not build."""
+    check_dsa_config(config)
+    check_spec_keywords(rope_interleaved, k_norm_epsilon)
+    if rope_interleaved is None:
+        rope_interleaved = getattr(config, "dsa_indexer_rope_interleaved", False)
+    if k_norm_epsilon is None:
+        k_norm_epsilon = getattr(config, "dsa_indexer_k_norm_epsilon", None)
+    if k_norm_epsilon is None:
+        k_norm_epsilon = config.layernorm_epsilon
+    coeff = config.dsa_indexer_loss_coeff or 0.0
+    if coeff < 0:
+        raise ValueError(f"dsa_indexer_loss_coeff: {coeff}; pass 0 (no indexer loss) or more")
+    return DSASettings(
+        heads=_positive_int("dsa_indexer_n_heads", config.dsa_indexer_n_heads),
+        head_dim=_positive_int("dsa_indexer_head_dim", config.dsa_indexer_head_dim),
+        topk=_positive_int("dsa_indexer_topk", config.dsa_indexer_topk),
+        loss_coeff=float(coeff),
+        sparse_loss=bool(config.dsa_indexer_use_sparse_loss),
+        rope_interleaved=rope_interleaved,
+        k_norm_eps=float(k_norm_epsilon),
+    )
+
+
+def check_spec_keywords(rope_interleaved, k_norm_epsilon) -> None:
+    """The two spec keywords' types (None: the config's), ValueError naming the keyword."""
+    if rope_interleaved is not None and not isinstance(rope_interleaved, bool):
+        raise ValueError(
+            f"dsa_indexer_rope_interleaved: pass True, False or None, got {rope_interleaved!r}"
+        )
+    real = isinstance(k_norm_epsilon, numbers.Real) and not isinstance(k_norm_epsilon, bool)
+    if k_norm_epsilon is not None and not (real and k_norm_epsilon > 0):
+        raise ValueError(
+            f"dsa_indexer_k_norm_epsilon: pass a positive float or None, got {k_norm_epsilon!r}"
+        )
+
+
+def check_dsa_config(config) -> None:
+    """ValueError naming the field, and what to do, for a DSA config the NPU layer refuses."""
+    if not config.multi_latent_attention:
+        raise ValueError(
+            "multi_latent_attention: False with experimental_attention_variant='dsa'; DSA is "
+            "MLA with an indexer: set multi_latent_attention=True"
+        )
+    rope = config.qk_pos_emb_head_dim
+    if (config.dsa_indexer_head_dim or 0) < rope:
+        raise ValueError(
+            f"dsa_indexer_head_dim: {config.dsa_indexer_head_dim}, smaller than the RoPE part "
+            f"qk_pos_emb_head_dim={rope}; the indexer head is [pe, nope]: make it at least {rope}"
+        )
+    if getattr(config, "dsa_indexer_topk_freq", 1) != 1:
+        raise ValueError(
+            f"dsa_indexer_topk_freq: {config.dsa_indexer_topk_freq}; layers sharing an earlier "
+            "layer's top-k are not built by the NPU DSA layer: set it to 1 (every layer indexes)"
+        )
+    if not getattr(config, "dsa_indexer_scoring_relu", True):
+        raise ValueError(
+            "dsa_indexer_scoring_relu: False; the NPU lightning indexer scores with ReLU: set it "
+            "to True"
+        )
+    split = {name: getattr(config, name) for name in _SPLITS if getattr(config, name) > 1}
+    if (config.dsa_indexer_loss_coeff or 0) > 0 and split:
+        raise ValueError(
+            f"dsa_indexer_loss_coeff: {config.dsa_indexer_loss_coeff} with {split}; the indexer "
+            "loss needs every head's and token's attention on one rank, which is not built: set "
+            "the coefficient to 0 (as the GLM-5 recipe does) or train without TP / CP"
+        )
+
+
+_SPLITS = ("tensor_model_parallel_size", "context_parallel_size")
+
+
+def check_cp_comm_type(comm_type: str) -> None:
+    """DSA layers gather the keys over CP ranks: ``all_gather`` only."""
+    if comm_type != "all_gather":
+        raise ValueError(
+            f"cp_comm_type: {comm_type!r} for a DSA layer; its keys are all-gathered over the CP "
+            "ranks (MindSpeed's kvallgather_cp_algo): set cp_comm_type='all_gather'"
+        )
