@@ -202,26 +202,28 @@ _BATCH_INVARIANT_KEYS = (
 )
 
 
-DSA_VARIANT = "dsa"
-"""``experimental_attention_variant`` of DeepSeek sparse attention (GLM-5, DeepSeek-V3.2)."""
-DSA_CP_COMM_TYPE = "all_gather"
-"""The one context-parallel algorithm of DSA layers (MindSpeed's ``kvallgather_cp_algo``)."""
 DSA_CP_NOTE = "DSA layers run context parallelism by K/V all-gather only"
 
 
 def _check_sparse_attention_cp(plan: RecipePlan, overrides: Mapping) -> None:
-    """With DSA layers (``experimental_attention_variant=dsa``): a CP algorithm other than
-    all-gather is refused, at any CP size, naming the recipe key that chose it; all-gather's log
-    line says it is DSA's one algorithm."""
+    """With DSA layers (``experimental_attention_variant=dsa``): a CP algorithm the DSA layer
+    refuses (anything but all-gather) is refused here, at any CP size, naming the recipe key that
+    chose it; all-gather's log line says it is DSA's one algorithm."""
+    from mcore_npu.transformer.dsa.settings import check_cp_comm_type, is_dsa
+
     megatron = plan.megatron
     chosen = megatron.get("cp_comm_type")
-    if megatron.get("experimental_attention_variant") != DSA_VARIANT or chosen is None:
+    if not is_dsa(megatron) or chosen is None:
         return
     key = "context_parallel_algo" if "context_parallel_algo" in overrides else "cp_comm_type"
     for comm_type in [chosen] if isinstance(chosen, str) else chosen:
-        if comm_type != DSA_CP_COMM_TYPE:
+        try:
+            check_cp_comm_type(comm_type)
+        except ValueError:
             why = f"it selects cp_comm_type={comm_type!r}, and {DSA_CP_NOTE}"
-            raise _refusal(key, overrides[key], why, "use kvallgather_cp_algo (all_gather)")
+            raise _refusal(
+                key, overrides[key], why, "use kvallgather_cp_algo (all_gather)"
+            ) from None
     start = f"{PREFIX}.{key}="
     plan.log = [f"{line} ({DSA_CP_NOTE})" if line.startswith(start) else line for line in plan.log]
 
@@ -441,8 +443,12 @@ _KEYWORD_NOTES = {
 
 
 def _describe_cp(comm_type: str) -> str:
+    from mcore_npu.transformer.dsa.settings import check_cp_comm_type
+
     text = f"Megatron's `cp_comm_type={comm_type!r}`"
-    if comm_type != DSA_CP_COMM_TYPE:
+    try:
+        check_cp_comm_type(comm_type)
+    except ValueError:
         text += "; refused with DSA layers (all-gather only)"
     return text
 
