@@ -63,7 +63,7 @@ SLOW := tests/training/test_failures.py tests/tools/test_bench.py
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) --ignore=tests/integrations --ignore=tests/nemotron --ignore=tests/vision_hf --ignore=tests/dsa_hf $(SLOW:%=--ignore=%)
 
-# about 7 minutes of pytest time on 2 cores (docs/contributing.md)
+# 40 tests, about 2 minutes on 2 cores (docs/contributing.md)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) $(SLOW)
 
