@@ -51,9 +51,6 @@ LAYER_MAP = {
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    # the latent norms fused into the up projections (MLA's TE layout), should a layer hold them so
-    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
     # the lightning indexer
     "self_attention.core_attention.indexer.linear_wq_b.weight": "self_attn.indexer.wq_b.weight",
     "self_attention.core_attention.indexer.linear_wk.weight": "self_attn.indexer.wk.weight",
