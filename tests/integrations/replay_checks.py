@@ -58,6 +58,25 @@ def routes_used(worker):
             handle.remove()
 
 
+@contextlib.contextmanager
+def replay_masks(worker):
+    """Yield a dict: per router (layer order), the replay mask of each of its calls
+    (``[T]`` bool, **True = replayed**; None where the call replayed nothing)."""
+    masks, handles = {}, []
+    for layer, router in enumerate(routers(worker)):
+
+        def hook(module, args, output, layer=layer):
+            mask = module.router_replay.target_replay_mask
+            masks.setdefault(layer, []).append(None if mask is None else mask.clone().bool())
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield masks
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def layer_maps(seen, layer: int) -> list[torch.Tensor]:
     """The ``[T, E]`` routing maps of ``layer``, one per router call, in call order."""
     return [routing for n, routing in seen if n == layer]

@@ -295,23 +295,29 @@ def test_qwen3_vl_layout_equals_one_process(layout, launch, qwen3_vl, qwen3_vl_m
     assert want[-1] < want[0]
 
 
-# per rank: (pp, ep, dp, the global layers of its routers)
+# per rank: (pp, ep, tp, cp, dp, the global layers of its routers)
 EXPECTED_REPLAY = {
-    "pp2": [(2, 1, 1, [0]), (2, 1, 1, [1])],
-    "ep2": [(1, 2, 2, [0, 1])] * 2,
+    "pp2": [(2, 1, 1, 1, 1, [0]), (2, 1, 1, 1, 1, [1])],
+    "ep2": [(1, 2, 1, 1, 2, [0, 1])] * 2,
+    "tp2_sp_bshd": [(1, 1, 2, 1, 1, [0, 1])] * 2,
+    "cp2_bshd": [(1, 1, 1, 2, 1, [0, 1])] * 2,
 }
 
 
 @pytest.mark.parametrize("layout", list(verl_loop_ranks.REPLAY_LAYOUTS))
 def test_router_replay_layout(layout, launch):
-    """verl's R2 on the tiny Qwen3-MoE at PP=2 (each stage its layer's router) and EP=2 (DP=2):
-    after the routers are perturbed, the update routes every token of every MoE layer to the
-    experts recorded in ``compute_log_prob``, and those are the routes verl returns (the
+    """verl's R2 on the tiny Qwen3-MoE at PP=2 (each stage its layer's router) and EP=2 (DP=2) in
+    thd, at TP=2 with SP and CP=2 in bshd (the engine's own forward): after the routers are
+    perturbed, the update routes every token of every MoE layer to the experts recorded in
+    ``compute_log_prob``, and (thd) those are the routes verl returns (the
     one-process test, tests/integrations/test_router_replay.py, has the control showing the
     perturbation moves the routes without replay)."""
     records = [json.loads((launch / f"replay_{layout}.rank{r}.json").read_text())
                for r in range(WORLD)]  # fmt: skip
-    layouts = [(r["pp"], r["ep"], r["dp"], r["layers"]) for r in records]
+    layouts = [(r["pp"], r["ep"], r["tp"], r["cp"], r["dp"], r["layers"]) for r in records]
     assert layouts == EXPECTED_REPLAY[layout], layouts
     for record in records:
         assert all(record["replayed"]) and all(record["returned"]), record
+    if layout.endswith("bshd"):  # each real token replayed on exactly one rank, in every layer
+        per_layer = [sum(counts) for counts in zip(*(r["tokens"] for r in records))]
+        assert per_layer == [records[0]["real"]] * len(per_layer), per_layer

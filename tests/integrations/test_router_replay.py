@@ -10,12 +10,14 @@ lands ``device="cuda"`` (``mcore_npu.cpu.shims.CudaFactoriesOnCpu``).
 - **R2**: ``compute_log_prob`` records each token's experts; the router weights are then
   perturbed; the update (``train_mini_batch``) routes every token of every MoE layer to the
   recorded experts. The control, the same perturbation without replay, routes some tokens
-  elsewhere: the check can fail. In thd, and with full recompute (verl's ``REPLAY_BACKWARD``:
-  the recomputed forward replays too).
+  elsewhere: the check can fail. In thd (verl's forward) and bshd (the engine's own: right-padded
+  rows the router takes as ``[S, B]``), and with full recompute (verl's ``REPLAY_BACKWARD``: the
+  recomputed forward replays too).
 - **R3**: routes given in the batch (a rollout's) are the ones ``compute_log_prob`` and the update
   use, for every token verl replays (all but each sequence's last); loss and grad norm finite,
-  the grad norm non-zero.
-- What replay cannot run with (bshd, ``pad_to_length``) is refused in one line before any model.
+  the grad norm non-zero; thd and bshd.
+- What replay cannot run with (MTP in bshd, ``pad_to_length``) is refused in one line before any
+  model.
 """
 
 from __future__ import annotations
@@ -48,16 +50,18 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 
 
 @pytest.mark.parametrize(
-    ("family", "keys"),
-    [("qwen3_moe", {}), ("qwen3_moe", FULL_RECOMPUTE), ("deepseek_v3", {})],
-    ids=["thd", "thd_full_recompute", "dense_and_moe_layers"],
-)
-def test_r2_replays_the_recorded_experts_after_the_router_moves(family, keys, request):
+    ("family", "keys", "thd"),
+    [("qwen3_moe", {}, True), ("qwen3_moe", FULL_RECOMPUTE, True), ("deepseek_v3", {}, True),
+     ("qwen3_moe", {}, False), ("deepseek_v3", FULL_RECOMPUTE, False)],
+    ids=["thd", "thd_full_recompute", "dense_and_moe_layers", "bshd",
+         "bshd_dense_and_moe_full_recompute"],
+)  # fmt: skip
+def test_r2_replays_the_recorded_experts_after_the_router_moves(family, keys, thd, request):
     """``deepseek_v3``: the tiny DeepSeek-V3 (a dense first layer, then MoE; grouped sigmoid
-    routing)."""
+    routing). bshd: the engine's own forward, right-padded rows the router sees as ``[S, B]``."""
     path = request.getfixturevalue({"qwen3_moe": "qwen3_moe",
                                     "deepseek_v3": "tiny_deepseek_v3_model"}[family])  # fmt: skip
-    batch, thd = loop.rollout_batch(), True
+    batch = loop.rollout_batch()
     worker = replay_worker(path, "R2", thd=thd, keys=keys)
     with routes_used(worker) as recording:
         recorded = record_routes(worker, batch)
@@ -80,16 +84,17 @@ def test_r2_replays_the_recorded_experts_after_the_router_moves(family, keys, re
         update_with_routes(control, batch)
     moved = [float((routes_by_sample(seen, n, samples, calls)[0] != w).any(-1).float().mean())
              for n, w in enumerate(want)]  # fmt: skip
-    print(f"R2 ({family}, thd{', full recompute' if keys else ''}): tokens routed "
+    print(f"R2 ({family}, {'thd' if thd else 'bshd'}{', full recompute' if keys else ''}): tokens routed "
           f"elsewhere without replay, per layer {moved}")  # fmt: skip
     assert max(moved) > 0
 
 
-def test_r3_uses_the_rollouts_experts_in_log_probs_and_update(qwen3_moe):
+@pytest.mark.parametrize("thd", [True, False], ids=["thd", "bshd"])
+def test_r3_uses_the_rollouts_experts_in_log_probs_and_update(qwen3_moe, thd):
     from verl.utils import tensordict_utils as tu
 
     batch = loop.rollout_batch()
-    worker = replay_worker(qwen3_moe, "R3")
+    worker = replay_worker(qwen3_moe, "R3", thd=thd)
     layers, experts = len(routers(worker)), worker.engine.tf_config.num_moe_experts
     generator = torch.Generator().manual_seed(3)
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -112,7 +117,7 @@ def test_r3_uses_the_rollouts_experts_in_log_probs_and_update(qwen3_moe):
     _check_replayed(seen, want, samples_of(batch))
     loss, norm = (float(torch.tensor(metrics[k]).float().mean())
                   for k in ("actor/pg_loss", "grad_norm"))  # fmt: skip
-    print(f"R3: pg_loss {loss:.4f}, grad norm {norm:.4f}")
+    print(f"R3 ({'thd' if thd else 'bshd'}): pg_loss {loss:.4f}, grad norm {norm:.4f}")
     assert torch.isfinite(torch.tensor([loss, norm])).all() and norm > 0
 
 
@@ -126,14 +131,19 @@ def _check_replayed(seen, want: list[torch.Tensor], samples) -> None:
 
 @pytest.mark.parametrize(
     ("fields", "named"),
-    [({"remove_padding": False}, "use_remove_padding=False"),
+    [({"remove_padding": False, "mtp": True}, "mtp.enable"),
      ({"pad_to_length": True}, "pad_to_length")],
-    ids=["bshd", "pad_to_length"],
+    ids=["bshd_mtp", "pad_to_length"],
 )  # fmt: skip
 def test_what_replay_cannot_run_with_is_refused_before_the_model(qwen3_moe, fields, named):
-    """bshd (verl 0.9.1 lays the routes out as [B, S], Megatron's router takes [S, B]) and
-    ``pad_to_length`` (verl raises mid-step) stop in one line naming the setting, no model built."""
+    """bshd with MTP (verl's MTP forward lays the routes out as thd) and ``pad_to_length`` (verl
+    raises mid-step) stop in one line naming the setting, no model built."""
     from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.config.model import MtpConfig
+
+    fields = dict(fields)
+    if fields.pop("mtp", False):
+        fields["model"] = {"mtp": MtpConfig(enable=True)}
 
     config = loop.worker_config(qwen3_moe, router_replay=EngineRouterReplayConfig(mode="R2"),
                                 **fields)  # fmt: skip

@@ -357,16 +357,22 @@ def qwen3_vl_layouts(paths: str, out: Path) -> None:
 
 REPLAY = "replay_layouts"
 REPLAY_LAYOUTS = {"pp2": {"pipeline_model_parallel_size": 2},
-                  "ep2": {"expert_model_parallel_size": 2}}  # fmt: skip
+                  "ep2": {"expert_model_parallel_size": 2},
+                  "tp2_sp_bshd": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                  "thd": False},
+                  "cp2_bshd": {"context_parallel_size": 2, "thd": False}}  # fmt: skip
 
 
 def replay_layouts(path: str, out: Path) -> None:
-    """verl's R2 on the tiny Qwen3-MoE at each of :data:`REPLAY_LAYOUTS` (thd, bf16): record in
-    ``compute_log_prob``, perturb the routers, update with the recorded routes (broadcast from
-    the rank that holds verl's output, as the trainer hands them to every rank). Every rank
-    writes whether each of its routers took the recorded experts for every token in the update
-    (forward hooks), and whether they are verl's returned routes
-    (``OUT/replay_<layout>.rank<r>.json``)."""
+    """verl's R2 on the tiny Qwen3-MoE at each of :data:`REPLAY_LAYOUTS` (thd unless named
+    bshd, bf16): record in ``compute_log_prob``, perturb the routers, update with the recorded
+    routes (broadcast from the rank that holds verl's output, as the trainer hands them to every
+    rank). Every rank writes whether each of its routers took the recorded experts for every
+    token in the update (forward hooks), and (thd) whether they are verl's returned routes
+    (``OUT/replay_<layout>.rank<r>.json``). bshd under TP/SP or CP: each rank's router sees its
+    share of the ``[S, B]`` tokens, compared call by call on the tokens the update replays (the
+    record and the update see the same micro-batches; padding routes natively), and ``tokens``
+    counts those per layer: over the ranks, every real token once."""
     from megatron.core import parallel_state as mpu
 
     from tests.integrations import replay_checks as rc
@@ -382,20 +388,32 @@ def replay_layouts(path: str, out: Path) -> None:
         held = [recorded]
         dist.broadcast_object_list(held, src=_last_holder(recorded is not None))
         rc.perturb_routers(worker)
-        with rc.routes_used(worker) as seen:
+        with rc.routes_used(worker) as seen, rc.replay_masks(worker) as masks:
             rc.update_with_routes(worker, batch, routes=held[0])
         numbers = _global_router_layers(worker)
         want = rc.recorded_routes(held[0])
-        replayed, returned = [], []
+        replayed, returned, tokens = [], [], []
         for local, number in enumerate(numbers):
-            before = rc.routes_by_sample(recording, local, samples)[0]
-            after = rc.routes_by_sample(seen, local, samples)[0]
-            replayed.append(bool(torch.equal(before, after)))
-            returned.append(bool(torch.equal(before, want[number])))
+            if fields.get("thd", True):
+                before = rc.routes_by_sample(recording, local, samples)[0]
+                after = rc.routes_by_sample(seen, local, samples)[0]
+                replayed.append(bool(torch.equal(before, after)))
+                returned.append(bool(torch.equal(before, want[number])))
+            else:  # the real tokens (padding routes natively), call by call
+                before, after = rc.layer_maps(recording, local), rc.layer_maps(seen, local)
+                keep = masks[local]
+                replayed.append(
+                    len(before) == len(after) == len(keep) > 0
+                    and all(torch.equal(b[k], a[k]) for b, a, k in zip(before, after, keep))
+                )
+                tokens.append(sum(int(k.sum()) for k in keep))
         record = {"pp": mpu.get_pipeline_model_parallel_world_size(),
                   "ep": mpu.get_expert_model_parallel_world_size(),
+                  "tp": mpu.get_tensor_model_parallel_world_size(),
+                  "cp": mpu.get_context_parallel_world_size(),
                   "dp": mpu.get_data_parallel_world_size(), "layers": numbers,
-                  "replayed": replayed, "returned": returned}  # fmt: skip
+                  "replayed": replayed, "returned": returned, "tokens": tokens,
+                  "real": sum(int(t.numel()) for t in samples)}  # fmt: skip
         (out / f"replay_{name}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
         del worker
         gc.collect()

@@ -158,7 +158,7 @@ class _NPUEngineMixin:
         ``engine_config`` becomes this engine's own copy, the spec keywords go to
         :attr:`npu_spec_keywords`; a refused key raises ``ValueError`` here."""
         hf_config, config = self.model_config.hf_config, self.engine_config
-        refuse_replay_settings(config)
+        refuse_replay_settings(config, mtp=self.model_config.mtp.enable)
         megatron_bridge = not (config.vanilla_mbridge or self.mbridge_fallback)
         provider = weight_path.megatron_bridge_overrides(hf_config) if megatron_bridge else None
         self.engine_config, self.npu_spec_keywords, self.recipe_plan = apply_recipe(

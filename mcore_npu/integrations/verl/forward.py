@@ -7,8 +7,8 @@ vision tower to merge. The model accepts each (``mcore_npu.masks.key_padding``),
 runs its own forward for a **bshd micro-batch without images**: verl right-pads, so under causal
 attention the model gets ``attention_mask=None`` (the operator's causal mode); the keep mask only
 selects the real outputs (:class:`RightPadded`, split zigzag over CP ranks and gathered back,
-:mod:`.bshd`). Images (Qwen3-VL, Qwen3.5's hub form), fused kernels, MTP, router replay and top-k
-distillation run verl's own forward.
+:mod:`.bshd`; router replay's routes in its token order, :func:`.replay.bshd_replay`). Images
+(Qwen3-VL, Qwen3.5's hub form), fused kernels, MTP and top-k distillation run verl's own forward.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from verl.utils.device import get_device_id
 from verl.utils.megatron_utils import unwrap_model
 
 from mcore_npu.integrations.verl.bshd import RightPadded, pad_right
+from mcore_npu.integrations.verl.replay import bshd_replay
 
 __all__ = ["IMAGE_INPUTS", "LMHeadSteps", "ValueHeadSteps", "carries_images"]
 
@@ -60,22 +61,27 @@ class ForwardSteps:
         input_ids = self.prepare_model_inputs(batch)["input_ids"]
         padded = pad_right(input_ids)
         local_ids, positions = padded.local(padded.pad(input_ids)), padded.local(padded.positions)
-        output = model(input_ids=local_ids, attention_mask=None, position_ids=positions)
+        with bshd_replay(self, model, batch, padded):
+            output = model(input_ids=local_ids, attention_mask=None, position_ids=positions)
         return output, padded, input_ids
 
     def _own_forward(self, batch) -> bool:
         """True when this micro-batch runs the plugin's forward: bshd, no images, nothing
         :meth:`_verl_only` names."""
-        if self.engine_config.use_remove_padding or carries_images(batch):
+        if self.engine_config.use_remove_padding:
             return False
-        return self._verl_only(batch) is None
+        reason = "images" if carries_images(batch) else self._verl_only(batch)
+        if reason is not None and self.enable_routing_replay:
+            raise ValueError(
+                f"router replay in bshd (use_remove_padding=False) with {reason}: verl's forward "
+                "for it lays routes out as thd; set use_remove_padding=True"
+            )
+        return reason is None
 
     def _verl_only(self, batch) -> str | None:
         """What this micro-batch needs that only verl's own forward prepares, or None."""
         if self.engine_config.use_fused_kernels:
             return "use_fused_kernels=True"
-        if self.enable_routing_replay:
-            return "router replay"
         if self.model_config.mtp.enable:
             return "multi-token prediction (model.mtp.enable)"
         if tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False):
