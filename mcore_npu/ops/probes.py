@@ -146,10 +146,20 @@ KL_LOSS_TOPK = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 
 
 def sparse_lightning_indexer_grad_kl_loss(
-    _op, *, query=None, query_index=None, query_rope=None, sparse_count=None, **_facts
+    _op,
+    *,
+    query=None,
+    query_index=None,
+    query_rope=None,
+    sparse_count=None,
+    heads_split=False,
+    **_facts,
 ) -> str | None:
     """npu_sparse_lightning_indexer_grad_kl_loss: fp16/bf16, D = 512 with a 64-wide rope part,
-    N1 in 32/64/128, indexer heads in 8/16/32/64, top-k a multiple of 1024 up to 8192."""
+    N1 in 32/64/128, indexer heads in 8/16/32/64, top-k a multiple of 1024 up to 8192; the
+    heads on one rank (its target sums the heads it is given)."""
+    if heads_split:
+        return "it sums one rank's heads; under tensor parallelism the target sums every rank's"
     if query is None:
         return None
     if str(query.dtype) not in ("torch.float16", "torch.bfloat16"):

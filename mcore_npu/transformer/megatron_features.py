@@ -166,6 +166,11 @@ def _checkpoint_common_file() -> bool:
     return "common_strategy" in _parameters("megatron.core.dist_checkpointing", "save")
 
 
+def _schedule_scales_dsa_loss() -> bool:
+    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    return "DSAIndexerLossAutoScaler" in inspect.getsource(schedules)
+
+
 FEATURES: dict[str, Feature] = {
     "router_slot": Feature(
         "MoESubmodules has a router slot (before, MoELayer builds its TopKRouter)",
@@ -215,6 +220,12 @@ FEATURES: dict[str, Feature] = {
         "MambaStack in megatron.core.ssm)",
         _hybrid_model,
         since="0.18",
+    ),
+    "schedule_scales_dsa_loss": Feature(
+        "the pipeline schedules set DSAIndexerLossAutoScaler's scale for DSA configs (before, "
+        "only MoEAuxLossAutoScaler's, for MoE configs; 0.17-0.18 have the class unscaled)",
+        _schedule_scales_dsa_loss,
+        since="0.19",
     ),
     "checkpoint_common_file": Feature(
         "dist_checkpointing.save writes common.pt (after, the .distcp files hold common_state)",

@@ -25,10 +25,11 @@ import json
 import torch
 import torch.nn.functional as F
 
-from tests.transformer.mla_models import VOCAB, gpt, inputs, mla_config, npu_block
+from tests.transformer.mla_models import VOCAB, dsa_config, gpt, inputs, mla_config, npu_block
 
 PACKED_CP = (4, 8, 4)  # every packed length divides by 2 * CP = 4
 STEPS = 5
+DSA_COEFF = 1.0
 
 CP_CASES = [
     {"comm": "p2p", "format": "sbhd"},
@@ -38,12 +39,15 @@ CP_CASES = [
     {"comm": "p2p", "format": "sbhd", "mla_value_padding": "on", "rope_kernel": "reference"},
     {"comm": "all_gather", "format": "thd", "rope_kernel": "reference"},
     {"comm": "a2a", "format": "sbhd"},
+    {"comm": "all_gather", "format": "sbhd", "dsa": True},
+    {"comm": "all_gather", "format": "thd", "dsa": True},
 ]
 TP_CASES = [
     {"format": "sbhd"},
     {"format": "thd"},
     {"format": "sbhd", "q_lora_rank": None},
     {"format": "sbhd", "sequence_parallel": True},
+    {"format": "sbhd", "sequence_parallel": True, "dsa": True},
     # Megatron 0.16.1's own get_query_key_value_tensors under TP=2 (the k_pos_emb gradient of
     # each rank's heads only): reported, expected to miss one process
     {"format": "sbhd", "megatrons_qkv": True},
@@ -62,7 +66,10 @@ def _relayout(layout):
 def _model(case, **config):
     spec_keys = {k: case[k] for k in ("mla_value_padding", "rope_kernel") if k in case}
     q_lora = case.get("q_lora_rank", 32)
-    built = mla_config(q_lora, **config)
+    if case.get("dsa"):  # top-k 4 of 16, the indexer trained (its KL loss at DSA_COEFF)
+        built = dsa_config(4, coeff=DSA_COEFF, q_lora_rank=q_lora, **config)
+    else:
+        built = mla_config(q_lora, **config)
     model = gpt(built, npu_block(built, param_layout="te", **spec_keys), seed=3,
                 parallel_output=False)  # fmt: skip
     if case.get("megatrons_qkv"):

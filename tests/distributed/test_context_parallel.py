@@ -237,7 +237,10 @@ def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     layout; tests/distributed/mla_parallel.py): CP=2 with p2p and all_gather (sbhd and packed
     thd, the padded value path and fused RoPE once each; a2a sbhd) and TP=2 (sbhd, thd, no q_lora_rank,
     sequence parallel): step-0 logits, every gradient and 5 Adam steps' losses within 1e-5 of
-    one process, the worst over both ranks."""
+    one process, the worst over both ranks. The same with DeepSeek Sparse Attention (top-k 4 of
+    16, the indexer trained by its KL loss at coefficient 1) at all-gather CP=2 (sbhd, thd) and
+    TP=2 with SP: logits and gradients within 1e-5 (without the TP all-reduce of the indexer's
+    target, its gradients measured 6.7e-5 off)."""
     results = [r for r in report["MLA"] if "checkpoint" not in r]
     ours = [r for r in results if not r.get("megatrons_qkv")]
     covered = {(r.get("comm", "tp"), r["format"]) for r in ours}
@@ -245,8 +248,14 @@ def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     assert any(r.get("mla_value_padding") == "on" and "cp" in r for r in ours)
     assert any(r.get("rope_kernel") == "reference" for r in ours)
     assert any(r.get("sequence_parallel") for r in ours)
+    assert {(r.get("comm", "tp"), r["format"]) for r in ours if r.get("dsa")} == {
+        ("all_gather", "sbhd"), ("all_gather", "thd"), ("tp", "sbhd")}  # fmt: skip
     for r in ours:
-        assert max(r["logits"], r["grads"], r["losses"]) <= TOLERANCE, r
+        assert max(r["logits"], r["grads"]) <= TOLERANCE, r
+        # DSA: once the indexer trains, rounding can flip a top-k choice near a tie, which
+        # moves a later loss (TP=2 measured 5.5e-3 at the fourth step); logits and gradients
+        # (the indexer's KL target summed over both TP ranks' heads among them) stay exact
+        assert r["losses"] <= (1e-2 if r.get("dsa") else TOLERANCE), r
         assert r.get("loss_drop", 1.0) > 0.5, r  # the 5 steps train
     # Megatron 0.16.1's own q/k/v path under TP=2 keeps each rank's heads' share of the shared
     # k_pos_emb gradient (why NPUMLASelfAttention runs its own under TP): it misses one process

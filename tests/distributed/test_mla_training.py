@@ -15,8 +15,9 @@ micro-batches of 1:
   (expert data parallel 1, data parallel 2), and CP=2 x EP=2 (the experts split over the two
   context-parallel ranks, as the Moonlight recipe runs them: configs/ascend_moonlight_16b.yaml).
 
-The same model with DeepSeek Sparse Attention (configs/gpt_tiny_dsa.yaml's keys) runs once in
-each launch: one process, then TP=2 with SP and all-gather CP=2.
+The same model with DeepSeek Sparse Attention (configs/gpt_tiny_dsa.yaml's keys, the indexer
+trained with loss coefficient 10) runs once in each launch: one process, then TP=2 with SP and
+all-gather CP=2.
 
 Every run starts from the seed (no checkpoint): with ``use_cpu_initialization`` Megatron draws
 every weight whole and each rank keeps its shard, and the grouped experts draw all experts on
@@ -52,10 +53,10 @@ LAYOUTS = {  # name: (overrides, the layout Megatron's parallel state must have 
 }  # fmt: skip
 MODULES = "attention=NPUMLASelfAttention, router=NPUTopKRouter, experts=NPUGroupedMLP"
 # the same model with DeepSeek Sparse Attention (configs/gpt_tiny_dsa.yaml's keys): 16 of up to 64
-# keys per query; its runs share the two launches
+# keys per query, the indexer trained (its KL loss at 10); its runs share the two launches
 DSA = ["model.experimental_attention_variant=dsa", "model.dsa_indexer_n_heads=4",
        "model.dsa_indexer_head_dim=32", "model.dsa_indexer_topk=16",
-       "model.dsa_indexer_loss_coeff=0.0"]  # fmt: skip
+       "model.dsa_indexer_loss_coeff=10.0"]  # fmt: skip
 DSA_LAYOUTS = {name: LAYOUTS[name] for name in ("tp2", "cp2_all_gather")}
 HAS_DSA = not missing_fields(*DSA_CONFIG_FIELDS)  # megatron-core 0.16+
 DSA_MODULES = MODULES.replace("NPUMLASelfAttention", "NPUDSASelfAttention")
@@ -92,8 +93,8 @@ def parallel(tmp_path_factory):
     return work, layout_runs(CONFIG, runs, nproc=2)
 
 
-def _losses(path) -> list[float]:
-    return [m["loss"] for m in read_metrics(path)]
+def _losses(path, key: str = "loss") -> list[float]:
+    return [m[key] for m in read_metrics(path)]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -113,8 +114,14 @@ def test_parallel_layout_matches_one_process(layout, one_process, parallel):
 @needs_fields(*DSA_CONFIG_FIELDS, feature="DeepSeek Sparse Attention")
 @pytest.mark.parametrize("layout", list(DSA_LAYOUTS))
 def test_dsa_layout_matches_one_process(layout, one_process, parallel):
-    """DeepSeek Sparse Attention (top-k 16 of 64) at TP=2 with SP and at all-gather CP=2: 5 losses
-    within 1e-5 of one process's, and different from the dense MLA run's (the selection acts)."""
+    """DeepSeek Sparse Attention (top-k 16 of 64, the indexer trained at loss coefficient 10)
+    at TP=2 with SP and at all-gather CP=2 through Megatron's schedule: 5 losses within 1e-4 of
+    one process's, and different from the dense MLA run's (the selection acts); the grad norms,
+    which hold the indexer's gradients as the schedule scales its loss, within 5e-5 relative (a
+    CP weighting off by 2 measured 6.4e-4). Looser than the other layouts' 1e-5: once the indexer
+    trains, its weights differ from one process's by rounding, and a top-k choice near a tie can
+    flip (at coefficient 0.1 CP=2 measured 2.4e-5 on the fifth loss). The layer's own gradients
+    against one process: tests/distributed/mla_parallel.py."""
     work, stdout = parallel
     single = _losses(one_process[0] / "dsa_single.jsonl")
     assert reported(one_process[1], "dsa_single", "modules") == DSA_MODULES
@@ -123,8 +130,13 @@ def test_dsa_layout_matches_one_process(layout, one_process, parallel):
     losses = _losses(work / f"dsa_{layout}.jsonl")
     assert len(losses) == STEPS == len(single)
     error = max_abs_diff(losses, single)
-    print(f"dsa {layout}: max |loss - one process| = {error:.1e}", file=sys.stderr)
-    assert error <= 1e-5, (losses, single)
+    norms = _losses(work / f"dsa_{layout}.jsonl", "grad_norm")
+    single_norms = _losses(one_process[0] / "dsa_single.jsonl", "grad_norm")
+    norm_error = max_abs_diff(norms, single_norms) / max(single_norms)
+    print(f"dsa {layout}: max |loss - one process| = {error:.1e}, grad norm (relative) "
+          f"{norm_error:.1e}", file=sys.stderr)  # fmt: skip
+    assert error <= 1e-4, (losses, single)
+    assert norm_error <= 5e-5, (norms, single_norms)
     assert max_abs_diff(single, _losses(one_process[0] / "single.jsonl")) > 1e-4
 
 

@@ -453,6 +453,27 @@ def test_auto_falls_back_where_the_fused_attention_limits_are_not_met(standin, m
     assert standin.calls == []
 
 
+def test_the_fused_kl_loss_takes_one_ranks_heads_only(standin, monkeypatch):
+    """The fused KL loss sums the attention of the heads it is given: with the heads split over
+    ranks (``heads_split``, what the DSA layer reports under TP) auto takes the reference (whose
+    ``head_group`` all-reduces the head sums) and torch_npu by name is refused, naming why."""
+    monkeypatch.setattr(
+        standin, "npu_sparse_lightning_indexer_grad_kl_loss", lambda *a, **k: a, raising=False
+    )  # the kernel we lack: present, never called here
+    facts = dict(query=torch.zeros(1, 1, 32, 512, dtype=torch.bfloat16),
+                 query_index=torch.zeros(1, 1, 8, 128), query_rope=torch.zeros(1, 1, 32, 64),
+                 sparse_count=2048)  # fmt: skip
+    assert registry.resolve(dsa.KL_LOSS, "torch_npu", NPU, **facts).kernel == "torch_npu"
+    with pytest.warns(UserWarning, match="under tensor parallelism the target sums every rank"):
+        assert (
+            registry.resolve(dsa.KL_LOSS, "auto", NPU, heads_split=True, **facts).kernel
+            == "reference"
+        )
+    with pytest.raises(ValueError, match="cannot run this call: .*sums one rank's heads"):
+        registry.resolve(dsa.KL_LOSS, "torch_npu", NPU, heads_split=True, **facts)
+    assert standin.calls == []
+
+
 # -------------------------------------------------------------------------- the indexer's KL loss
 
 

@@ -476,8 +476,9 @@ def test_the_glm5_recipe_translates_at_its_own_parallel_sizes():
 
 def test_the_deepseek_v3_2_recipe_keys_translate_at_its_own_parallel_sizes():
     """The DeepSeek-V3.2-Exp Ascend script (verl main_ppo, DeepSeek-V3.2-Exp-bf16, TP8 PP16 EP16
-    CP1) sets GLM-5's DSA keys with an indexer loss of 0.001: all accepted by the translator (the
-    DSA layer itself refuses a trained indexer under TP > 1 when it is built)."""
+    CP1) sets GLM-5's DSA keys with an indexer loss of 0.001: all accepted by the translator. (The
+    layer trains the indexer at TP8 with the reference KL loss: the fused one sums one rank's
+    heads, so ``auto`` falls back there; docs/dsa.md.)"""
     keys = {"experimental_attention_variant": "dsa", "use_dsa_absorb": True,
             "dsa_indexer_use_sparse_loss": True, "dsa_indexer_loss_coeff": 0.001,
             "use_fused_lightning_indexer": True, "use_fused_sparse_flash_attention": True,

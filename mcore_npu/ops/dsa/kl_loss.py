@@ -70,57 +70,78 @@ def validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse
 def indexer_kl_loss_reference(query, key, query_index, key_index, weights, sparse_indices,
                               softmax_max, softmax_sum, scale_value, *, query_rope=None,
                               key_rope=None, actual_seq_qlen=None, actual_seq_klen=None,
-                              layout="BSND", sparse_mode=3):  # fmt: skip
+                              layout="BSND", sparse_mode=3, head_group=None):  # fmt: skip
     """``(d_query_index, d_key_index, d_weights, loss)`` of ``loss = sum_t KL(p_t || softmax(I_t))``
     over each query's selected (visible) keys: ``p_t`` the main attention's probabilities summed
     over the heads and L1-normalized, ``I_t`` the indexer scores. ``softmax_max`` /
-    ``softmax_sum`` are not read: ``p`` is recomputed from query, key and the rope parts. The
-    loss is float32 of shape ``[1]``; the gradients take their inputs' dtypes."""
+    ``softmax_sum`` are not read: ``p`` is recomputed from query, key and the rope parts.
+    ``head_group``: the process group over which the heads are split (tensor parallelism): the
+    head sums are all-reduced over it before normalizing. The loss is float32 of shape ``[1]``;
+    the gradients take their inputs' dtypes."""
     del softmax_max, softmax_sum
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q_segments = _segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
+    k_segments = _segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
+    blocks = [(q, k, s) for q, k in zip(q_segments, k_segments) if q[2] and k[2]
+              for s in range(0, q[2], QUERY_BLOCK)]  # fmt: skip
+    with torch.no_grad():  # the target: the heads' summed probabilities, every block at once
+        mains = (query, query_rope, key, key_rope, sparse_indices)
+        mass = [_block_mass(mains, q, k, s, layout, compute, scale_value, sparse_mode)
+                for q, k, s in blocks]  # fmt: skip
+        if head_group is not None and mass:
+            flat = torch.cat([m.flatten() for m in mass])
+            torch.distributed.all_reduce(flat, group=head_group)
+            mass = [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in mass]), mass)]
     with torch.enable_grad():  # it takes its own gradients, in any grad mode
         leaves = [t.detach().to(compute).requires_grad_() for t in (query_index, key_index,
                                                                     weights)]  # fmt: skip
-        qi_all, ki_all, w_all = leaves
         loss = torch.zeros((), dtype=compute, device=query.device)
-        q_segments = _segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
-        k_segments = _segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
-        for (b, q0, sq), (kb, k0, skv) in zip(q_segments, k_segments):
-            if skv == 0 or sq == 0:
-                continue
-            main = [_seq(t, layout, b, q0, sq).to(compute) for t in (query, query_rope)
-                    if t is not None]  # fmt: skip
-            keys = [_seq(t, layout, kb, k0, skv)[:, 0].to(compute) for t in (key, key_rope)
-                    if t is not None]  # fmt: skip
-            index = (_seq(qi_all, layout, b, q0, sq), _seq(ki_all, layout, kb, k0, skv)[:, 0],
-                     _seq(w_all, layout, b, q0, sq))  # fmt: skip
-            chosen = _seq(sparse_indices, layout, b, q0, sq)[:, 0].long()  # [sq, K]
-            for s in range(0, sq, QUERY_BLOCK):
-                rows = slice(s, min(s + QUERY_BLOCK, sq))
-                loss = loss + _block_loss(main, keys, index, chosen, rows, skv - sq,
-                                          scale_value, sparse_mode)  # fmt: skip
+        for (q, k, s), m in zip(blocks, mass):
+            index = (*leaves, sparse_indices)
+            loss = loss + _block_kl(index, m, q, k, s, layout, sparse_mode)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
     d_qi, d_ki, d_w = (g.to(t.dtype) for g, t in zip(grads, (query_index, key_index, weights)))
     return d_qi, d_ki, d_w, loss.detach().float().reshape(1)
 
 
-def _block_loss(main, keys, index, chosen, rows, offset, scale_value, sparse_mode):
-    """``sum KL(p || softmax(I))`` of the queries ``rows`` of one sequence: ``main`` the
-    attention's query (and rope) ``[sq, N, D]``, ``keys`` its key (and rope) ``[skv, D]``,
-    ``index`` the indexer's query, key and weights, ``chosen`` ``[sq, K]`` key positions."""
-    qi, ki, w = index
+def _visible(chosen, rows, n_keys, offset, sparse_mode):
+    """The chosen key positions of query ``rows`` (clamped into range) and which are visible."""
     pos = chosen[rows]
-    keep = (pos >= 0) & (pos < keys[0].shape[0])
+    keep = (pos >= 0) & (pos < n_keys)
     if sparse_mode == 3:
         keep &= pos <= torch.arange(rows.start, rows.stop, device=pos.device)[:, None] + offset
-    pos = pos.clamp(0, keys[0].shape[0] - 1)
-    with torch.no_grad():  # the target distribution
-        logits = sum(torch.einsum("qnd,qmd->qnm", q[rows], k[pos]) for q, k in zip(main, keys))
-        logits = (logits * scale_value).masked_fill(~keep[:, None], float("-inf"))
-        probs = torch.softmax(logits, -1).nan_to_num(0.0).sum(1)  # [blk, M]
-        tiny = torch.finfo(probs.dtype).tiny
-        target = probs / probs.sum(-1, keepdim=True).clamp_min(tiny)
-    scores = torch.einsum("qnd,qmd->qnm", qi[rows], ki[pos]).relu()
+    return pos.clamp(0, n_keys - 1), keep
+
+
+def _block_mass(mains, q_seg, k_seg, start, layout, compute, scale_value, sparse_mode):
+    """``[blk, K]``: one query block's attention probabilities over its chosen keys, summed over
+    this rank's heads (0 where a key is not visible). ``mains``: query, query_rope, key,
+    key_rope, sparse_indices."""
+    (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
+    query, query_rope, key, key_rope, sparse_indices = mains
+    rows = slice(start, min(start + QUERY_BLOCK, sq))
+    chosen = _seq(sparse_indices, layout, b, q0, sq)[:, 0].long()
+    pos, keep = _visible(chosen, rows, skv, skv - sq, sparse_mode)
+    logits = 0
+    for q, k in ((query, key), (query_rope, key_rope)):
+        if q is not None:
+            q = _seq(q, layout, b, q0, sq)[rows].to(compute)
+            k = _seq(k, layout, kb, k0, skv)[:, 0].to(compute)
+            logits = logits + torch.einsum("qnd,qmd->qnm", q, k[pos])
+    logits = (logits * scale_value).masked_fill(~keep[:, None], float("-inf"))
+    return torch.softmax(logits, -1).nan_to_num(0.0).sum(1)
+
+
+def _block_kl(index, mass, q_seg, k_seg, start, layout, sparse_mode):
+    """``sum KL(p || softmax(I))`` of one query block: ``index`` the indexer's query, key,
+    weights and the chosen positions, ``mass`` the block's summed attention (``[blk, K]``)."""
+    (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
+    qi, ki, w, chosen = (_seq(t, layout, *seg) for t, seg in
+                         zip(index, ((b, q0, sq), (kb, k0, skv), (b, q0, sq), (b, q0, sq))))  # fmt: skip
+    rows = slice(start, min(start + QUERY_BLOCK, sq))
+    pos, keep = _visible(chosen[:, 0].long(), rows, skv, skv - sq, sparse_mode)
+    target = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
+    scores = torch.einsum("qnd,qmd->qnm", qi[rows], ki[:, 0][pos]).relu()
     scores = torch.einsum("qnm,qn->qm", scores, w[rows]).masked_fill(~keep, float("-inf"))
     log_q = torch.log_softmax(scores, -1).masked_fill(~keep, 0.0)
     log_p = torch.where(target > 0, target, 1).log()
@@ -131,21 +152,27 @@ def sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, we
                                           sparse_indices, softmax_max, softmax_sum, scale_value,
                                           *, query_rope=None, key_rope=None,
                                           actual_seq_qlen=None, actual_seq_klen=None,
-                                          layout="BSND", sparse_mode=3, kernel="auto"):  # fmt: skip
+                                          layout="BSND", sparse_mode=3, head_group=None,
+                                          kernel="auto"):  # fmt: skip
     """``torch_npu.npu_sparse_lightning_indexer_grad_kl_loss(...)``: the indexer's KL loss
     against the main attention and its gradients (:func:`indexer_kl_loss_reference`). On the
-    NPU, softmax_max / softmax_sum are :func:`sparse_flash_attention`'s statistics."""
+    NPU, softmax_max / softmax_sum are :func:`sparse_flash_attention`'s statistics.
+    ``head_group`` (the plugin's, not torch_npu's): the group the heads are split over; the
+    fused kernel sums one rank's heads only, so a group of more than one rank takes the
+    reference."""
     args = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_qlen=actual_seq_qlen,
                 actual_seq_klen=actual_seq_klen, layout=layout, sparse_mode=sparse_mode)  # fmt: skip
     validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
                              scale_value, **args)  # fmt: skip
+    split = head_group is not None and head_group.size() > 1
     chosen = registry.resolve(KL_LOSS, kernel, _device(query), query=query,
                               query_index=query_index, query_rope=query_rope,
-                              sparse_count=sparse_indices.shape[-1]).kernel  # fmt: skip
+                              sparse_count=sparse_indices.shape[-1],
+                              heads_split=split).kernel  # fmt: skip
     call = (query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
             scale_value)  # fmt: skip
     if chosen == "torch_npu":
         args.update(_lengths_as_tensors(query, actual_seq_qlen, actual_seq_klen,
                                         ("actual_seq_qlen", "actual_seq_klen")))  # fmt: skip
         return registry.ascend(KL_LOSS)(*call, **args)
-    return indexer_kl_loss_reference(*call, **args)
+    return indexer_kl_loss_reference(*call, **args, head_group=head_group if split else None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from mcore_npu.masks import SeqLengthsMemo
 from mcore_npu.ops import dsa
@@ -23,7 +22,7 @@ from mcore_npu.transformer.context_parallel.all_gather import (
     thd_layout,
 )
 from mcore_npu.transformer.dsa.indexer import DSAIndexer
-from mcore_npu.transformer.dsa.settings import check_cp_comm_type, dsa_settings
+from mcore_npu.transformer.dsa.settings import check_cp_comm_type, dsa_settings, loss_scaler
 
 
 class NPUSparseAttention(MegatronModule):
@@ -61,6 +60,7 @@ class NPUSparseAttention(MegatronModule):
         if config.context_parallel_size > 1:
             check_cp_comm_type(context_parallel.layer_comm_type(config, layer_number, cp_comm_type))
             self.cp_group = context_parallel.context_parallel_group(pg_collection)
+        self.head_group = _tensor_parallel_group(pg_collection, config)
         self.softmax_scale = softmax_scale
         self.seq_lengths_memo = seq_lengths_memo or SeqLengthsMemo()
         self.indexer = DSAIndexer(config, self.settings)
@@ -74,15 +74,16 @@ class NPUSparseAttention(MegatronModule):
         trains = self.settings.trains_indexer and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(trains):
             index_q, index_k, weights = self.indexer(hidden, q_latent, rotate)
+        weight = self._loss_weight(query.shape[:-2].numel()) if trains else None
         queries, keys = (query, query_rope, index_q, weights), (key, key_rope, index_k)
         if self.cp_group is None:
             ends = self._ends(packed_seq_params) if thd else None
-            return self._attend(queries, keys, _layout(thd, ends, ends), trains)
+            return self._attend(queries, keys, _layout(thd, ends, ends), weight)
         if thd:
-            return self._attend_thd_cp(queries, keys, packed_seq_params, trains)
-        return self._attend_sbhd_cp(queries, keys, trains)
+            return self._attend_thd_cp(queries, keys, packed_seq_params, weight)
+        return self._attend_sbhd_cp(queries, keys, weight)
 
-    def _attend_sbhd_cp(self, queries, keys, trains):
+    def _attend_sbhd_cp(self, queries, keys, weight):
         """Each local chunk (``r``, ``2·CP-1-r``) against its prefix of the gathered keys."""
         group = self.cp_group
         keys = [GatherSequence.apply(t, group) for t in keys]  # natural order
@@ -91,10 +92,10 @@ class NPUSparseAttention(MegatronModule):
         for half, chunk_id in enumerate(chunks.chunk_ids(group.rank(), group.size())):
             rows = slice(half * chunk, (half + 1) * chunk)
             prefix = [t[: (chunk_id + 1) * chunk] for t in keys]
-            outs.append(self._attend([t[rows] for t in queries], prefix, _layout(), trains))
+            outs.append(self._attend([t[rows] for t in queries], prefix, _layout(), weight))
         return torch.cat(outs)
 
-    def _attend_thd_cp(self, queries, keys, params, trains):
+    def _attend_thd_cp(self, queries, keys, params, weight):
         """One TND call: each local chunk of a sequence against that sequence's prefix, laid out
         by one index into the gathered tokens (built once per batch layout)."""
         group, memo = self.cp_group, self.seq_lengths_memo
@@ -102,10 +103,11 @@ class NPUSparseAttention(MegatronModule):
         index, q_ends, kv_ends = thd_layout(local, group.size(), group.rank(), True, None,
                                             queries[0].device, memo)  # fmt: skip
         keys = [GatherTokens.apply(t, group).index_select(0, index) for t in keys]
-        return self._attend(queries, keys, _layout(True, q_ends, kv_ends), trains)
+        return self._attend(queries, keys, _layout(True, q_ends, kv_ends), weight)
 
-    def _attend(self, queries, keys, layout, trains):
-        """Top-k selection and sparse attention of one call (sbhd as BSND, thd as TND)."""
+    def _attend(self, queries, keys, layout, weight):
+        """Top-k selection and sparse attention of one call (sbhd as BSND, thd as TND);
+        ``weight``: the indexer loss's (:meth:`_loss_weight`), None when it is not trained."""
         query, query_rope, index_q, weights = (_to(t, layout) for t in queries)
         key, key_rope, index_k = (_to(t, layout) for t in keys)
         chosen = self._select(index_q.detach(), index_k.detach(), weights.detach(), layout)
@@ -114,13 +116,24 @@ class NPUSparseAttention(MegatronModule):
         out, *stats = dsa.sparse_flash_attention(
             query, key, key, chosen, self.softmax_scale, query_rope=query_rope,
             key_rope=key_rope, layout_query=layout["name"], layout_kv=layout["name"],
-            return_softmax_lse=trains, kernel=self.kernels["attention"], **lengths,
+            return_softmax_lse=weight is not None, kernel=self.kernels["attention"], **lengths,
         )  # fmt: skip
-        if trains:
+        if weight is not None:
             main = ((query, key), {"query_rope": query_rope, "key_rope": key_rope}, chosen, stats)
             loss = _IndexerLoss.apply(index_q, index_k, weights, main, layout, self)
-            out = MoEAuxLossAutoScaler.apply(out, loss * self.settings.loss_coeff)
+            out = loss_scaler().apply(out, loss * weight)
         return _to(out, layout)
+
+    def _loss_weight(self, rows: int) -> float:
+        """The summed KL's weight: the coefficient over the query rows (their mean; under CP,
+        this rank's ``rows`` times CP, as the main loss counts every rank's tokens, so the
+        gradient averaged over CP ranks is one process's), or the coefficient alone with
+        ``calculate_per_token_loss``."""
+        coeff = self.settings.loss_coeff
+        if self.config.calculate_per_token_loss:
+            return coeff
+        cp = 1 if self.cp_group is None else self.cp_group.size()
+        return coeff / max(rows * cp, 1)
 
     def _select(self, index_q, index_k, weights, layout, count=None):
         """int32 top-k key positions ``[.., 1, k]`` (-1 where fewer keys are visible)."""
@@ -134,6 +147,18 @@ class NPUSparseAttention(MegatronModule):
     def _ends(self, params) -> list[int]:
         """The packed sequences' ends, host ints without the leading 0."""
         return list(self.seq_lengths_memo.actual_seq_lengths(_cu(params)))
+
+
+def _tensor_parallel_group(pg_collection, config):
+    """The group the main attention's heads are split over (None without TP)."""
+    if config.tensor_model_parallel_size == 1:
+        return None
+    group = getattr(pg_collection, "tp", None)
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _cu(params):
@@ -180,7 +205,7 @@ class _IndexerLoss(torch.autograd.Function):
             *(a.detach() for a in args), index_q, index_k, weights, chosen, *stats,
             core.softmax_scale, **{k: v.detach() for k, v in ropes.items()},
             actual_seq_qlen=layout["q_ends"], actual_seq_klen=layout["kv_ends"],
-            layout=layout["name"], kernel=core.kernels["loss"],
+            layout=layout["name"], head_group=core.head_group, kernel=core.kernels["loss"],
         )  # fmt: skip
         ctx.save_for_backward(d_q, d_k, d_w)
         return loss.reshape(())

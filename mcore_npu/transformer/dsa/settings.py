@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from mcore_npu.transformer import megatron_features
+
 DSA = "dsa"
 SPEC_KEYWORDS = ("dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon")
 
@@ -105,16 +107,22 @@ def check_dsa_config(config) -> None:
             "dsa_indexer_scoring_relu: False; the NPU lightning indexer scores with ReLU: set it "
             "to True"
         )
-    split = {name: getattr(config, name) for name in _SPLITS if getattr(config, name) > 1}
-    if (config.dsa_indexer_loss_coeff or 0) > 0 and split:
-        raise ValueError(
-            f"dsa_indexer_loss_coeff: {config.dsa_indexer_loss_coeff} with {split}; the indexer "
-            "loss needs every head's and token's attention on one rank, which is not built: set "
-            "the coefficient to 0 (as the GLM-5 recipe does) or train without TP / CP"
+
+
+def loss_scaler():
+    """The autograd function that adds the indexer loss to the backward at the schedule's scale
+    (``loss_scale · CP / micro-batches``): Megatron's ``DSAIndexerLossAutoScaler`` where the
+    schedules scale it (0.19+), else ``MoEAuxLossAutoScaler``, which they scale for MoE models
+    (a model without MoE layers: scale 1 there, as Megatron's own DSA gets)."""
+    if megatron_features.has("schedule_scales_dsa_loss"):
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossAutoScaler,
         )
 
+        return DSAIndexerLossAutoScaler
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-_SPLITS = ("tensor_model_parallel_size", "context_parallel_size")
+    return MoEAuxLossAutoScaler
 
 
 def check_cp_comm_type(comm_type: str) -> None:
