@@ -13,7 +13,9 @@ mbridge's ``register_model`` for both types, plus:
 - the layer spec: the NPU decoder-block spec in TE layout, built by the bridge itself
   (``own_npu_spec``) with the two DSA spec keywords of the checkpoint: the indexer's RoPE
   interleaved for GLM-5, half-split for DeepSeek-V3.2 (``dsa_indexer_rope_interleaved``), and
-  its key LayerNorm's eps, 1e-6 in transformers (``dsa_indexer_k_norm_epsilon``);
+  its key LayerNorm's eps, 1e-6 in transformers (``dsa_indexer_k_norm_epsilon``), and the q / kv
+  latent norms' eps, 1e-6 in transformers whatever ``rms_norm_eps`` says
+  (``mla_latent_norm_epsilon``);
 - the names: the DSA layer keeps MLA's latent norms apart from the up projections
   (``q_layernorm`` / ``kv_layernorm``) and adds the indexer's four tensors (:data:`LAYER_MAP`).
 
@@ -34,6 +36,7 @@ from mcore_npu.transformer.dsa import DSATransformerConfig
 
 MODEL_TYPES = DSA_TYPES
 INDEXER_K_NORM_EPS = 1e-6  # transformers 5.25: nn.LayerNorm(index_head_dim, eps=1e-6)
+LATENT_NORM_EPS = 1e-6  # transformers 5.25: the q / kv latent RMSNorms' default, any rms_norm_eps
 # model_type -> whether the indexer rotates its rope slice in interleaved pairs (transformers 5.25:
 # GlmMoeDsaIndexer apply_rotary_pos_emb_interleave, DeepseekV32Indexer apply_rotary_pos_emb)
 INDEXER_ROPE_INTERLEAVED = {"glm_moe_dsa": True, "deepseek_v32": False}
@@ -141,8 +144,8 @@ def dsa_keywords(hf_config) -> dict:
 
 
 def dsa_spec_keywords(hf_config) -> dict:
-    """The NPU spec's DSA keywords for this checkpoint: the indexer's RoPE layout and key-norm
-    eps (megatron-core 0.16.1's config has neither field; 0.19's names)."""
+    """The NPU spec's keywords for this checkpoint: the indexer's RoPE layout and key-norm eps
+    (megatron-core 0.16.1's config has neither field; 0.19's names), and the latent norms' eps."""
     model_type = hf_config.model_type
     if model_type not in INDEXER_ROPE_INTERLEAVED:
         raise ValueError(
@@ -152,6 +155,7 @@ def dsa_spec_keywords(hf_config) -> dict:
     return dict(
         dsa_indexer_rope_interleaved=INDEXER_ROPE_INTERLEAVED[model_type],
         dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
+        mla_latent_norm_epsilon=LATENT_NORM_EPS,
     )
 
 

@@ -200,15 +200,16 @@ def _swap_npu_parts(
     elif module is MLASelfAttention:
         subs.self_attention = provider.mla_self_attention(subs.self_attention)
     attention = subs.self_attention.submodules  # DSA's is a copy
-    for owner, name in (
-        (subs, "input_layernorm"),
-        (subs, "pre_mlp_layernorm"),
-        (attention, "q_layernorm"),
-        (attention, "k_layernorm"),
-        (attention, "kv_layernorm"),
+    latent = provider.latent_norm_epsilon()
+    for owner, name, epsilon in (
+        (subs, "input_layernorm", None),
+        (subs, "pre_mlp_layernorm", None),
+        (attention, "q_layernorm", latent),
+        (attention, "k_layernorm", None),
+        (attention, "kv_layernorm", latent),
     ):
         if _is_torch_norm(getattr(owner, name, None)):
-            setattr(owner, name, provider.layer_norm())
+            setattr(owner, name, provider.layer_norm(epsilon=epsilon))
     if provider.fuse_layernorm_and_linear():
         _fuse_norms(layer, provider)
     _swap_mlp(subs, provider, grouped)
@@ -310,9 +311,10 @@ def _fuse_norms(layer: ModuleSpec, provider: NPUSpecProvider) -> None:
 def _fuse_latent_norms(attention, provider: NPUSpecProvider) -> None:
     """Megatron's TE MLA spec: each latent norm moves into its up projection
     (``layer_norm_weight``)."""
+    epsilon = provider.latent_norm_epsilon()
     for norm, up in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
         if getattr(attention, norm) is not IdentityOp:
-            setattr(attention, up, provider.column_parallel_layer_norm_linear())
+            setattr(attention, up, provider.column_parallel_layer_norm_linear(epsilon))
             setattr(attention, norm, IdentityOp)
 
 

@@ -20,13 +20,21 @@ from mcore_npu.ops.registry import check_kernel
 class NormColumnParallelLinear(ColumnParallelLinear):
     """``norm(x) @ W.T (+ b)`` with the parameter names of ``TELayerNormColumnParallelLinear``.
 
-    The norm is ``config.normalization`` with ``config.layernorm_epsilon``; RMSNorm runs through
+    The norm is ``config.normalization`` with ``norm_epsilon`` (None: ``config.layernorm_epsilon``);
+    RMSNorm runs through
     ``npu_rms_norm`` with ``norm_kernel``, or torch's when it is None. Input ``[s, b, h]``
     (``[s/tp, b, h]`` under SP) -> ``([s, b, o/tp], bias or None)``; ``weight`` ``[o/tp, h]``,
     ``layer_norm_weight`` / ``layer_norm_bias`` ``[h]``."""
 
     def __init__(
-        self, input_size: int, output_size: int, *, config, norm_kernel=None, **linear_kwargs
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        norm_kernel=None,
+        norm_epsilon: float | None = None,
+        **linear_kwargs,
     ):
         _check_norm(config)
         if norm_kernel is not None:
@@ -34,7 +42,7 @@ class NormColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, **linear_kwargs)
         self.norm_kernel = norm_kernel
         self.normalization = config.normalization
-        self.eps = config.layernorm_epsilon
+        self.eps = config.layernorm_epsilon if norm_epsilon is None else norm_epsilon
         self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
         device = self.weight.device if self.weight is not None else None
         factory = dict(dtype=config.params_dtype, device=device)

@@ -11,12 +11,21 @@ dtype)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
 from mcore_npu.ops import rms_norm
 from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer.extra_state import EmptyExtraState, TELayerNorm, TERMSNorm
+
+
+def check_epsilon(name: str, value) -> None:
+    """A norm epsilon keyword: a positive real or None (the config's); ValueError naming it."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if value is not None and not (real and value > 0):
+        raise ValueError(f"{name}: pass a positive float or None, got {value!r}")
 
 
 def _tag(module: torch.nn.Module, config) -> torch.nn.Module:
@@ -116,8 +125,8 @@ _CLASSES = {
 
 class SequenceParallelNorm:
     """Builds the norm ``config.normalization`` asks for (and its zero-centred variant), from the
-    keywords Megatron passes to norm slots plus the spec's ``kernel`` (None: ``torch.nn.RMSNorm``)
-    and ``extra_state``."""
+    keywords Megatron passes to norm slots plus the spec's ``kernel`` (None: ``torch.nn.RMSNorm``),
+    ``extra_state`` and ``epsilon`` (None: the ``eps`` Megatron passes)."""
 
     def __new__(
         cls,
@@ -127,8 +136,10 @@ class SequenceParallelNorm:
         kernel: str | None = None,
         *,
         extra_state: bool = False,
+        epsilon: float | None = None,
         **_unused,
     ):
+        eps = eps if epsilon is None else epsilon
         if kernel is not None:
             check_kernel(kernel)
         if config.normalization not in ("LayerNorm", "RMSNorm"):

@@ -33,7 +33,7 @@ from mcore_npu.transformer.experts import NPUGroupedMLP
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
-from mcore_npu.transformer.norms import SequenceParallelNorm
+from mcore_npu.transformer.norms import SequenceParallelNorm, check_epsilon
 from mcore_npu.transformer.rope import NPURotarySelfAttention, RopeCosSinCache
 from mcore_npu.transformer.self_attention import NPUSelfAttention
 
@@ -56,6 +56,8 @@ class NPUSpecOptions:
     batch_invariant: batch-invariant (true on-policy) mode: core attention through
         ``mcore_npu.ops.batch_invariant_attention``, the mode's limits checked when a layer is
         built (docs/true_on_policy.md).
+    mla_latent_norm_epsilon: MLA's (and DSA's) q / kv latent norms' epsilon; None =
+        ``layernorm_epsilon`` (GLM-5's checkpoints: 1e-6 beside 1e-5, docs/hf_weights.md).
     dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon: DSA layers' indexer RoPE on
         interleaved pairs (GLM-5) or halves, and its key norm's epsilon; None = the config's
         0.19 field, else False / ``layernorm_epsilon`` (docs/dsa.md).
@@ -73,6 +75,7 @@ class NPUSpecOptions:
     rope_kernel: str | None = "off"
     mla_value_padding: str = "auto"
     batch_invariant: bool = False
+    mla_latent_norm_epsilon: float | None = None
     dsa_indexer_rope_interleaved: bool | None = None
     dsa_indexer_k_norm_epsilon: float | None = None
     lightning_indexer_kernel: str | None = None
@@ -86,6 +89,7 @@ class NPUSpecOptions:
             if getattr(self, name) is not None:
                 check_kernel(getattr(self, name), what=name)
         check_dsa_keywords(self.dsa_indexer_rope_interleaved, self.dsa_indexer_k_norm_epsilon)
+        check_epsilon("mla_latent_norm_epsilon", self.mla_latent_norm_epsilon)
         self.fused()
         value_padding.check_mode(self.mla_value_padding)
         if not isinstance(self.batch_invariant, bool):
@@ -150,17 +154,28 @@ class NPUSpecProvider(BackendSpecProvider):
     def fuse_layernorm_and_linear(self) -> bool:
         return self.te_layout
 
-    def column_parallel_layer_norm_linear(self) -> ModuleSpec | None:
+    def column_parallel_layer_norm_linear(self, epsilon: float | None = None) -> ModuleSpec | None:
+        """The te layout's norm-and-linear (``epsilon``: its norm's, None = the config's)."""
         if not self.te_layout:
             return None
-        return ModuleSpec(
-            module=NormColumnParallelLinear, params={"norm_kernel": self._on("rms_norm")}
-        )
+        params = {"norm_kernel": self._on("rms_norm")}
+        if epsilon is not None:
+            params["norm_epsilon"] = epsilon
+        return ModuleSpec(module=NormColumnParallelLinear, params=params)
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
-        """``config.normalization`` decides LayerNorm / RMSNorm (``rms_norm`` is not needed)."""
+    def layer_norm(
+        self, rms_norm: bool = False, for_qk: bool = False, epsilon: float | None = None
+    ) -> ModuleSpec:
+        """``config.normalization`` decides LayerNorm / RMSNorm (``rms_norm`` is not needed);
+        ``epsilon``: None = the ``eps`` Megatron passes."""
         params = {"extra_state": self.te_layout, "kernel": self._on("rms_norm")}
+        if epsilon is not None:
+            params["epsilon"] = epsilon
         return ModuleSpec(module=SequenceParallelNorm, params=params)
+
+    def latent_norm_epsilon(self) -> float | None:
+        """MLA's latent norms' epsilon (``mla_latent_norm_epsilon``; None: the config's)."""
+        return self.options.mla_latent_norm_epsilon
 
     def dense_mlp(self, mlp: ModuleSpec) -> ModuleSpec:
         """Megatron's ``MLP`` spec with its SwiGLU through ``npu_swiglu`` (unless ``"off"``)."""

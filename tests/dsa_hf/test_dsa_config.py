@@ -32,10 +32,12 @@ PER_MODEL = {
     "deepseek_v32": dict(layernorm_epsilon=1e-6, rope_type="yarn", rotary_scaling_factor=4.0,
                          original_max_position_embeddings=32),
 }  # fmt: skip
-SPEC = {
-    "glm_moe_dsa": dict(dsa_indexer_rope_interleaved=True, dsa_indexer_k_norm_epsilon=1e-6),
-    "deepseek_v32": dict(dsa_indexer_rope_interleaved=False, dsa_indexer_k_norm_epsilon=1e-6),
-}
+SPEC = {  # the latent norms at 1e-6 whatever rms_norm_eps says, as transformers builds them
+    "glm_moe_dsa": dict(dsa_indexer_rope_interleaved=True, dsa_indexer_k_norm_epsilon=1e-6,
+                        mla_latent_norm_epsilon=1e-6),
+    "deepseek_v32": dict(dsa_indexer_rope_interleaved=False, dsa_indexer_k_norm_epsilon=1e-6,
+                         mla_latent_norm_epsilon=1e-6),
+}  # fmt: skip
 ATTENTION = {  # Megatron name after decoder.layers.{i}. -> Hugging Face after model.layers.{i}.
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",

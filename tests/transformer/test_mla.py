@@ -127,6 +127,28 @@ def test_layer_spec_builds_mla_in_both_layouts():
     assert max(_worst(got, want)) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", ["local", "te"])
+def test_the_latent_norms_take_their_own_epsilon(layout):
+    """``mla_latent_norm_epsilon`` sets the q / kv latent norms' epsilon (apart, or fused into
+    the up projections in the te layout) and no other norm's; it changes the logits; a
+    non-positive value is refused naming the keyword."""
+    config = mla_config(layernorm_epsilon=1e-5)
+    plain = gpt(config, npu_block(config, param_layout=layout), seed=3)
+    spec = npu_block(config, param_layout=layout, mla_latent_norm_epsilon=0.5)
+    model = gpt(config, spec, seed=3)
+    epsilons = {name: module.eps for name, module in model.named_modules()
+                if isinstance(getattr(module, "eps", None), float)}  # fmt: skip
+    latent = ("q_layernorm", "kv_layernorm", "linear_q_up_proj", "linear_kv_up_proj")
+    assert {eps for name, eps in epsilons.items() if name.endswith(latent)} == {0.5}
+    assert {eps for name, eps in epsilons.items() if not name.endswith(latent)} == {1e-5}
+    assert len([name for name in epsilons if name.endswith(latent)]) == 2 * config.num_layers
+    assert (
+        logits_and_grads(model, False)[0] - logits_and_grads(plain, False)[0]
+    ).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="^mla_latent_norm_epsilon: pass a positive float"):
+        npu_block(config, mla_latent_norm_epsilon=0.0)
+
+
 def test_where_megatrons_constructor_works_it_is_megatrons():
     """With the upstream fix (or TE installed) the probe says Megatron's own
     MultiLatentAttention.__init__ works, and NPUMLASelfAttention calls it; the model is the

@@ -66,6 +66,7 @@ BAD_OPTIONS = {
     "mla_value_padding": "maybe",
     "batch_invariant": "yes",
     "dsa_indexer_rope_interleaved": "yes",
+    "mla_latent_norm_epsilon": -1.0,
     "dsa_indexer_k_norm_epsilon": "small",
     "lightning_indexer_kernel": "fused",
     "sparse_attention_kernel": "fused",

@@ -4,9 +4,9 @@ megatron-core 0.16.1's config lacks (0.19's field names), and the limits checked
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from mcore_npu.transformer import megatron_features
+from mcore_npu.transformer.norms import check_epsilon
 
 DSA = "dsa"
 SPEC_KEYWORDS = ("dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon")
@@ -77,11 +77,7 @@ def check_spec_keywords(rope_interleaved, k_norm_epsilon) -> None:
         raise ValueError(
             f"dsa_indexer_rope_interleaved: pass True, False or None, got {rope_interleaved!r}"
         )
-    real = isinstance(k_norm_epsilon, numbers.Real) and not isinstance(k_norm_epsilon, bool)
-    if k_norm_epsilon is not None and not (real and k_norm_epsilon > 0):
-        raise ValueError(
-            f"dsa_indexer_k_norm_epsilon: pass a positive float or None, got {k_norm_epsilon!r}"
-        )
+    check_epsilon("dsa_indexer_k_norm_epsilon", k_norm_epsilon)
 
 
 def check_dsa_config(config) -> None:
