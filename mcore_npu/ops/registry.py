@@ -137,7 +137,7 @@ OPERATORS: dict[str, Operator] = {
                  f"{_OPS}.dsa.indexer:indexer_reference", f"{_OPS}.dsa.indexer:validate_lightning_indexer",
                  _npu("npu_lightning_indexer", probe=f"{_PROBES}:lightning_indexer")),
         Operator("sparse_flash_attention", f"{_OPS}.dsa.attention:sparse_flash_attention",
-                 f"{_OPS}.dsa.attention:sparse_attention_reference",
+                 f"{_OPS}.dsa.attention_reference:sparse_attention_reference",
                  f"{_OPS}.dsa.attention:validate_sparse_flash_attention",
                  _npu("npu_sparse_flash_attention", "npu_sparse_flash_attention_grad",
                       probe=f"{_PROBES}:sparse_flash_attention")),

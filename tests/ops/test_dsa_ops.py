@@ -203,7 +203,7 @@ def test_attention_blocks_of_keys_and_query_blocks_give_the_same_answer(monkeypa
     expected, where, _ = _attention_oracle(p["query"], p["key"], p["value"], idx, 0.5, "BSND",
                                            p["lengths"], block=block, mode=0)  # fmt: skip
     _close(_valid(out, where), expected)
-    monkeypatch.setattr(dsa.attention, "QUERY_BLOCK", 3)  # several query blocks
+    monkeypatch.setattr(dsa.attention_reference, "QUERY_BLOCK", 3)  # several query blocks
     again = ops.sparse_flash_attention(*args, sparse_block_size=block, sparse_mode=0)[0]
     torch.testing.assert_close(again, out, rtol=1e-6, atol=1e-6)
 

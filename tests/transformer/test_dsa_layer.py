@@ -83,7 +83,7 @@ def test_indexer_matches_its_definition(interleaved):
     with torch.no_grad():
         model(ids, pos, None)
         hidden, q_latent, _ = seen["args"]
-        chosen = core._select(*(t.transpose(0, 1) for t in seen["out"]), _bsnd())
+        chosen = core.select(*(t.transpose(0, 1) for t in seen["out"]), _bsnd())
     scores = _definition_scores(core.indexer, hidden.double(), q_latent.double(), interleaved)
     compared = 0
     for b in range(scores.shape[0]):

@@ -15,11 +15,8 @@ The references work in blocks of ``QUERY_BLOCK`` queries: scores are ``[block, N
 indexer, and attention gathers only the selected keys (``[block, K * sparse_block_size, D]``).
 """
 
-from mcore_npu.ops.dsa.attention import (
-    sparse_attention_reference,
-    sparse_flash_attention,
-    validate_sparse_flash_attention,
-)
+from mcore_npu.ops.dsa.attention import sparse_flash_attention, validate_sparse_flash_attention
+from mcore_npu.ops.dsa.attention_reference import sparse_attention_reference
 from mcore_npu.ops.dsa.indexer import (
     indexer_reference,
     lightning_indexer,

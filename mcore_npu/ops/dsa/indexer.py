@@ -13,13 +13,13 @@ from mcore_npu.ops.dsa.layout import (
     LAYOUTS,
     QUERY_BLOCK,
     SPARSE_MODES,
-    _check_choice,
-    _check_tensor,
-    _device,
-    _lengths_as_tensors,
-    _rank,
-    _segments,
-    _seq,
+    check_choice,
+    check_tensor,
+    device_of,
+    lengths_as_tensors,
+    segments,
+    sequence,
+    tensor_rank,
 )
 
 
@@ -30,14 +30,14 @@ def validate_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=
     """Check one ``lightning_indexer`` call; ValueError/TypeError naming the argument."""
     shown = [("query", query), ("key", key), ("weights", weights)]
     op = INDEXER
-    _check_choice(op, "layout_query", layout_query, LAYOUTS, shown)
-    _check_choice(op, "layout_key", layout_key, LAYOUTS, shown)
+    check_choice(op, "layout_query", layout_query, LAYOUTS, shown)
+    check_choice(op, "layout_key", layout_key, LAYOUTS, shown)
     if layout_key != layout_query:
         fail(op, ValueError, "layout_key", f"{layout_key!r} differs from layout_query "
              f"{layout_query!r}", "use one layout for query and key", shown)  # fmt: skip
-    _check_tensor(op, "query", query, _rank(layout_query), shown)
-    _check_tensor(op, "key", key, _rank(layout_key), shown)
-    _check_tensor(op, "weights", weights, _rank(layout_query) - 1, shown)
+    check_tensor(op, "query", query, tensor_rank(layout_query), shown)
+    check_tensor(op, "key", key, tensor_rank(layout_key), shown)
+    check_tensor(op, "weights", weights, tensor_rank(layout_query) - 1, shown)
     if key.shape[-2] != 1:
         fail(op, ValueError, "key", f"has {key.shape[-2]} heads, the indexer key has one",
              "pass the indexer key as [..., 1, D]", shown)  # fmt: skip
@@ -54,13 +54,13 @@ def validate_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=
     if not is_int(sparse_count) or sparse_count < 1:
         fail(op, ValueError, "sparse_count", f"{sparse_count!r} is not a positive int",
              "pass the number of keys to select per query, such as 2048", shown)  # fmt: skip
-    _check_choice(op, "sparse_mode", sparse_mode, SPARSE_MODES, shown)
+    check_choice(op, "sparse_mode", sparse_mode, SPARSE_MODES, shown)
     if not isinstance(return_value, bool):
         fail(op, TypeError, "return_value", f"expected a bool, got {return_value!r}",
              "pass True or False", shown)  # fmt: skip
-    q_segments = _segments(op, layout_query, query, actual_seq_lengths_query,
+    q_segments = segments(op, layout_query, query, actual_seq_lengths_query,
                            "actual_seq_lengths_query", shown)  # fmt: skip
-    k_segments = _segments(op, layout_key, key, actual_seq_lengths_key,
+    k_segments = segments(op, layout_key, key, actual_seq_lengths_key,
                            "actual_seq_lengths_key", shown)  # fmt: skip
     if len(q_segments) != len(k_segments):
         fail(op, ValueError, "actual_seq_lengths_key", f"{len(k_segments)} sequences, query has "
@@ -79,14 +79,14 @@ def indexer_reference(query, key, weights, *, actual_seq_lengths_query=None,
     indices = torch.full((*lead, 1, sparse_count), -1, dtype=torch.int32, device=query.device)
     values = torch.full((*lead, 1, sparse_count), float("-inf"), dtype=compute,
                         device=query.device)  # fmt: skip
-    q_segments = _segments(INDEXER, layout_query, query, actual_seq_lengths_query, "", ())
-    k_segments = _segments(INDEXER, layout_key, key, actual_seq_lengths_key, "", ())
+    q_segments = segments(INDEXER, layout_query, query, actual_seq_lengths_query, "", ())
+    k_segments = segments(INDEXER, layout_key, key, actual_seq_lengths_key, "", ())
     for (b, q0, sq), (kb, k0, skv) in zip(q_segments, k_segments):
-        q = _seq(query, layout_query, b, q0, sq).to(compute)  # [sq, N, D]
-        k = _seq(key, layout_key, kb, k0, skv)[:, 0].to(compute)  # [skv, D]
-        w = _seq(weights, layout_query, b, q0, sq).to(compute)  # [sq, N]
-        out_i = _seq(indices, layout_query, b, q0, sq)
-        out_v = _seq(values, layout_query, b, q0, sq)
+        q = sequence(query, layout_query, b, q0, sq).to(compute)  # [sq, N, D]
+        k = sequence(key, layout_key, kb, k0, skv)[:, 0].to(compute)  # [skv, D]
+        w = sequence(weights, layout_query, b, q0, sq).to(compute)  # [sq, N]
+        out_i = sequence(indices, layout_query, b, q0, sq)
+        out_v = sequence(values, layout_query, b, q0, sq)
         for s in range(0, sq, QUERY_BLOCK):
             e = min(s + QUERY_BLOCK, sq)
             scores = torch.einsum("qnd,kd->qnk", q[s:e], k).relu()
@@ -124,10 +124,10 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
                 layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode,
                 return_value=return_value)  # fmt: skip
     validate_lightning_indexer(query, key, weights, **args)
-    chosen = registry.resolve(INDEXER, kernel, _device(query), query=query, key=key,
+    chosen = registry.resolve(INDEXER, kernel, device_of(query), query=query, key=key,
                               layout=layout_query).kernel  # fmt: skip
     if chosen == "torch_npu":
-        npu_args = {**args, **_lengths_as_tensors(query, actual_seq_lengths_query,
+        npu_args = {**args, **lengths_as_tensors(query, actual_seq_lengths_query,
                                                   actual_seq_lengths_key,
                                                   ("actual_seq_lengths_query",
                                                    "actual_seq_lengths_key"))}  # fmt: skip

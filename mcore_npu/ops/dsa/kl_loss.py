@@ -12,13 +12,13 @@ from mcore_npu.ops.dsa.layout import (
     LAYOUTS,
     QUERY_BLOCK,
     SPARSE_MODES,
-    _check_choice,
-    _check_tensor,
-    _device,
-    _lengths_as_tensors,
-    _rank,
-    _segments,
-    _seq,
+    check_choice,
+    check_tensor,
+    device_of,
+    lengths_as_tensors,
+    segments,
+    sequence,
+    tensor_rank,
 )
 
 KL_LOSS = "sparse_lightning_indexer_grad_kl_loss"
@@ -32,12 +32,12 @@ def validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse
     shown = [(n, t) for n, t in (("query", query), ("key", key), ("query_index", query_index),
                                  ("key_index", key_index), ("weights", weights),
                                  ("sparse_indices", sparse_indices)) if t is not None]  # fmt: skip
-    _check_choice(op, "layout", layout, LAYOUTS, shown)
-    rank = _rank(layout)
+    check_choice(op, "layout", layout, LAYOUTS, shown)
+    rank = tensor_rank(layout)
     for name, t in shown[:4]:
-        _check_tensor(op, name, t, rank, shown)
-    _check_tensor(op, "weights", weights, rank - 1, shown)
-    _check_tensor(op, "sparse_indices", sparse_indices, rank, shown, (torch.int32, torch.int64))
+        check_tensor(op, name, t, rank, shown)
+    check_tensor(op, "weights", weights, rank - 1, shown)
+    check_tensor(op, "sparse_indices", sparse_indices, rank, shown, (torch.int32, torch.int64))
     for name, t in (("key", key), ("key_index", key_index)):
         if t.shape[-2] != 1:
             fail(op, ValueError, name, f"has {t.shape[-2]} heads, expected one",
@@ -62,9 +62,9 @@ def validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse
     if not is_real(scale_value):
         fail(op, TypeError, "scale_value", f"expected a real number, got {scale_value!r}",
              "pass the main attention's softmax scale", shown)  # fmt: skip
-    _check_choice(op, "sparse_mode", sparse_mode, SPARSE_MODES, shown)
-    _segments(op, layout, query, actual_seq_qlen, "actual_seq_qlen", shown)
-    _segments(op, layout, key, actual_seq_klen, "actual_seq_klen", shown)
+    check_choice(op, "sparse_mode", sparse_mode, SPARSE_MODES, shown)
+    segments(op, layout, query, actual_seq_qlen, "actual_seq_qlen", shown)
+    segments(op, layout, key, actual_seq_klen, "actual_seq_klen", shown)
 
 
 def indexer_kl_loss_reference(query, key, query_index, key_index, weights, sparse_indices,
@@ -80,8 +80,8 @@ def indexer_kl_loss_reference(query, key, query_index, key_index, weights, spars
     the gradients take their inputs' dtypes."""
     del softmax_max, softmax_sum
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    q_segments = _segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
-    k_segments = _segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
+    q_segments = segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
+    k_segments = segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
     blocks = [(q, k, s) for q, k in zip(q_segments, k_segments) if q[2] and k[2]
               for s in range(0, q[2], QUERY_BLOCK)]  # fmt: skip
     with torch.no_grad():  # the target: the heads' summed probabilities, every block at once
@@ -120,13 +120,13 @@ def _block_mass(mains, q_seg, k_seg, start, layout, compute, scale_value, sparse
     (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
     query, query_rope, key, key_rope, sparse_indices = mains
     rows = slice(start, min(start + QUERY_BLOCK, sq))
-    chosen = _seq(sparse_indices, layout, b, q0, sq)[:, 0].long()
+    chosen = sequence(sparse_indices, layout, b, q0, sq)[:, 0].long()
     pos, keep = _visible(chosen, rows, skv, skv - sq, sparse_mode)
     logits = 0
     for q, k in ((query, key), (query_rope, key_rope)):
         if q is not None:
-            q = _seq(q, layout, b, q0, sq)[rows].to(compute)
-            k = _seq(k, layout, kb, k0, skv)[:, 0].to(compute)
+            q = sequence(q, layout, b, q0, sq)[rows].to(compute)
+            k = sequence(k, layout, kb, k0, skv)[:, 0].to(compute)
             logits = logits + torch.einsum("qnd,qmd->qnm", q, k[pos])
     logits = (logits * scale_value).masked_fill(~keep[:, None], float("-inf"))
     return torch.softmax(logits, -1).nan_to_num(0.0).sum(1)
@@ -136,7 +136,7 @@ def _block_kl(index, mass, q_seg, k_seg, start, layout, sparse_mode):
     """``sum KL(p || softmax(I))`` of one query block: ``index`` the indexer's query, key,
     weights and the chosen positions, ``mass`` the block's summed attention (``[blk, K]``)."""
     (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
-    qi, ki, w, chosen = (_seq(t, layout, *seg) for t, seg in
+    qi, ki, w, chosen = (sequence(t, layout, *seg) for t, seg in
                          zip(index, ((b, q0, sq), (kb, k0, skv), (b, q0, sq), (b, q0, sq))))  # fmt: skip
     rows = slice(start, min(start + QUERY_BLOCK, sq))
     pos, keep = _visible(chosen[:, 0].long(), rows, skv, skv - sq, sparse_mode)
@@ -165,14 +165,14 @@ def sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, we
     validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
                              scale_value, **args)  # fmt: skip
     split = head_group is not None and head_group.size() > 1
-    chosen = registry.resolve(KL_LOSS, kernel, _device(query), query=query,
+    chosen = registry.resolve(KL_LOSS, kernel, device_of(query), query=query,
                               query_index=query_index, query_rope=query_rope,
                               sparse_count=sparse_indices.shape[-1],
                               heads_split=split).kernel  # fmt: skip
     call = (query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
             scale_value)  # fmt: skip
     if chosen == "torch_npu":
-        args.update(_lengths_as_tensors(query, actual_seq_qlen, actual_seq_klen,
+        args.update(lengths_as_tensors(query, actual_seq_qlen, actual_seq_klen,
                                         ("actual_seq_qlen", "actual_seq_klen")))  # fmt: skip
         return registry.ascend(KL_LOSS)(*call, **args)
     return indexer_kl_loss_reference(*call, **args, head_group=head_group if split else None)

@@ -17,14 +17,14 @@ SFA_HEAD_DIM, SFA_ROPE_DIM = 512, 64  # the fused attention's limits (attention_
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _device(t):
+def device_of(t):
     return getattr(t, "device", torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------- layout
 
 
-def _segments(op, layout, tensor, lengths, argument, shown):
+def segments(op, layout, tensor, lengths, argument, shown):
     """``[(batch, start, length)]``: the sequences of ``tensor`` in ``layout`` (see the module
     docstring for what ``lengths`` means in each)."""
     if lengths is None:
@@ -49,18 +49,18 @@ def _segments(op, layout, tensor, lengths, argument, shown):
     return [(0, a, b - a) for a, b in zip(ends, ends[1:])]
 
 
-def _seq(t, layout, batch, start, length):
+def sequence(t, layout, batch, start, length):
     """The ``[length, N, D]`` tokens of one sequence."""
     return t[batch, :length] if layout == "BSND" else t[start : start + length]
 
 
-def _check_choice(op, argument, value, allowed, shown):
+def check_choice(op, argument, value, allowed, shown):
     if value not in allowed:
         fail(op, ValueError, argument, f"{value!r} is not one of {list(allowed)}",
              f"pass one of {', '.join(map(repr, allowed))}", shown)  # fmt: skip
 
 
-def _check_tensor(op, argument, t, rank, shown, dtypes=_DTYPES):
+def check_tensor(op, argument, t, rank, shown, dtypes=_DTYPES):
     if not isinstance(t, torch.Tensor):
         fail(op, TypeError, argument, f"expected a torch.Tensor, got {type(t).__name__}",
              "pass a tensor", shown)  # fmt: skip
@@ -74,14 +74,14 @@ def _check_tensor(op, argument, t, rank, shown, dtypes=_DTYPES):
              f"pass one of {names}", shown)  # fmt: skip
 
 
-def _rank(layout):
+def tensor_rank(layout):
     return 4 if layout == "BSND" else 3
 
 
 # --------------------------------------------------------------------------------------- indexer
 
 
-def _lengths_as_tensors(like, q_lengths, kv_lengths, names):
+def lengths_as_tensors(like, q_lengths, kv_lengths, names):
     """The lengths as the int64 tensors the torch_npu ops take (None stays None)."""
 
     def convert(v):

@@ -110,7 +110,7 @@ class NPUSparseAttention(MegatronModule):
         ``weight``: the indexer loss's (:meth:`_loss_weight`), None when it is not trained."""
         query, query_rope, index_q, weights = (_to(t, layout) for t in queries)
         key, key_rope, index_k = (_to(t, layout) for t in keys)
-        chosen = self._select(index_q.detach(), index_k.detach(), weights.detach(), layout)
+        chosen = self.select(index_q.detach(), index_k.detach(), weights.detach(), layout)
         lengths = dict(actual_seq_lengths_query=layout["q_ends"],
                        actual_seq_lengths_kv=layout["kv_ends"])  # fmt: skip
         out, *stats = dsa.sparse_flash_attention(
@@ -135,7 +135,7 @@ class NPUSparseAttention(MegatronModule):
         cp = 1 if self.cp_group is None else self.cp_group.size()
         return coeff / max(rows * cp, 1)
 
-    def _select(self, index_q, index_k, weights, layout, count=None):
+    def select(self, index_q, index_k, weights, layout, count=None):
         """int32 top-k key positions ``[.., 1, k]`` (-1 where fewer keys are visible)."""
         chosen, _ = dsa.lightning_indexer(
             index_q, index_k, weights, sparse_count=count or self.settings.topk,
@@ -199,7 +199,7 @@ class _IndexerLoss(torch.autograd.Function):
     def forward(ctx, index_q, index_k, weights, main, layout, core):
         args, ropes, chosen, stats = main
         if not core.settings.sparse_loss:  # over every visible key
-            chosen = core._select(index_q, index_k, weights, layout, args[1].shape[-3])
+            chosen = core.select(index_q, index_k, weights, layout, args[1].shape[-3])
             stats = (None, None)
         d_q, d_k, d_w, loss = dsa.sparse_lightning_indexer_grad_kl_loss(
             *(a.detach() for a in args), index_q, index_k, weights, chosen, *stats,
