@@ -29,6 +29,17 @@ from mcore_npu.transformer.layer_specs import (
 
 # model_type -> (module, class) of the mbridge bridges whose MTP layers the plugin builds
 NPU_MTP_BRIDGES = {"mimo": ("mbridge.models.mimo", "MimoBridge")}
+# MLA checkpoints whose q / kv latent RMSNorms transformers (and the DeepSeek remote code) build
+# at eps 1e-6 whatever rms_norm_eps says (DeepseekV3RMSNorm(q_lora_rank); Moonlight: 1e-5)
+LATENT_NORM_EPS_1E6 = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def checkpoint_spec_keywords(hf_config) -> dict:
+    """The NPU spec keywords a checkpoint's architecture fixes beyond its config fields:
+    ``mla_latent_norm_epsilon=1e-6`` for :data:`LATENT_NORM_EPS_1E6`; else none."""
+    if getattr(hf_config, "model_type", None) in LATENT_NORM_EPS_1E6:
+        return {"mla_latent_norm_epsilon": 1e-6}
+    return {}
 
 
 def _auto_bridge():
@@ -69,6 +80,7 @@ def use_npu_spec(bridge, *, kernel: str = "auto"):
             normalization=bridge.config.normalization,
             vp_stage=vp_stage,
             **mbridge_expert_form(bridge.config),
+            **checkpoint_spec_keywords(bridge.hf_config),
         )
 
     bridge._get_transformer_layer_spec = layer_spec

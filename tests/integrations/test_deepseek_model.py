@@ -126,6 +126,33 @@ def test_logits_match_transformers_and_export_is_bit_exact(npu_model, hf_model,
     _assert_exports_the_checkpoint(model, bridge, tiny_deepseek_v3_model)
 
 
+def test_the_latent_norms_keep_transformers_epsilon_when_rms_norm_eps_differs(tmp_path):
+    """Moonlight's ``rms_norm_eps`` is 1e-5, while transformers (and DeepSeek's remote code)
+    build the q / kv latent RMSNorms at 1e-6 whatever it says: through the plugin's bridge the
+    latent norms (inside the up projections) take 1e-6, the other norms 1e-5, and the logits
+    match transformers within 1e-5; at ``rms_norm_eps`` throughout they move further."""
+    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
+    from tests.integrations.conftest import save_tiny_deepseek_v3
+
+    hf_model = save_tiny_deepseek_v3(tmp_path, rms_norm_eps=1e-5)
+    bridge = npu_bridge(str(tmp_path), kernel="reference", dtype=torch.float32)
+    bridge.set_extra_args(**CPU_ARGS)
+    model = build_model(bridge).eval()
+    load_hf_weights(model, str(tmp_path), bridge=bridge)
+    ups = [getattr(layer.self_attention, name) for layer in model.decoder.layers
+           for name in ("linear_q_up_proj", "linear_kv_up_proj")]  # fmt: skip
+    assert {up.eps for up in ups} == {1e-6}
+    assert {layer.input_layernorm.eps for layer in model.decoder.layers} == {1e-5}
+    want = _logits(hf_model)
+    error = float((_logits(model) - want).abs().max())
+    for up in ups:
+        up.eps = 1e-5
+    off = float((_logits(model) - want).abs().max())
+    print(f"tiny DeepSeek-V3, rms_norm_eps 1e-5: max |logit - transformers| = {error:.1e} "
+          f"(latent norms at 1e-5: {off:.1e})")  # fmt: skip
+    assert error <= 1e-5 and off > 3 * error, (error, off)
+
+
 def _assert_exports_the_checkpoint(model, bridge, path: str) -> None:
     """The bridge exports ``model`` as exactly the checkpoint's tensors, names and values."""
     from pathlib import Path

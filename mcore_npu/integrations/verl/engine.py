@@ -27,6 +27,7 @@ from mcore_npu.integrations.hf import (
     PLUGIN_BRIDGES,
     bridge_from_config,
     builds_npu_mtp,
+    checkpoint_spec_keywords,
     expose_hf_config_fields,
     install_npu_mtp_block,
     match_hf_routing,
@@ -182,7 +183,7 @@ class _NPUEngineMixin:
 
     def _install_npu_layer_spec(self) -> None:
         """Point this engine's bridge (or provider) at the NPU spec; the bridge class is untouched."""
-        spec = dict(self.npu_spec_keywords)
+        spec = {**checkpoint_spec_keywords(self.model_config.hf_config), **self.npu_spec_keywords}
         if self.provider is not None:  # Megatron-Bridge
             weight_path.register_npu_modules()  # its AutoMapping finds splits by class name
             self.provider.transformer_layer_spec = functools.partial(
