@@ -200,7 +200,7 @@ def _swap_npu_parts(
     elif module is MLASelfAttention:
         subs.self_attention = provider.mla_self_attention(subs.self_attention)
     attention = subs.self_attention.submodules  # DSA's is a copy
-    latent = provider.latent_norm_epsilon()
+    latent = provider.latent_norm_epsilon() if module is MLASelfAttention else None
     for owner, name, epsilon in (
         (subs, "input_layernorm", None),
         (subs, "pre_mlp_layernorm", None),

@@ -57,7 +57,8 @@ class NPUSpecOptions:
         ``mcore_npu.ops.batch_invariant_attention``, the mode's limits checked when a layer is
         built (docs/true_on_policy.md).
     mla_latent_norm_epsilon: MLA's (and DSA's) q / kv latent norms' epsilon; None =
-        ``layernorm_epsilon`` (GLM-5's checkpoints: 1e-6 beside 1e-5, docs/hf_weights.md).
+        ``layernorm_epsilon`` (the DeepSeek-V3 family's and GLM-5's checkpoints: 1e-6 whatever
+        ``rms_norm_eps`` says, docs/hf_weights.md).
     dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon: DSA layers' indexer RoPE on
         interleaved pairs (GLM-5) or halves, and its key norm's epsilon; None = the config's
         0.19 field, else False / ``layernorm_epsilon`` (docs/dsa.md).

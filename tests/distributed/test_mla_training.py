@@ -119,8 +119,8 @@ def test_dsa_layout_matches_one_process(layout, one_process, parallel):
     one process's, and different from the dense MLA run's (the selection acts); the grad norms,
     which hold the indexer's gradients as the schedule scales its loss, within 1e-5 relative (a
     CP weighting off by 2 measured 6.4e-4). The top-k is discrete: at coefficient 0.1 a choice
-    near a tie flipped at CP=2's fifth step (2.4e-5); at 10 none does (measured 9.5e-7 / 4.8e-7
-    on megatron-core 0.16.1 and 0.19.2). The layer's own gradients against one process:
+    near a tie flipped at CP=2's fifth step (2.4e-5); at 10 none does (TP=2 9.5e-7, CP=2 4.8e-7,
+    on megatron-core 0.16.1 and on 0.19.2). The layer's own gradients against one process:
     tests/distributed/mla_parallel.py."""
     work, stdout = parallel
     single = _losses(one_process[0] / "dsa_single.jsonl")

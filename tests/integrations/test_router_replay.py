@@ -150,3 +150,18 @@ def test_what_replay_cannot_run_with_is_refused_before_the_model(qwen3_moe, fiel
     with pytest.raises(ValueError, match=named) as info:
         loop.new_worker(config, loop.ppo_loss_fn())
     assert "\n" not in str(info.value) and "router_replay.mode: R2" in str(info.value)
+
+
+def test_a_stage_without_moe_layers_records_empty_routes_for_every_row():
+    """bshd R2 record on a pipeline stage without routers (DeepSeek-V3's dense first layers):
+    a ``[j, 0, k]`` int16 route per row, on the host, as verl's own record returns there."""
+    from types import SimpleNamespace
+
+    from mcore_npu.integrations.verl.bshd import RightPadded
+    from mcore_npu.integrations.verl.replay import _recorded
+
+    ids = torch.nested.as_nested_tensor([torch.arange(3), torch.arange(2)], layout=torch.jagged)
+    config = SimpleNamespace(moe_router_topk=TOP_K, sequence_parallel=False)
+    routes = _recorded(config, [], RightPadded(ids))
+    assert [tuple(r.shape) for r in routes.unbind()] == [(3, 0, TOP_K), (2, 0, TOP_K)]
+    assert routes.dtype == torch.int16 and routes.device.type == "cpu"

@@ -149,6 +149,22 @@ def test_the_latent_norms_take_their_own_epsilon(layout):
         npu_block(config, mla_latent_norm_epsilon=0.0)
 
 
+def test_the_latent_norm_epsilon_leaves_other_attentions_qk_norms_alone():
+    """On a layer without MLA, ``mla_latent_norm_epsilon`` changes no norm: the q / k norms of
+    ``qk_layernorm`` keep ``layernorm_epsilon``."""
+    from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
+    from tests.transformer.megatron_models import tiny_config
+
+    config = tiny_config(qk_layernorm=True, layernorm_epsilon=1e-5)
+    spec = get_gpt_layer_npu_spec(qk_layernorm=True, kernel="reference", param_layout="local",
+                                  mla_latent_norm_epsilon=0.5)  # fmt: skip
+    model = gpt(config, spec)
+    norms = {name: module.eps for name, module in model.named_modules()
+             if isinstance(getattr(module, "eps", None), float)}  # fmt: skip
+    assert any(name.endswith("q_layernorm") for name in norms)
+    assert set(norms.values()) == {1e-5}, norms
+
+
 def test_where_megatrons_constructor_works_it_is_megatrons():
     """With the upstream fix (or TE installed) the probe says Megatron's own
     MultiLatentAttention.__init__ works, and NPUMLASelfAttention calls it; the model is the

@@ -74,7 +74,7 @@ class ForwardSteps:
         if reason is not None and self.enable_routing_replay:
             raise ValueError(
                 f"router replay in bshd (use_remove_padding=False) with {reason}: verl's forward "
-                "for it lays routes out as thd; set use_remove_padding=True"
+                "for it lays routes out as thd: set use_remove_padding=True"
             )
         return reason is None
 

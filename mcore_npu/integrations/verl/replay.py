@@ -106,9 +106,15 @@ def _set_targets(engine, routers, batch, padded: RightPadded) -> None:
         mask = _router_order(padded.local(keep), config)  # [T]
     by_layer = targets.shape[1] == config.num_layers  # R3 (or all MoE): every layer's routes
     moe_before = partial(_moe_layers_before, config)  # R2's routes: MoE layers only
+    indices = {number: number - 1 if by_layer else moe_before(number) for number, _ in routers}
+    missing = [number for number, index in indices.items() if index >= targets.shape[1]]
+    if missing:
+        raise RuntimeError(
+            f"router_replay REPLAY data does not cover every forwarded MoE layer: layers "
+            f"{missing} (1-based), routes for {targets.shape[1]} layers"
+        )
     for number, router in routers:
-        index = number - 1 if by_layer else moe_before(number)
-        router.set_target_indices(targets[:, index].long(), replay_mask=mask)
+        router.set_target_indices(targets[:, indices[number]].long(), replay_mask=mask)
 
 
 def _moe_layers_before(config, number: int) -> int:
@@ -126,13 +132,14 @@ def _router_order(rows: torch.Tensor, config) -> torch.Tensor:
 def _recorded(config, routers, padded: RightPadded) -> torch.Tensor:
     """Jagged ``[B, j, L, k]`` int16 on the host: the recorded experts of this stage's MoE
     layers for every real token, as verl's ``merge_router_topk_indices`` returns them."""
-    k = config.moe_router_topk
-    local = padded.local(torch.empty(padded.batch, padded.seq, 0, k, dtype=torch.int16))
-    if routers:
-        tokens = torch.stack([r.recorded_topk_idx.to(torch.int16) for _, r in routers], dim=1)
-        tokens = tokens.contiguous().view(torch.uint8)  # [T, L, 2k]: collectives take bytes
-        if config.sequence_parallel:
-            tokens = gather_from_sequence_parallel_region(tokens, tensor_parallel_output_grad=False)
-        local = tokens.view(local.shape[1], padded.batch, *tokens.shape[1:]).transpose(0, 1)
-    rows = padded.gather(local.contiguous().view(torch.uint8)).view(torch.int16)
+    if not routers:  # a pipeline stage without MoE layers: no routes, every row its length
+        k = config.moe_router_topk
+        empty = torch.empty(padded.batch, padded.seq, 0, k, dtype=torch.int16)
+        return padded.unpad(empty.to(padded.keep.device)).cpu()
+    tokens = torch.stack([r.recorded_topk_idx.to(torch.int16) for _, r in routers], dim=1)
+    tokens = tokens.contiguous().view(torch.uint8)  # [T, L, 2k]: collectives take bytes
+    if config.sequence_parallel:
+        tokens = gather_from_sequence_parallel_region(tokens, tensor_parallel_output_grad=False)
+    local = tokens.view(-1, padded.batch, *tokens.shape[1:]).transpose(0, 1)  # [B, S/CP, ..]
+    rows = padded.gather(local.contiguous()).view(torch.int16)
     return padded.unpad(rows).cpu()

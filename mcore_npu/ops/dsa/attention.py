@@ -88,9 +88,9 @@ def validate_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         fail(op, TypeError, "return_softmax_lse", f"expected a bool, got "
              f"{return_softmax_lse!r}", "pass True or False", shown)  # fmt: skip
     q_segments = segments(op, layout_query, query, actual_seq_lengths_query,
-                           "actual_seq_lengths_query", shown)  # fmt: skip
+                          "actual_seq_lengths_query", shown)  # fmt: skip
     k_segments = segments(op, layout_kv, key, actual_seq_lengths_kv, "actual_seq_lengths_kv",
-                           shown)  # fmt: skip
+                          shown)  # fmt: skip
     if len(q_segments) != len(k_segments):
         fail(op, ValueError, "actual_seq_lengths_kv", f"{len(k_segments)} sequences, query has "
              f"{len(q_segments)}", "pass one key length per query sequence", shown)  # fmt: skip
@@ -154,7 +154,7 @@ def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *,
         return sparse_attention_reference(query, key, value, sparse_indices, scale_value, **args)
     options = {k: v for k, v in args.items() if k not in ("query_rope", "key_rope")}
     options.update(lengths_as_tensors(query, actual_seq_lengths_query, actual_seq_lengths_kv,
-                                       ("actual_seq_lengths_query", "actual_seq_lengths_kv")))  # fmt: skip
+                                      ("actual_seq_lengths_query", "actual_seq_lengths_kv")))  # fmt: skip
     out, softmax_max, softmax_sum = _FusedSparseAttention.apply(
         query, key, value, query_rope, key_rope, sparse_indices.to(torch.int32), scale_value,
         options)  # fmt: skip

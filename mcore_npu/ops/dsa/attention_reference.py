@@ -172,7 +172,7 @@ def _blocks(query, key, value, query_rope, key_rope, sparse_indices, options):
     layout_q, layout_kv = options["layout_query"], options["layout_kv"]
     size, mode = options["sparse_block_size"], options["sparse_mode"]
     q_segments = segments(ATTENTION, layout_q, query, options["actual_seq_lengths_query"], "",
-                           ())  # fmt: skip
+                          ())  # fmt: skip
     k_segments = segments(ATTENTION, layout_kv, key, options["actual_seq_lengths_kv"], "", ())
     n2 = key.shape[-2]
     group = query.shape[-2] // n2

@@ -59,9 +59,9 @@ def validate_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=
         fail(op, TypeError, "return_value", f"expected a bool, got {return_value!r}",
              "pass True or False", shown)  # fmt: skip
     q_segments = segments(op, layout_query, query, actual_seq_lengths_query,
-                           "actual_seq_lengths_query", shown)  # fmt: skip
+                          "actual_seq_lengths_query", shown)  # fmt: skip
     k_segments = segments(op, layout_key, key, actual_seq_lengths_key,
-                           "actual_seq_lengths_key", shown)  # fmt: skip
+                          "actual_seq_lengths_key", shown)  # fmt: skip
     if len(q_segments) != len(k_segments):
         fail(op, ValueError, "actual_seq_lengths_key", f"{len(k_segments)} sequences, query has "
              f"{len(q_segments)}", "pass one key length per query sequence", shown)  # fmt: skip
@@ -128,8 +128,8 @@ def lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
                               layout=layout_query).kernel  # fmt: skip
     if chosen == "torch_npu":
         npu_args = {**args, **lengths_as_tensors(query, actual_seq_lengths_query,
-                                                  actual_seq_lengths_key,
-                                                  ("actual_seq_lengths_query",
-                                                   "actual_seq_lengths_key"))}  # fmt: skip
+                                                 actual_seq_lengths_key,
+                                                 ("actual_seq_lengths_query",
+                                                  "actual_seq_lengths_key"))}  # fmt: skip
         return registry.ascend(INDEXER)(query, key, weights, **npu_args)
     return indexer_reference(query, key, weights, **args)

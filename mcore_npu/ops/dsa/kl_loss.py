@@ -84,35 +84,42 @@ def indexer_kl_loss_reference(query, key, query_index, key_index, weights, spars
     k_segments = segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
     blocks = [(q, k, s) for q, k in zip(q_segments, k_segments) if q[2] and k[2]
               for s in range(0, q[2], QUERY_BLOCK)]  # fmt: skip
-    with torch.no_grad():  # the target: the heads' summed probabilities, every block at once
-        mains = (query, query_rope, key, key_rope, sparse_indices)
-        mass = [_block_mass(mains, q, k, s, layout, compute, scale_value, sparse_mode)
-                for q, k, s in blocks]  # fmt: skip
-        if head_group is not None and mass:
-            flat = torch.cat([m.flatten() for m in mass])
-            torch.distributed.all_reduce(flat, group=head_group)
-            mass = [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in mass]), mass)]
+    mains = (query, query_rope, key, key_rope, sparse_indices)
+    masses = (_block_mass(mains, *block, layout, compute, scale_value, sparse_mode)
+              for block in blocks)  # fmt: skip
+    if head_group is not None:  # every block's head sums at once, one all-reduce
+        masses = _summed_over(list(masses), head_group)
     with torch.enable_grad():  # it takes its own gradients, in any grad mode
         leaves = [t.detach().to(compute).requires_grad_() for t in (query_index, key_index,
                                                                     weights)]  # fmt: skip
         loss = torch.zeros((), dtype=compute, device=query.device)
-        for (q, k, s), m in zip(blocks, mass):
-            index = (*leaves, sparse_indices)
-            loss = loss + _block_kl(index, m, q, k, s, layout, sparse_mode)
+        for block, mass in zip(blocks, masses):  # without a group, one block's mass at a time
+            loss = loss + _block_kl((*leaves, sparse_indices), mass, *block, layout, sparse_mode)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
     d_qi, d_ki, d_w = (g.to(t.dtype) for g, t in zip(grads, (query_index, key_index, weights)))
     return d_qi, d_ki, d_w, loss.detach().float().reshape(1)
 
 
-def _visible(chosen, rows, n_keys, offset, sparse_mode):
-    """The chosen key positions of query ``rows`` (clamped into range) and which are visible."""
-    pos = chosen[rows]
-    keep = (pos >= 0) & (pos < n_keys)
+def _summed_over(masses: list, group) -> list:
+    """``masses`` summed over the ranks of ``group`` (one all-reduce)."""
+    if not masses:
+        return masses
+    flat = torch.cat([m.flatten() for m in masses])
+    torch.distributed.all_reduce(flat, group=group)
+    return [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in masses]), masses)]
+
+
+def _visible(chosen, start, n_keys, offset, sparse_mode):
+    """One block's chosen key positions ``[blk, K]`` (its first query ``start``), clamped into
+    range, and which are visible."""
+    keep = (chosen >= 0) & (chosen < n_keys)
     if sparse_mode == 3:
-        keep &= pos <= torch.arange(rows.start, rows.stop, device=pos.device)[:, None] + offset
-    return pos.clamp(0, n_keys - 1), keep
+        rows = torch.arange(start, start + chosen.shape[0], device=chosen.device)
+        keep &= chosen <= rows[:, None] + offset
+    return chosen.clamp(0, n_keys - 1), keep
 
 
+@torch.no_grad()
 def _block_mass(mains, q_seg, k_seg, start, layout, compute, scale_value, sparse_mode):
     """``[blk, K]``: one query block's attention probabilities over its chosen keys, summed over
     this rank's heads (0 where a key is not visible). ``mains``: query, query_rope, key,
@@ -120,14 +127,14 @@ def _block_mass(mains, q_seg, k_seg, start, layout, compute, scale_value, sparse
     (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
     query, query_rope, key, key_rope, sparse_indices = mains
     rows = slice(start, min(start + QUERY_BLOCK, sq))
-    chosen = sequence(sparse_indices, layout, b, q0, sq)[:, 0].long()
-    pos, keep = _visible(chosen, rows, skv, skv - sq, sparse_mode)
+    chosen = sequence(sparse_indices, layout, b, q0, sq)[rows, 0].long()
+    pos, keep = _visible(chosen, start, skv, skv - sq, sparse_mode)
     logits = 0
     for q, k in ((query, key), (query_rope, key_rope)):
-        if q is not None:
+        if q is not None:  # the block's rows and its gathered keys only, in the compute dtype
             q = sequence(q, layout, b, q0, sq)[rows].to(compute)
-            k = sequence(k, layout, kb, k0, skv)[:, 0].to(compute)
-            logits = logits + torch.einsum("qnd,qmd->qnm", q, k[pos])
+            k = sequence(k, layout, kb, k0, skv)[:, 0][pos].to(compute)
+            logits = logits + torch.einsum("qnd,qmd->qnm", q, k)
     logits = (logits * scale_value).masked_fill(~keep[:, None], float("-inf"))
     return torch.softmax(logits, -1).nan_to_num(0.0).sum(1)
 
@@ -139,7 +146,7 @@ def _block_kl(index, mass, q_seg, k_seg, start, layout, sparse_mode):
     qi, ki, w, chosen = (sequence(t, layout, *seg) for t, seg in
                          zip(index, ((b, q0, sq), (kb, k0, skv), (b, q0, sq), (b, q0, sq))))  # fmt: skip
     rows = slice(start, min(start + QUERY_BLOCK, sq))
-    pos, keep = _visible(chosen[:, 0].long(), rows, skv, skv - sq, sparse_mode)
+    pos, keep = _visible(chosen[rows, 0].long(), start, skv, skv - sq, sparse_mode)
     target = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
     scores = torch.einsum("qnd,qmd->qnm", qi[rows], ki[:, 0][pos]).relu()
     scores = torch.einsum("qnm,qn->qm", scores, w[rows]).masked_fill(~keep, float("-inf"))
@@ -173,6 +180,6 @@ def sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, we
             scale_value)  # fmt: skip
     if chosen == "torch_npu":
         args.update(lengths_as_tensors(query, actual_seq_qlen, actual_seq_klen,
-                                        ("actual_seq_qlen", "actual_seq_klen")))  # fmt: skip
+                                       ("actual_seq_qlen", "actual_seq_klen")))  # fmt: skip
         return registry.ascend(KL_LOSS)(*call, **args)
     return indexer_kl_loss_reference(*call, **args, head_group=head_group if split else None)

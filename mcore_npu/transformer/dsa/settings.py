@@ -107,9 +107,11 @@ def check_dsa_config(config) -> None:
 
 def loss_scaler():
     """The autograd function that adds the indexer loss to the backward at the schedule's scale
-    (``loss_scale · CP / micro-batches``): Megatron's ``DSAIndexerLossAutoScaler`` where the
-    schedules scale it (0.19+), else ``MoEAuxLossAutoScaler``, which they scale for MoE models
-    (a model without MoE layers: scale 1 there, as Megatron's own DSA gets)."""
+    (``loss_scale · CP / micro-batches``; ``loss_scale`` with ``calculate_per_token_loss``):
+    Megatron's ``DSAIndexerLossAutoScaler`` where the schedules scale it (0.19+, for configs
+    with ``experimental_attention_variant='dsa'``), else ``MoEAuxLossAutoScaler``, which they
+    scale for MoE models (a model without MoE layers: scale 1 there, as Megatron's own DSA
+    gets). docs/dsa.md#training-the-indexer."""
     if megatron_features.has("schedule_scales_dsa_loss"):
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler,
