@@ -19,10 +19,11 @@ mbridge's ``register_model`` for both types, plus:
 - the names: the DSA layer keeps MLA's latent norms apart from the up projections
   (``q_layernorm`` / ``kv_layernorm``) and adds the indexer's four tensors (:data:`LAYER_MAP`).
 
-Every tensor is moved, never changed, so export is bit-exact. What the plugin does not build is
-refused (``ValueError`` naming the Hugging Face field): cross-layer top-k sharing (GLM-5
-``indexer_types`` with ``"shared"``), attention biases, an activation other than SiLU, MLA
-without ``q_lora_rank``, multi-token-prediction layers. See docs/hf_weights.md.
+GLM-5's ``indexer_types`` (``"shared"`` layers reuse an earlier layer's top-k) become Megatron
+0.19's top-k sharing (:func:`topk_sharing`). Every tensor is moved, never changed, so export is
+bit-exact. What the plugin does not build is refused (``ValueError`` naming the Hugging Face
+field): a sharing pattern Megatron's rule cannot write, attention biases, an activation other
+than SiLU, MLA without ``q_lora_rank``, multi-token-prediction layers. See docs/hf_weights.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import re
 from mbridge.core import register_model
 
 from mcore_npu.integrations.mbridge_fixes import DSA_TYPES, fixed_bridge_class, mbridge_expert_form
-from mcore_npu.transformer.dsa import DSATransformerConfig
+from mcore_npu.transformer.dsa import DSASettings, DSATransformerConfig
 
 MODEL_TYPES = DSA_TYPES
 INDEXER_K_NORM_EPS = 1e-6  # transformers 5.25: nn.LayerNorm(index_head_dim, eps=1e-6)
@@ -73,16 +74,7 @@ def check_supported(hf_config) -> None:
     """``ValueError`` naming the Hugging Face field for what the plugin's DSA model cannot hold or
     compute (the MoE routing and RoPE checks are the DeepSeek-V3 bridge's, when it builds)."""
     h = hf_config
-    shared = [i for i, kind in enumerate(getattr(h, "indexer_types", None) or []) if kind != "full"]
-    if shared:
-        kinds = sorted({h.indexer_types[i] for i in shared})
-        _refuse(
-            "indexer_types",
-            kinds,
-            f"layers {shared} reuse an earlier layer's top-k (cross-layer sharing, "
-            "index_topk_freq > 1 / index_topk_pattern with 'S'); the plugin's DSA layer runs its "
-            "own indexer in every layer. Use a checkpoint whose indexer_types are all 'full'",
-        )
+    topk_sharing(h)  # refuses an indexer_types pattern Megatron's rule cannot write
     if getattr(h, "attention_bias", False):
         _refuse(
             "attention_bias",
@@ -116,6 +108,37 @@ def check_supported(hf_config) -> None:
             f"{len(kinds)} entries",
             f"one per layer: num_hidden_layers = {h.num_hidden_layers}",
         )
+
+
+def topk_sharing(hf_config) -> tuple[int, int]:
+    """``(dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset)`` whose Megatron 0.19 rule gives
+    the checkpoint's ``indexer_types`` (``"full"``: the layer runs its indexer; ``"shared"``: it
+    reuses the last full layer's top-k); ``(1, 0)`` where every layer is full. ``ValueError``
+    naming ``indexer_types`` for a pattern the rule cannot write."""
+    kinds = list(getattr(hf_config, "indexer_types", None) or [])
+    unknown = sorted(set(kinds) - {"full", "shared"})
+    if unknown:
+        _refuse("indexer_types", unknown, "each layer is 'full' or 'shared'")
+    if all(kind == "full" for kind in kinds):
+        return 1, 0
+    for freq in range(2, len(kinds) + 1):
+        for offset in range(1, len(kinds) + 1):
+            if _sharing_pattern(len(kinds), freq, offset) == kinds:
+                return freq, offset
+    _refuse(
+        "indexer_types",
+        kinds,
+        "Megatron's top-k sharing (dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset) runs "
+        "the indexer in the first layers and then every freq-th; this pattern is not one of "
+        "those: use a checkpoint whose pattern is",
+    )
+
+
+def _sharing_pattern(layers: int, freq: int, offset: int) -> list[str]:
+    """``indexer_types`` by Megatron 0.19's rule (:meth:`DSASettings.source_layer`)."""
+    settings = DSASettings(heads=1, head_dim=1, topk=1, topk_freq=freq, skip_offset=offset)
+    full = [settings.source_layer(n) == n for n in range(1, layers + 1)]
+    return ["full" if f else "shared" for f in full]
 
 
 def moe_layer_freq(hf_config) -> list[int]:
@@ -152,9 +175,12 @@ def dsa_spec_keywords(hf_config) -> dict:
             f"model_type: {model_type!r} is not a DSA checkpoint the plugin bridges (those: "
             f"{', '.join(INDEXER_ROPE_INTERLEAVED)})"
         )
+    freq, offset = topk_sharing(hf_config)
     return dict(
         dsa_indexer_rope_interleaved=INDEXER_ROPE_INTERLEAVED[model_type],
         dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
+        dsa_indexer_topk_freq=freq,
+        dsa_indexer_skip_topk_offset=offset,
         mla_latent_norm_epsilon=LATENT_NORM_EPS,
     )
 

@@ -29,6 +29,7 @@ from mcore_npu.transformer.backends import check_param_layout
 from mcore_npu.transformer.dsa import SPEC_KEYWORDS as DSA_SPEC_KEYWORDS
 from mcore_npu.transformer.dsa import NPUDSASelfAttention, NPUSparseAttention
 from mcore_npu.transformer.dsa.settings import check_spec_keywords as check_dsa_keywords
+from mcore_npu.transformer.dsa.share import TopKShare
 from mcore_npu.transformer.experts import NPUGroupedMLP
 from mcore_npu.transformer.mla import NPUMLASelfAttention
 from mcore_npu.transformer.mlp import NPUMLP, NPUSharedExpertMLP
@@ -62,6 +63,8 @@ class NPUSpecOptions:
     dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon: DSA layers' indexer RoPE on
         interleaved pairs (GLM-5) or halves, and its key norm's epsilon; None = the config's
         0.19 field, else False / ``layernorm_epsilon`` (docs/dsa.md).
+    dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset: DSA layers' top-k sharing (GLM-5's
+        ``shared`` layers); None = the config's 0.19 field, else 1 / 0.
     lightning_indexer_kernel, sparse_attention_kernel, indexer_loss_kernel: DSA layers'
         operators (``lightning_indexer``, ``sparse_flash_attention``, the indexer KL loss);
         None = ``kernel``.
@@ -79,6 +82,8 @@ class NPUSpecOptions:
     mla_latent_norm_epsilon: float | None = None
     dsa_indexer_rope_interleaved: bool | None = None
     dsa_indexer_k_norm_epsilon: float | None = None
+    dsa_indexer_topk_freq: int | None = None
+    dsa_indexer_skip_topk_offset: int | None = None
     lightning_indexer_kernel: str | None = None
     sparse_attention_kernel: str | None = None
     indexer_loss_kernel: str | None = None
@@ -89,7 +94,7 @@ class NPUSpecOptions:
         for name in DSA_KERNELS:
             if getattr(self, name) is not None:
                 check_kernel(getattr(self, name), what=name)
-        check_dsa_keywords(self.dsa_indexer_rope_interleaved, self.dsa_indexer_k_norm_epsilon)
+        check_dsa_keywords(*(getattr(self, name) for name in DSA_SPEC_KEYWORDS))
         check_epsilon("mla_latent_norm_epsilon", self.mla_latent_norm_epsilon)
         self.fused()
         value_padding.check_mode(self.mla_value_padding)
@@ -137,6 +142,7 @@ class NPUSpecProvider(BackendSpecProvider):
         self.seq_lengths_memo = (
             seq_lengths_memo if seq_lengths_memo is not None else SeqLengthsMemo()
         )
+        self.topk_share = TopKShare()  # DSA layers that reuse an earlier layer's top-k
 
     @property
     def te_layout(self) -> bool:
@@ -254,7 +260,8 @@ class NPUSpecProvider(BackendSpecProvider):
         core attention (DSA configs)."""
         mla = self.mla_self_attention(attention)
         subs = copy.copy(mla.submodules)
-        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo}
+        params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo,
+                  "topk_share": self.topk_share}  # fmt: skip
         for name in (*DSA_SPEC_KEYWORDS, *DSA_KERNELS):
             params[name] = getattr(self.options, name)
         subs.core_attention = ModuleSpec(module=NPUSparseAttention, params=params)

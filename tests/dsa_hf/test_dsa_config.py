@@ -32,11 +32,16 @@ PER_MODEL = {
     "deepseek_v32": dict(layernorm_epsilon=1e-6, rope_type="yarn", rotary_scaling_factor=4.0,
                          original_max_position_embeddings=32),
 }  # fmt: skip
-SPEC = {  # the latent norms at 1e-6 whatever rms_norm_eps says, as transformers builds them
+SHARED = dict(
+    mla_latent_norm_epsilon=1e-6,  # as transformers builds them, any rms_norm_eps
+    dsa_indexer_topk_freq=1,
+    dsa_indexer_skip_topk_offset=0,
+)  # every layer indexes
+SPEC = {
     "glm_moe_dsa": dict(dsa_indexer_rope_interleaved=True, dsa_indexer_k_norm_epsilon=1e-6,
-                        mla_latent_norm_epsilon=1e-6),
+                        **SHARED),
     "deepseek_v32": dict(dsa_indexer_rope_interleaved=False, dsa_indexer_k_norm_epsilon=1e-6,
-                         mla_latent_norm_epsilon=1e-6),
+                         **SHARED),
 }  # fmt: skip
 ATTENTION = {  # Megatron name after decoder.layers.{i}. -> Hugging Face after model.layers.{i}.
     "input_layernorm.weight": "input_layernorm.weight",
@@ -139,8 +144,9 @@ def test_the_weight_map_covers_the_checkpoint_one_to_one(model_type, tmp_path):
 
 
 REFUSED = [
-    ("glm_moe_dsa", dict(index_topk_freq=2), "indexer_types"),  # cross-layer top-k sharing
-    ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"]), "indexer_types"),
+    # top-k sharing Megatron's rule cannot write (the first layer has no earlier one)
+    ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full"]), "indexer_types"),
+    ("glm_moe_dsa", dict(indexer_types=["full", "sparse", "full"]), "indexer_types"),
     ("glm_moe_dsa", dict(attention_bias=True), "attention_bias"),
     ("deepseek_v32", dict(hidden_act="gelu"), "hidden_act"),
     ("deepseek_v32", dict(num_key_value_heads=2), "num_key_value_heads"),

@@ -250,3 +250,29 @@ def test_tensor_parallel_2_loads_and_exports_bit_exact(run):
     print(f"tiny {run.model_type} TP = 2 + SP: {export[0]} tensors exported bit-exact; logits "
           f"within {diff:.1e} of TP = 1")  # fmt: skip
     assert diff <= 1e-5, diff
+
+
+def test_glm5_layers_sharing_a_top_k_match_transformers(tmp_path):
+    """GLM-5 with ``index_topk_freq=2`` (transformers: ``indexer_types`` full, full, shared: the
+    third layer reuses the second's top-k and has no indexer): the bridge passes Megatron's rule
+    (frequency 2, offset 2) as spec keywords, the third layer is built without an indexer, the
+    logits are within the tolerance of transformers' and export is bit-exact (the checkpoint has
+    no indexer tensors for that layer)."""
+    from mcore_npu.integrations.hf_dsa import dsa_spec_keywords
+
+    hf_model = save_tiny("glm_moe_dsa", tmp_path, index_topk_freq=2)
+    assert hf_model.config.indexer_types == ["full", "full", "shared"]
+    keywords = dsa_spec_keywords(hf_model.config)
+    assert (keywords["dsa_indexer_topk_freq"], keywords["dsa_indexer_skip_topk_offset"]) == (2, 2)
+    tokens = batches(LENGTHS, VOCAB)
+    with torch.no_grad():
+        hf = {n: hf_model(input_ids=ids).logits for n, ids in tokens.items()}
+    run = plugin_run(tmp_path, BLOCKED, tokens)
+    cores = [layer.self_attention.core_attention for layer in run.model.decoder.layers]
+    assert [core.indexer is None for core in cores] == [False, False, True]
+    errors = {n: float((run.npu[n] - hf[n]).abs().max()) for n in LENGTHS}
+    print(f"tiny glm_moe_dsa, shared third layer: max |logit - transformers| {errors}")
+    assert max(errors.values()) <= TOLERANCE, errors
+    saved, exported = saved_and_exported(types.SimpleNamespace(path=str(tmp_path), **vars(run)))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)

@@ -33,6 +33,8 @@ pytestmark = [
 
 TOLERANCE = 1e-5
 INDEXER = "core_attention.indexer"
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)  # fmt: skip
 
 
 def _pair(topk, seed=3, **overrides):
@@ -186,6 +188,54 @@ def test_the_indexer_loss_is_a_mean_over_query_rows():
         torch.testing.assert_close(grads[1][name], one, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["sbhd", "thd"])
+def test_layers_sharing_a_top_k_attend_to_their_source_layers_keys(packed, monkeypatch):
+    """``dsa_indexer_topk_freq=2`` (offset 1, Megatron 0.19's rule; GLM-5's ``shared`` layers):
+    of 4 layers, 2 and 4 have no indexer and attend to the keys layers 1 and 3 chose in the
+    same forward (the very tensors), so the indexer runs twice; the model trains (finite,
+    non-zero gradients); and it differs from the model whose every layer indexes."""
+    from mcore_npu.ops import dsa
+    from mcore_npu.transformer.dsa import core
+
+    config = dsa_config(topk=4, num_layers=4, coeff=0.5)
+    sharing = dict(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)  # spec keywords
+    model = gpt(config, npu_block(config, **sharing), seed=6)
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert [c.indexer is None for c in cores] == [False, True, False, True]
+    assert [c.source for c in cores] == [1, 1, 3, 3]
+    seen, attend = [], dsa.sparse_flash_attention
+
+    def recording(*args, **kwargs):
+        seen.append(args[3])
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(core.dsa, "sparse_flash_attention", recording)
+    logits, grads = logits_and_grads(model, packed)
+    assert len(seen) == 4 and seen[1] is seen[0] and seen[3] is seen[2]
+    assert not torch.equal(seen[0], seen[2])
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+    assert not [n for n in grads if "layers.1." in n and INDEXER in n]
+    own = gpt(config, npu_block(config), seed=6)
+    own.load_state_dict(model.state_dict(), strict=False)
+    monkeypatch.setattr(core.dsa, "sparse_flash_attention", attend)
+    assert (logits_and_grads(own, packed)[0] - logits).abs().max() > 1e-4
+
+
+def test_layers_sharing_a_top_k_recompute_to_the_same_gradients():
+    """Full recompute, one layer at a time (the backward recomputes layer 2 before layer 1):
+    the layer reusing layer 1's top-k reads the same micro-batch's choice, so the logits and
+    every gradient equal the run without recompute."""
+    sharing = dict(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
+    runs = []
+    for recompute in ({}, FULL_RECOMPUTE):
+        config = dsa_config(topk=4, num_layers=4, coeff=0.5, **recompute)
+        runs.append(logits_and_grads(gpt(config, npu_block(config, **sharing), seed=6), False))
+    (logits, grads), (again, regrads) = runs
+    assert torch.equal(logits, again) and grads.keys() == regrads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(regrads[name], grad, rtol=0, atol=1e-7, msg=name)
+
+
 def test_te_layout_names():
     """In the te layout the latent norms stay apart (the indexer reads the normalised q latent,
     as Megatron 0.19's DSA spec has it) and the indexer's names are 0.19's."""
@@ -225,7 +275,7 @@ def _fields(**changes):
         multi_latent_attention=True, qk_pos_emb_head_dim=8, dsa_indexer_n_heads=4,
         dsa_indexer_head_dim=16, dsa_indexer_topk=4, dsa_indexer_loss_coeff=0.0,
         dsa_indexer_use_sparse_loss=False, layernorm_epsilon=1e-5, context_parallel_size=1,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
     )  # fmt: skip
     return SimpleNamespace(**{**fields, **changes})
 
@@ -235,7 +285,7 @@ def _fields(**changes):
     ({"dsa_indexer_head_dim": 4}, "dsa_indexer_head_dim"),
     ({"dsa_indexer_n_heads": None}, "dsa_indexer_n_heads"),
     ({"dsa_indexer_topk": 0}, "dsa_indexer_topk"),
-    ({"dsa_indexer_topk_freq": 2}, "dsa_indexer_topk_freq"),
+    ({"dsa_indexer_topk_freq": 2, "pipeline_model_parallel_size": 2}, "dsa_indexer_topk_freq"),
     ({"dsa_indexer_scoring_relu": False}, "dsa_indexer_scoring_relu"),
     ({"dsa_indexer_loss_coeff": -1.0}, "dsa_indexer_loss_coeff"),
 ])  # fmt: skip

@@ -68,6 +68,8 @@ BAD_OPTIONS = {
     "dsa_indexer_rope_interleaved": "yes",
     "mla_latent_norm_epsilon": -1.0,
     "dsa_indexer_k_norm_epsilon": "small",
+    "dsa_indexer_topk_freq": 0,
+    "dsa_indexer_skip_topk_offset": -1,
     "lightning_indexer_kernel": "fused",
     "sparse_attention_kernel": "fused",
     "indexer_loss_kernel": "fused",

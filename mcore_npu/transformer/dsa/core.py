@@ -23,6 +23,7 @@ from mcore_npu.transformer.context_parallel.all_gather import (
 )
 from mcore_npu.transformer.dsa.indexer import DSAIndexer
 from mcore_npu.transformer.dsa.settings import check_cp_comm_type, dsa_settings, loss_scaler
+from mcore_npu.transformer.dsa.share import TopKShare
 
 
 class NPUSparseAttention(MegatronModule):
@@ -33,14 +34,19 @@ class NPUSparseAttention(MegatronModule):
         kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` for the three DSA operators, unless
             ``lightning_indexer_kernel`` / ``sparse_attention_kernel`` / ``indexer_loss_kernel``
             name one (None: ``kernel``).
-        dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon: the spec keywords
-            (:func:`dsa_settings`).
+        dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon, dsa_indexer_topk_freq,
+            dsa_indexer_skip_topk_offset: the spec keywords (:func:`dsa_settings`).
+        topk_share: the spec's :class:`TopKShare`, where layers share their top-k; a layer
+            that reuses an earlier one's has no indexer.
     """
 
     def __init__(self, config, layer_number, *, softmax_scale: float, kernel: str = "auto",
                  seq_lengths_memo: SeqLengthsMemo | None = None,
                  dsa_indexer_rope_interleaved: bool | None = None,
                  dsa_indexer_k_norm_epsilon: float | None = None,
+                 dsa_indexer_topk_freq: int | None = None,
+                 dsa_indexer_skip_topk_offset: int | None = None,
+                 topk_share: TopKShare | None = None,
                  lightning_indexer_kernel: str | None = None,
                  sparse_attention_kernel: str | None = None, indexer_loss_kernel: str | None = None,
                  cp_comm_type: str | None = None, pg_collection=None,
@@ -51,8 +57,9 @@ class NPUSparseAttention(MegatronModule):
         for what, value in self.kernels.items():
             check_kernel(value, what=f"{what} kernel")
         self.settings = dsa_settings(
-            config, dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon
-        )
+            config, dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon,
+            dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset,
+        )  # fmt: skip
         if self.settings.trains_indexer and not self.settings.sparse_loss:
             self.kernels["loss"] = _dense_loss_kernel(self.kernels["loss"])
         self.layer_number = layer_number
@@ -63,7 +70,11 @@ class NPUSparseAttention(MegatronModule):
         self.head_group = _tensor_parallel_group(pg_collection, config)
         self.softmax_scale = softmax_scale
         self.seq_lengths_memo = seq_lengths_memo or SeqLengthsMemo()
-        self.indexer = DSAIndexer(config, self.settings)
+        self.source = self.settings.source_layer(layer_number)  # itself: it runs its indexer
+        self.topk_share = None
+        if self.settings.shares_topk:
+            self.topk_share = topk_share if topk_share is not None else TopKShare()
+        self.indexer = DSAIndexer(config, self.settings) if self.source == layer_number else None
 
     def forward(self, query, key, query_rope, key_rope, *, hidden, q_latent, rotate,
                 packed_seq_params=None):  # fmt: skip
@@ -71,46 +82,59 @@ class NPUSparseAttention(MegatronModule):
         (this rank's tokens, detached) feed the indexer; ``rotate`` is MLA's RoPE step. Under CP
         the keys are gathered and each local query chunk attends to its prefix."""
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        trains = self.settings.trains_indexer and self.training and torch.is_grad_enabled()
-        with torch.set_grad_enabled(trains):
-            index_q, index_k, weights = self.indexer(hidden, q_latent, rotate)
-        weight = self._loss_weight(query.shape[:-2].numel()) if trains else None
-        queries, keys = (query, query_rope, index_q, weights), (key, key_rope, index_k)
+        weight, reused, index = None, None, (None, None, None)
+        if self.indexer is None:  # this layer attends to the keys layer `source` chose
+            reused = self.topk_share.calls(self.source, self.layer_number)
+        else:
+            trains = self.settings.trains_indexer and self.training and torch.is_grad_enabled()
+            with torch.set_grad_enabled(trains):
+                index = self.indexer(hidden, q_latent, rotate)
+            weight = self._loss_weight(query.shape[:-2].numel()) if trains else None
+            if self.topk_share is not None:
+                self.topk_share.start(self.layer_number)
+        queries, keys = (query, query_rope, index[0], index[2]), (key, key_rope, index[1])
         if self.cp_group is None:
             ends = self._ends(packed_seq_params) if thd else None
-            return self._attend(queries, keys, _layout(thd, ends, ends), weight)
+            return self._attend(queries, keys, _layout(thd, ends, ends), weight, reused)
         if thd:
-            return self._attend_thd_cp(queries, keys, packed_seq_params, weight)
-        return self._attend_sbhd_cp(queries, keys, weight)
+            return self._attend_thd_cp(queries, keys, packed_seq_params, weight, reused)
+        return self._attend_sbhd_cp(queries, keys, weight, reused)
 
-    def _attend_sbhd_cp(self, queries, keys, weight):
+    def _attend_sbhd_cp(self, queries, keys, weight, reused):
         """Each local chunk (``r``, ``2·CP-1-r``) against its prefix of the gathered keys."""
         group = self.cp_group
-        keys = [GatherSequence.apply(t, group) for t in keys]  # natural order
+        keys = [_maybe(GatherSequence.apply, t, group) for t in keys]  # natural order
         chunk = queries[0].shape[0] // 2
         outs = []
         for half, chunk_id in enumerate(chunks.chunk_ids(group.rank(), group.size())):
             rows = slice(half * chunk, (half + 1) * chunk)
-            prefix = [t[: (chunk_id + 1) * chunk] for t in keys]
-            outs.append(self._attend([t[rows] for t in queries], prefix, _layout(), weight))
+            prefix = [_part(t, slice(0, (chunk_id + 1) * chunk)) for t in keys]
+            local = [_part(t, rows) for t in queries]
+            outs.append(self._attend(local, prefix, _layout(), weight, reused))
         return torch.cat(outs)
 
-    def _attend_thd_cp(self, queries, keys, params, weight):
+    def _attend_thd_cp(self, queries, keys, params, weight, reused):
         """One TND call: each local chunk of a sequence against that sequence's prefix, laid out
         by one index into the gathered tokens (built once per batch layout)."""
         group, memo = self.cp_group, self.seq_lengths_memo
         local = memo.context_parallel_ends(_cu(params), group.size())
         index, q_ends, kv_ends = thd_layout(local, group.size(), group.rank(), True, None,
                                             queries[0].device, memo)  # fmt: skip
-        keys = [GatherTokens.apply(t, group).index_select(0, index) for t in keys]
-        return self._attend(queries, keys, _layout(True, q_ends, kv_ends), weight)
+        keys = [_part(_maybe(GatherTokens.apply, t, group), index) for t in keys]
+        return self._attend(queries, keys, _layout(True, q_ends, kv_ends), weight, reused)
 
-    def _attend(self, queries, keys, layout, weight):
+    def _attend(self, queries, keys, layout, weight, reused=None):
         """Top-k selection and sparse attention of one call (sbhd as BSND, thd as TND);
-        ``weight``: the indexer loss's (:meth:`_loss_weight`), None when it is not trained."""
-        query, query_rope, index_q, weights = (_to(t, layout) for t in queries)
-        key, key_rope, index_k = (_to(t, layout) for t in keys)
-        chosen = self.select(index_q.detach(), index_k.detach(), weights.detach(), layout)
+        ``weight``: the indexer loss's (:meth:`_loss_weight`), None when it is not trained;
+        ``reused``: the source layer's choices, call by call, on a layer without an indexer."""
+        query, query_rope, index_q, weights = (_maybe(_to, t, layout) for t in queries)
+        key, key_rope, index_k = (_maybe(_to, t, layout) for t in keys)
+        if reused is not None:
+            chosen = next(reused)
+        else:
+            chosen = self.select(index_q.detach(), index_k.detach(), weights.detach(), layout)
+            if self.topk_share is not None:
+                self.topk_share.put(self.layer_number, chosen)
         lengths = dict(actual_seq_lengths_query=layout["q_ends"],
                        actual_seq_lengths_kv=layout["kv_ends"])  # fmt: skip
         out, *stats = dsa.sparse_flash_attention(
@@ -189,6 +213,18 @@ def _layout(thd: bool = False, q_ends=None, kv_ends=None) -> dict:
 def _to(t, layout):
     """sbhd ``[s, b, ..]`` <-> BSND ``[b, s, ..]``; thd stays."""
     return t.transpose(0, 1) if layout["name"] == "BSND" else t
+
+
+def _maybe(function, t, *args):
+    """``function(t, *args)``, None for None (a layer without an indexer has no index tensors)."""
+    return None if t is None else function(t, *args)
+
+
+def _part(t, index):
+    """``t[index]`` (a slice or an index tensor on the first dimension), None for None."""
+    if t is None:
+        return None
+    return t[index] if isinstance(index, slice) else t.index_select(0, index)
 
 
 class _IndexerLoss(torch.autograd.Function):
