@@ -121,10 +121,11 @@ def topk_sharing(hf_config) -> tuple[int, int]:
         _refuse("indexer_types", unknown, "each layer is 'full' or 'shared'")
     if all(kind == "full" for kind in kinds):
         return 1, 0
-    for freq in range(2, len(kinds) + 1):
-        for offset in range(1, len(kinds) + 1):
-            if _sharing_pattern(len(kinds), freq, offset) == kinds:
-                return freq, offset
+    offset = kinds.index("shared")  # the leading full layers
+    later = [i for i in range(offset, len(kinds)) if kinds[i] == "full"]  # 0-based
+    freq = later[0] - offset + 1 if later else len(kinds) - offset + 1
+    if offset >= 1 and _sharing_pattern(len(kinds), freq, offset) == kinds:
+        return freq, offset
     _refuse(
         "indexer_types",
         kinds,
