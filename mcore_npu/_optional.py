@@ -15,6 +15,10 @@ FIXES = {
     "flash_attn_npu": (
         "pip install flash-attention-npu on the Ascend machine (batch-invariant mode's attention)"
     ),
+    "batch_invariant_ops": (
+        "build vllm-ascend with VLLM_BATCH_INVARIANT=1 on the Ascend machine (it installs the "
+        "batch-invariant operator library; batch-invariant mode's matmuls and sums)"
+    ),
     "fla": "pip install flash-linear-attention (with triton-ascend) on the Ascend machine",
     "mamba_ssm": "pip install a triton-ascend build of mamba-ssm on the Ascend machine, or use 'auto'",
 }

@@ -11,6 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "batch_invariant_attention": "batch_invariant",
+    "batch_invariant_linear": "batch_invariant_rows",
+    "batch_invariant_sum": "batch_invariant_rows",
     "fusion_attention": "attention",
     "lightning_indexer": "dsa",
     "sparse_flash_attention": "dsa",

@@ -173,3 +173,23 @@ def sparse_lightning_indexer_grad_kl_loss(
     if sparse_count is not None and sparse_count not in KL_LOSS_TOPK:
         return f"it takes a top-k in {list(KL_LOSS_TOPK)}, got {sparse_count}"
     return None
+
+
+def batch_invariant_library(_library, **_facts) -> str | None:
+    """vllm-ascend's AscendC library: its ``torch.ops`` namespace holds the mode's matmul and
+    sum once the module is imported."""
+    import torch
+
+    from mcore_npu.ops.batch_invariant_rows import ATTRIBUTES, LIBRARY
+
+    namespace = getattr(torch.ops, LIBRARY)
+    missing = [name for name in ATTRIBUTES.values() if not _has_op(namespace, name)]
+    return f"its torch.ops.{LIBRARY} has no {', '.join(missing)}" if missing else None
+
+
+def _has_op(namespace, name: str) -> bool:
+    try:
+        getattr(namespace, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True

@@ -133,6 +133,13 @@ OPERATORS: dict[str, Operator] = {
                  f"{_OPS}.batch_invariant:validate_batch_invariant_attention",
                  (Kernel("flash_attn_npu", "flash_attn_npu",
                          ("flash_attn_func", "flash_attn_varlen_func")),)),
+        *(Operator(name, f"{_OPS}.batch_invariant_rows:{name}",
+                   f"{_OPS}.batch_invariant_rows:{reference}",
+                   f"{_OPS}.batch_invariant_rows:validate_{name}",
+                   (Kernel("batch_invariant_ops", "batch_invariant_ops", (),
+                           f"{_PROBES}:batch_invariant_library"),))
+          for name, reference in (("batch_invariant_linear", "fixed_block_linear"),
+                                  ("batch_invariant_sum", "fixed_block_sum"))),
         Operator("lightning_indexer", f"{_OPS}.dsa.indexer:lightning_indexer",
                  f"{_OPS}.dsa.indexer:indexer_reference", f"{_OPS}.dsa.indexer:validate_lightning_indexer",
                  _npu("npu_lightning_indexer", probe=f"{_PROBES}:lightning_indexer")),

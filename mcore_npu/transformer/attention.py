@@ -29,7 +29,7 @@ from mcore_npu.masks import (
     TopLeftCausalMask,
     describe_mask,
 )
-from mcore_npu.ops import batch_invariant, fusion_attention, registry
+from mcore_npu.ops import batch_invariant, batch_invariant_rows, fusion_attention, registry
 from mcore_npu.ops import value_padding as padding
 from mcore_npu.ops.batch_invariant import batch_invariant_attention
 from mcore_npu.ops.registry import check_kernel
@@ -126,7 +126,10 @@ class NPUFusionAttention(MegatronModule):
             mask_kind=kind,
             window=self.window_size,
         )
-        missing = batch_invariant.missing_kernel(accelerator.is_npu_available())
+        on_npu = accelerator.is_npu_available()
+        missing = batch_invariant.missing_kernel(on_npu) or batch_invariant_rows.missing_kernel(
+            on_npu
+        )
         if missing:
             raise ImportError(missing)
 

@@ -13,7 +13,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
-from mcore_npu.ops import grouped_linear, swiglu
+from mcore_npu.ops import batch_invariant_linear, grouped_linear, swiglu
 from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer.backends import check_param_layout
 from mcore_npu.transformer.extra_state import EmptyExtraState
@@ -80,7 +80,11 @@ class NPUGroupedMLP(MegatronModule):
         pg_collection: Megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``).
         kernel: ``"auto"`` | ``"torch_npu"`` | ``"reference"`` for grouped matmul and SwiGLU.
         param_layout: ``"local"`` (SequentialMLP names) or ``"te"`` (TEGroupedMLP names).
+        batch_invariant_kernel: batch-invariant mode: each expert's matmuls through
+            ``batch_invariant_linear`` with this kernel instead of the grouped matmul.
     """
+
+    takes_batch_invariant_kernel = True  # batch_invariant.route_linears passes it
 
     def __init__(
         self,
@@ -91,11 +95,16 @@ class NPUGroupedMLP(MegatronModule):
         *,
         kernel: str = "auto",
         param_layout: str = "local",
+        batch_invariant_kernel: str | None = None,
         **_unused,
     ):
         super().__init__(config=config)
         _check_choices(kernel, param_layout, config)
+        if batch_invariant_kernel is not None:
+            check_kernel(batch_invariant_kernel, op="batch_invariant_linear",
+                         what="batch_invariant_kernel")  # fmt: skip
         self.kernel, self.param_layout = kernel, param_layout
+        self.batch_invariant_kernel = batch_invariant_kernel
         self.num_local_experts = num_local_experts
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -223,15 +232,26 @@ class NPUGroupedMLP(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)  # probs applied once, before fc1
             probs = torch.ones_like(probs)
-        h = grouped_linear(
-            x, self.fc1_weights(), tokens_per_expert, biases=self.fc1_biases(), kernel=self.kernel
-        )
+        h = self._linear(x, self.fc1_weights(), tokens_per_expert, self.fc1_biases())
         h = self._activation(h)  # [T, F]
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
-        out = grouped_linear(h, self.fc2_weights(), tokens_per_expert, kernel=self.kernel)
+        out = self._linear(h, self.fc2_weights(), tokens_per_expert)
         if (biases := self.fc2_biases()) is not None:
             out = _add_weighted_bias(out, biases, tokens_per_expert, probs)
         return out, None
+
+    def _linear(self, x, weights, tokens_per_expert, biases=None) -> torch.Tensor:
+        """``x [T, K]`` (rows by expert) through each expert's ``[N, K]`` weight -> ``[T, N]``:
+        the grouped matmul, or one batch-invariant matmul per expert in the mode."""
+        if self.batch_invariant_kernel is None:
+            return grouped_linear(x, weights, tokens_per_expert, biases=biases, kernel=self.kernel)
+        counts = torch.as_tensor(tokens_per_expert).tolist()
+        biases = biases or [None] * len(weights)
+        parts = [
+            batch_invariant_linear(rows, w, b, kernel=self.batch_invariant_kernel)
+            for rows, w, b in zip(x.split(counts), weights, biases, strict=True)
+        ]
+        return torch.cat(parts)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -23,6 +23,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.backends import resolve_backend
+from mcore_npu.transformer.batch_invariant import KERNEL as BATCH_INVARIANT_KERNEL
+from mcore_npu.transformer.batch_invariant import route_linears
 from mcore_npu.transformer.dsa import NPUDSASelfAttention, is_dsa
 from mcore_npu.transformer.gated_delta_net.spec import (
     dense_block_config,
@@ -119,6 +121,12 @@ def get_gpt_decoder_block_npu_spec(
             swapped[id(spec)] = swap(spec)
     block.layer_specs = [swapped[id(spec)] for spec in block.layer_specs]
     if is_gdn(config):
+        if provider.batch_invariant:
+            raise ValueError(
+                "batch-invariant mode does not support Gated DeltaNet layers (no batch-invariant "
+                "kernel of the delta rule): use a model without linear attention, or turn the "
+                "mode off"
+            )
         block.layer_specs = hybrid_layer_specs(
             block.layer_specs,
             config,
@@ -214,6 +222,8 @@ def _swap_npu_parts(
         _fuse_norms(layer, provider)
     _swap_mlp(subs, provider, grouped)
     subs.mlp = bind_mlp_process_groups(subs.mlp, pg_collection)
+    if provider.batch_invariant:  # every matmul of the layer batch-invariant
+        return route_linears(layer, BATCH_INVARIANT_KERNEL[provider.kernel])
     return layer
 
 

@@ -436,8 +436,9 @@ _SPEC_NOTES = {
 }
 _KEYWORD_NOTES = {
     "batch_invariant": (
-        " (batch-invariant mode: flash_attn_npu's fixed-split attention on an NPU, the "
-        "fixed-block reference elsewhere; docs/true_on_policy.md)"
+        " (batch-invariant mode: flash_attn_npu's fixed-split attention and vllm-ascend's "
+        "batch_invariant_ops matmuls and sums on an NPU, fixed-block references elsewhere; "
+        "docs/true_on_policy.md)"
     )
 }
 

@@ -140,27 +140,39 @@ _DISPATCHERS = {
 }
 
 
-def _npu_router(router: TopKRouter, config, pg_collection) -> NPUTopKRouter:
-    """An ``NPUTopKRouter`` holding ``router``'s parameters and buffers (megatron-core 0.15), built
-    under ``fork_rng`` so later modules draw what Megatron's layer would."""
+def _npu_router(router: TopKRouter, config, pg_collection, batch_invariant_kernel=None):
+    """An ``NPUTopKRouter`` (``BatchInvariantTopKRouter`` with ``batch_invariant_kernel``) holding
+    ``router``'s parameters and buffers (megatron-core 0.15), built under ``fork_rng`` so later
+    modules draw what Megatron's layer would."""
+    from mcore_npu.transformer.batch_invariant import BatchInvariantTopKRouter
+
+    kwargs = dict(config=config, pg_collection=pg_collection)
     with torch.random.fork_rng(devices=[]):
-        npu = NPUTopKRouter(config=config, pg_collection=pg_collection)
+        if batch_invariant_kernel is None:
+            npu = NPUTopKRouter(**kwargs)
+        else:
+            npu = BatchInvariantTopKRouter(**kwargs, batch_invariant_kernel=batch_invariant_kernel)
     npu.load_state_dict(router.state_dict())
     return npu.to(router.weight.device)
 
 
 class NPURouterMoELayer(MoELayer):
     """Megatron's ``MoELayer``; on megatron-core 0.15 with :class:`NPUTopKRouter` in place of
-    ``TopKRouter``."""
+    ``TopKRouter`` (batch-invariant mode: ``batch_invariant_kernel``'s router)."""
+
+    takes_batch_invariant_kernel = True  # batch_invariant.route_linears passes it
 
     def __init__(
-        self, config, submodules=None, layer_number=None, pg_collection=None, **megatron_kwargs
-    ):
+        self, config, submodules=None, layer_number=None, pg_collection=None,
+        batch_invariant_kernel: str | None = None, **megatron_kwargs,
+    ):  # fmt: skip
         if pg_collection is None:
             pg_collection = moe_utils.get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
         if type(self.router) is TopKRouter and not megatron_features.has("router_slot"):
-            self.router = _npu_router(self.router, config, pg_collection)
+            self.router = _npu_router(
+                self.router, config, pg_collection, batch_invariant_kernel
+            )
 
 
 class NPUMoELayer(NPURouterMoELayer):

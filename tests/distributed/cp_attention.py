@@ -28,7 +28,7 @@ from mcore_npu.ops import reference
 from mcore_npu.training import runtime
 from mcore_npu.transformer.attention import NPUFusionAttention
 from mcore_npu.transformer.context_parallel import thd_get_partitioned_indices
-from tests.distributed import cp_rope, gdn_cp, mla_parallel
+from tests.distributed import batch_invariant_tp, cp_rope, gdn_cp, mla_parallel
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
@@ -439,6 +439,7 @@ def main():
     finally:
         del sys.modules["torch_npu"]
     mla = mla_parallel.cases()  # an MLA GPT: CP=2 and TP=2 against one process (own layouts)
+    invariant = batch_invariant_tp.cases()  # batch-invariant mode at TP=2 (own layouts)
     gdn = gdn_cp.cases() + gdn_cp.layer_cases()  # Gated DeltaNet's all-to-all
     gdn_refused = gdn_cp.refusals()
     if rt.launch.rank == 0:
@@ -457,6 +458,8 @@ def main():
             print("ROPE " + json.dumps(result), flush=True)
         for result in mla:
             print("MLA " + json.dumps(result), flush=True)
+        for result in invariant:
+            print("BATCH_INVARIANT " + json.dumps(result), flush=True)
         for result in gdn:
             print("GDN_CASE " + json.dumps(result), flush=True)
         print("GDN_REFUSALS " + json.dumps(gdn_refused), flush=True)

@@ -39,7 +39,7 @@ def report():
         tag, _, payload = line.partition(" ")
         if tag in ("CASE", "STANDIN", "REFUSALS", "REFUSALS_THD", "THD_REFUSALS", "MEMO",
                    "STANDIN_THD", "STANDIN_THD_GATHER", "ROPE", "MLA", "GDN_CASE",
-                   "GDN_REFUSALS"):  # fmt: skip
+                   "GDN_REFUSALS", "BATCH_INVARIANT"):  # fmt: skip
             lines.setdefault(tag, []).append(json.loads(payload))
     return lines
 
@@ -261,6 +261,22 @@ def test_mla_model_under_cp2_and_tp2_matches_one_process(report):
     # k_pos_emb gradient (why NPUMLASelfAttention runs its own under TP): it misses one process
     (megatrons,) = [r for r in results if r.get("megatrons_qkv")]
     assert megatrons["logits"] <= TOLERANCE and megatrons["grads"] > 1e-4, megatrons
+
+
+def test_batch_invariant_mode_at_tp2_matches_one_process_and_keeps_its_bits(report):
+    """Batch-invariant mode (tests/distributed/batch_invariant_tp.py): the tiny GPT with every
+    matmul, the output layer's too, through ``batch_invariant_linear`` and its log-probs through
+    ``vocab_parallel_log_probs`` over the TP group, at TP=2 with and without SP: log-probs and
+    every gradient within 1e-5 of one process (qk norms' and SP-tagged gradients all-reduced as
+    Megatron's finalize_model_grads does); without SP each sequence's log-probs alone have the
+    bits of its row in a right-padded batch, on both ranks."""
+    results = report["BATCH_INVARIANT"]
+    assert {(r["tp"], r["sp"]) for r in results} == {(2, False), (2, True)}
+    for r in results:
+        assert r["sharded"] == 10, r  # qkv, proj, fc1, fc2 x 2 layers, embedding, output layer
+        assert max(r["log_probs"], r["grads"]) <= TOLERANCE, r
+    (plain,) = [r for r in results if not r["sp"]]
+    assert plain["alone_equal_padded"] is True
 
 
 def test_mla_down_projections_cross_between_te_and_npu_checkpoints_at_tp2(report):

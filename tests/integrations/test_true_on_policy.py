@@ -2,7 +2,8 @@
 plugin's engine, on CPU: the three keys of verl's true-on-policy Ascend recipes in
 ``override_transformer_config``, and the log-probs of one sequence have the same bits alone,
 first or last in a packed (thd) batch of sequences of other lengths, or right-padded in a bshd
-batch; for a dense and an MoE model, within 0.1 of transformers.
+batch; for a dense and an MoE model, within 0.1 of transformers. In the mode every matmul
+(the layers', the output layer's) and the log-probs' sum are the batch-invariant operators.
 
 Without the mode the CPU path keeps the bits of packed (thd) placements but not of right
 padding: the MoE model's padded log-probs move by about 2e-4 (the regression test below keeps
@@ -22,6 +23,10 @@ from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from mcore_npu.transformer.attention import NPUFusionAttention
+from mcore_npu.transformer.batch_invariant import (
+    BatchInvariantColumnParallelLinear,
+    vocab_parallel_log_probs,
+)
 from tests.integrations.conftest import engine_model, training_worker_config
 from tests.integrations.verl_loop import npu_engine
 
@@ -79,6 +84,9 @@ def _placements(path: str, mode: bool) -> dict[str, torch.Tensor]:
     bshd = _engine(path, thd=False, mode=mode)
     attentions = [m for m in engine_model(thd).modules() if isinstance(m, NPUFusionAttention)]
     assert attentions and all(a.batch_invariant is mode for a in attentions)
+    for engine in (thd, bshd):  # GPTModel's own output layer: made batch-invariant in the mode
+        head = engine_model(engine).output_layer
+        assert isinstance(head, BatchInvariantColumnParallelLinear) is mode
     short, long = OTHER_IDS
     return {
         "alone": _log_probs(thd, [TARGET_IDS])[0],
@@ -117,9 +125,18 @@ def _differences(placements: dict) -> dict[str, float]:
     }
 
 
-def test_mode_on_a_sequences_log_probs_have_the_same_bits_wherever_it_sits(checkpoint):
+def test_mode_on_a_sequences_log_probs_have_the_same_bits_wherever_it_sits(checkpoint, monkeypatch):
     _, path = checkpoint
+    calls = []
+    from mcore_npu.integrations.verl import batch_invariant
+
+    def counted(*args, **kwargs):  # the engine's log-probs: the plugin's, once per micro-batch
+        calls.append(kwargs["kernel"])
+        return vocab_parallel_log_probs(*args, **kwargs)
+
+    monkeypatch.setattr(batch_invariant, "vocab_parallel_log_probs", counted)
     placements = _placements(path, mode=True)
+    assert calls == ["auto"] * len(placements)
     alone = placements["alone"]
     assert alone.shape == (TARGET - 1,) and torch.isfinite(alone).all()
     assert _differences(placements) == {"first in thd": 0.0, "last in thd": 0.0,

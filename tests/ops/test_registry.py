@@ -28,6 +28,7 @@ import mcore_npu
 import mcore_npu.ops
 from mcore_npu.ops import registry
 from mcore_npu.ops.gated_delta import fla_npu_chain
+from tests import batch_invariant_ops_standin
 from tests.launch import ROOT, run_command
 
 PACKAGE = Path(mcore_npu.__file__).resolve().parent
@@ -47,8 +48,9 @@ KERNELLED = [(name, kernel.name) for name, op in registry.OPERATORS.items()
 
 def _stand_ins(monkeypatch, *, missing=(), without=(), soc=ASCEND_950) -> None:
     """Every registered Ascend module in ``sys.modules`` with every attribute the table names
-    (fla_npu's building blocks too), except the modules in ``missing`` (their import fails)
-    and the attributes in ``without``."""
+    (fla_npu's building blocks too; the AscendC library's ``torch.ops`` namespace), except the
+    modules in ``missing`` (their import fails) and the attributes in ``without``."""
+    batch_invariant_ops_standin.define()
     modules: dict[str, types.ModuleType] = {}
     for op in registry.OPERATORS.values():
         for kernel in op.kernels:

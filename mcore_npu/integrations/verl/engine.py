@@ -36,6 +36,7 @@ from mcore_npu.integrations.hf import (
 )
 from mcore_npu.integrations.mbridge_fixes import needs_fixed_bridge
 from mcore_npu.integrations.verl import weight_path
+from mcore_npu.integrations.verl.batch_invariant import BatchInvariantLMHead
 from mcore_npu.integrations.verl.forward import LMHeadSteps, ValueHeadSteps
 from mcore_npu.integrations.verl.optimizer import (
     build_optimizer,
@@ -230,7 +231,9 @@ def _plugin_builds_bridge(hf_config) -> bool:
     return needs_fixed_bridge(hf_config) or getattr(hf_config, "model_type", None) in PLUGIN_BRIDGES
 
 
-class NPUMegatronEngineWithLMHead(_NPUEngineMixin, LMHeadSteps, MegatronEngineWithLMHead):
+class NPUMegatronEngineWithLMHead(
+    _NPUEngineMixin, BatchInvariantLMHead, LMHeadSteps, MegatronEngineWithLMHead
+):
     """verl's Megatron LM-head engine with NPU layers and mask-free micro-batches."""
 
 

@@ -56,6 +56,11 @@ def get_hybrid_stack_npu_spec(
             "TE layout (mamba_stack_spec / hybrid_stack_spec), so its checkpoints have TE names: "
             "pass param_layout='te'"
         )
+    if options.batch_invariant:
+        raise ValueError(
+            "batch_invariant: batch-invariant mode does not support the hybrid stack's Mamba "
+            "layers (no batch-invariant kernel of the scan): use a GPT model, or turn the mode off"
+        )
     provider = NPUSpecProvider(options)  # one per model: every layer shares its memo
 
     def layer(**more):
