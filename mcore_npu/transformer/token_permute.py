@@ -170,9 +170,7 @@ class NPURouterMoELayer(MoELayer):
             pg_collection = moe_utils.get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **megatron_kwargs)
         if type(self.router) is TopKRouter and not megatron_features.has("router_slot"):
-            self.router = _npu_router(
-                self.router, config, pg_collection, batch_invariant_kernel
-            )
+            self.router = _npu_router(self.router, config, pg_collection, batch_invariant_kernel)
 
 
 class NPUMoELayer(NPURouterMoELayer):
