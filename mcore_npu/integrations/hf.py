@@ -123,9 +123,10 @@ def bridge_from_config(hf_config, **bridge_kwargs):
 
 
 def builds_npu_mtp(bridge) -> bool:
-    """Whether the plugin builds ``bridge``'s MTP layers from the NPU spec (MiMo,
-    :data:`NPU_MTP_BRIDGES`)."""
-    return _npu_mtp_base(bridge) is not None
+    """Whether the plugin builds ``bridge``'s MTP layers from the NPU spec: MiMo
+    (:data:`NPU_MTP_BRIDGES`), and bridges that build them themselves (``npu_mtp``: GLM-5,
+    DeepSeek-V3.2)."""
+    return bool(getattr(bridge, "npu_mtp", False)) or _npu_mtp_base(bridge) is not None
 
 
 def _npu_mtp_base(bridge):
@@ -179,7 +180,7 @@ def refuse_mbridge_mtp(config, bridge=None) -> None:
         raise ValueError(
             f"mtp_num_layers: {layers}; mbridge builds multi-token-prediction layers from "
             "Transformer Engine's spec, which the NPU spec replaces only for MiMo "
-            f"({', '.join(NPU_MTP_BRIDGES)}). Turn MTP off (verl: "
+            f"({', '.join(NPU_MTP_BRIDGES)}), GLM-5 and DeepSeek-V3.2. Turn MTP off (verl: "
             "actor_rollout_ref.model.mtp.enable=False; mbridge: "
             "bridge.set_extra_args(mtp_num_layers=None)), or build the model from "
             "get_gpt_decoder_block_npu_spec and get_gpt_mtp_block_npu_spec yourself"

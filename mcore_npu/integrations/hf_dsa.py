@@ -23,7 +23,13 @@ GLM-5's ``indexer_types`` (``"shared"`` layers reuse an earlier layer's top-k) b
 0.19's top-k sharing (:func:`topk_sharing`). Every tensor is moved, never changed, so export is
 bit-exact. What the plugin does not build is refused (``ValueError`` naming the Hugging Face
 field): a sharing pattern Megatron's rule cannot write, attention biases, an activation other
-than SiLU, MLA without ``q_lora_rank``, multi-token-prediction layers. See docs/hf_weights.md.
+than SiLU, MLA without ``q_lora_rank``.
+
+Multi-token prediction (``num_nextn_predict_layers``, 1 for both): the MTP layers come from the
+NPU spec (:meth:`DSABridge._model_provider`); MTP layer ``i`` is the checkpoint's
+``model.layers.{num_hidden_layers + i}.*`` (``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm`` and a DSA decoder layer with its own indexer, as GLM-5's layer 78 ships);
+its embedding and output layer are the main model's. See docs/hf_weights.md.
 """
 
 from __future__ import annotations
@@ -186,20 +192,15 @@ def dsa_spec_keywords(hf_config) -> dict:
     )
 
 
-def refuse_mtp(config, hf_config) -> None:
-    """``ValueError`` when the config asks for multi-token-prediction layers: mbridge's DeepSeek
-    bridge builds them from Transformer Engine's spec and maps DeepSeek-V3's 61 layers only."""
-    layers = getattr(config, "mtp_num_layers", None)
-    if layers:
-        field = "num_nextn_predict_layers"
-        raise ValueError(
-            f"{field}: {getattr(hf_config, field, layers)} (mtp_num_layers={layers}); the DSA "
-            "bridge does not build multi-token-prediction layers (transformers 5.25 does not "
-            "either: it skips their model.layers.{num_hidden_layers}.* tensors). Turn MTP off "
-            "(mbridge: bridge.set_extra_args(mtp_num_layers=None); verl: "
-            "actor_rollout_ref.model.mtp.enable=False); the main model loads and exports without "
-            "those tensors"
-        )
+MTP_DIRECT = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+"""Megatron name after ``mtp.layers.{i}.`` -> Hugging Face name after ``model.layers.{L + i}.``
+(``L``: ``num_hidden_layers``); the MTP layer's transformer layer maps as decoder layer L + i."""
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 @register_model(list(MODEL_TYPES))
@@ -209,6 +210,7 @@ class DSABridge(fixed_bridge_class("deepseek_v3")):
 
     TransformerConfigClass = DSATransformerConfig  # DSA under context parallelism too
     own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
+    npu_mtp = True  # its MTP layers come from the NPU spec (_model_provider)
     npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
     npu_kernel = "auto"
 
@@ -216,24 +218,65 @@ class DSABridge(fixed_bridge_class("deepseek_v3")):
         keywords = {**keywords, **dsa_keywords(self.hf_config)}
         return super()._build_base_config(text_config_key=text_config_key, **keywords)
 
-    def _get_transformer_layer_spec(self, vp_stage=None):
-        refuse_mtp(self.config, self.hf_config)
-        from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
-
-        self.has_vp_stage = True  # read by DeepseekV3Bridge's provider
-        keywords = {
+    def _spec_keywords(self) -> dict:
+        """The NPU spec's keywords of this checkpoint and engine (TE layout)."""
+        return {
             "kernel": self.npu_kernel,
+            "param_layout": "te",
             **mbridge_expert_form(self.config),
             **dsa_spec_keywords(self.hf_config),
             **self.npu_spec_keywords,
         }
+
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+
         return get_gpt_decoder_block_npu_spec(
             self.config,
-            param_layout="te",
             normalization=self.config.normalization,
             vp_stage=vp_stage,
-            **keywords,
+            **self._spec_keywords(),
         )
+
+    def _model_provider(self, post_model_creation_callbacks):
+        """GPTModel with the NPU decoder block and, with ``mtp_num_layers``, the NPU spec's MTP
+        block (mbridge's DeepSeek provider would build TE's)."""
+        from megatron.core.models.gpt import GPTModel
+
+        from mcore_npu.integrations.bridge_provider import model_provider
+        from mcore_npu.transformer.layer_specs import get_gpt_mtp_block_npu_spec
+        from mcore_npu.transformer.spec_provider import OPTION_NAMES
+
+        def build(pre_process, post_process, vp_stage):
+            block = self._get_transformer_layer_spec(vp_stage)
+            args = self._get_gptmodel_args()
+            if vp_stage is not None:
+                args["vp_stage"] = vp_stage
+            options = {k: v for k, v in self._spec_keywords().items() if k in OPTION_NAMES}
+            mtp = get_gpt_mtp_block_npu_spec(self.config, block, vp_stage=vp_stage, **options)
+            if mtp is not None:
+                args["mtp_block_spec"] = mtp
+            tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+            return GPTModel(config=self.config, transformer_layer_spec=block,
+                            pre_process=pre_process, post_process=post_process,
+                            share_embeddings_and_output_weights=tied, **args)  # fmt: skip
+
+        return model_provider(self, build, post_model_creation_callbacks)
+
+    def _convert_mtp_param(self, name: str) -> list[str]:
+        """Hugging Face names of an MTP parameter: ``mtp.layers.{i}.*`` is the checkpoint's
+        ``model.layers.{num_hidden_layers + i}.*`` (:data:`MTP_DIRECT`, its transformer layer as
+        a decoder layer of that number)."""
+        match = _MTP.match(name)
+        if match is None:
+            raise ValueError(f"{name}: not an MTP parameter (mtp.layers.<i>.<name>)")
+        layer, rest = self.hf_config.num_hidden_layers + int(match.group(1)), match.group(2)
+        if rest in MTP_DIRECT:
+            return [f"model.layers.{layer}.{MTP_DIRECT[rest]}"]
+        inner = rest.removeprefix("transformer_layer.")
+        if inner == rest:
+            raise ValueError(f"{name}: no Hugging Face tensor of an MTP layer maps to it")
+        return self._weight_name_mapping_mcore_to_hf(f"decoder.layers.{layer}.{inner}")
 
     def _weight_name_mapping_attention(self, name: str) -> list[str]:
         """Hugging Face names of one layer's attention tensor (``ValueError`` if none)."""

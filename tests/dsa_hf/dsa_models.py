@@ -12,6 +12,8 @@ of 32 and ``index_topk`` 5, smaller than every sequence of the tests. GLM-5: pla
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 VOCAB = 128
@@ -111,3 +113,36 @@ def save_tiny(model_type: str, path, seed: int | None = None, **overrides):
     model.save_pretrained(path)
     model.config._attn_implementation = "eager"
     return model.eval()
+
+
+def add_mtp_layer(path, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Add one MTP layer to the checkpoint at ``path`` (one ``model.safetensors``), as GLM-5 and
+    DeepSeek-V3.2 ship it: ``model.layers.{L}.*`` (``L`` layers before it) holding ``enorm``,
+    ``hnorm``, ``eh_proj [H, 2H]``, ``shared_head.norm`` and a decoder layer shaped as layer
+    ``L - 1`` (MoE, a full indexer), its tensors that layer's plus noise; every value
+    bf16-representable. Returns the new tensors."""
+    import safetensors.torch
+
+    file = Path(path) / "model.safetensors"
+    saved = safetensors.torch.load_file(str(file))
+    last = max(int(k.split(".")[2]) for k in saved if k.startswith("model.layers."))
+    gen = torch.Generator().manual_seed(seed)
+    hidden = saved["model.embed_tokens.weight"].shape[1]
+    new = {
+        f"model.layers.{last + 1}.{name}": shape_fn()
+        for name, shape_fn in {
+            "enorm.weight": lambda: 1 + 0.2 * torch.randn(hidden, generator=gen),
+            "hnorm.weight": lambda: 1 + 0.2 * torch.randn(hidden, generator=gen),
+            "eh_proj.weight": lambda: 0.1 * torch.randn(hidden, 2 * hidden, generator=gen),
+            "shared_head.norm.weight": lambda: 1 + 0.2 * torch.randn(hidden, generator=gen),
+        }.items()
+    }
+    prefix = f"model.layers.{last}."
+    for name in sorted(k for k in saved if k.startswith(prefix)):
+        tensor = saved[name]
+        new[f"model.layers.{last + 1}.{name[len(prefix) :]}"] = tensor + 0.05 * torch.randn(
+            tensor.shape, generator=gen
+        )
+    new = {k: v.to(torch.bfloat16).float().contiguous() for k, v in new.items()}
+    safetensors.torch.save_file({**saved, **new}, str(file), metadata={"format": "pt"})
+    return new

@@ -179,13 +179,19 @@ def test_fields_transformers_would_not_take_are_refused_too(field, value):
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_multi_token_prediction_is_refused_until_turned_off(model_type):
+def test_multi_token_prediction_layers_come_from_the_npu_spec(model_type):
     """A checkpoint with ``num_nextn_predict_layers`` (GLM-5 and DeepSeek-V3.2 have 1): the
-    config asks for MTP layers, which the bridge refuses when the model is built, naming the field
-    and the switch; with MTP off the spec builds."""
+    config asks for one MTP layer, built from the NPU spec (a DSA layer, no Transformer Engine;
+    test_dsa_mtp.py checks its weights and logits); MTP can still be turned off."""
+    from mcore_npu.integrations.hf import build_model
+    from mcore_npu.transformer.dsa import NPUDSASelfAttention
+    from tests.hf_model_checks import CPU_ARGS
+
     bridge = _bridge(model_type, num_nextn_predict_layers=1)
     assert bridge.config.mtp_num_layers == 1
-    with pytest.raises(ValueError, match=r"num_nextn_predict_layers: 1.*mtp_num_layers=None"):
-        bridge._get_transformer_layer_spec()
+    bridge.set_extra_args(**CPU_ARGS)
+    (mtp,) = build_model(bridge).mtp.layers
+    assert isinstance(mtp.transformer_layer.self_attention, NPUDSASelfAttention)
     bridge.set_extra_args(mtp_num_layers=None)
     assert bridge.config.mtp_num_layers is None
+    assert not hasattr(build_model(bridge), "mtp")

@@ -168,3 +168,49 @@ def test_npu_bridge_loads_and_exports_the_mtp_layer_bit_exactly(mimo):
     assert any(name.startswith("model.mtp_layers.0.") for name in saved)
     for name, tensor in saved.items():
         assert torch.equal(exported[name].cpu(), tensor), name
+
+
+@pytest.fixture(scope="module")
+def glm5_mtp(tmp_path_factory) -> str:
+    """A tiny GLM-5 (``tests/dsa_hf/dsa_models.py``, bf16-exact) with one MTP layer as GLM-5
+    ships it (``model.layers.3.*``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and
+    a DSA decoder layer with its own indexer; ``dsa_models.add_mtp_layer``)."""
+    from tests.dsa_hf import dsa_models
+    from tests.integrations.conftest import save_bf16_exact
+
+    torch.manual_seed(0)
+    _, model_class = dsa_models.classes("glm_moe_dsa")
+    model = model_class(dsa_models.tiny_config("glm_moe_dsa", num_nextn_predict_layers=1))
+    dsa_models.draw(model, dsa_models.SEEDS["glm_moe_dsa"])
+    path = save_bf16_exact(model, tmp_path_factory.mktemp("tiny_glm5_mtp"))
+    dsa_models.add_mtp_layer(path)
+    return path
+
+
+def test_glm5_trains_its_mtp_layer_through_the_npu_dsa_spec(cpu_runtime, glm5_mtp):
+    """verl's MTP keys (``mtp.enable``, ``enable_train``, factor 0.1 as the MiMo recipe) on a
+    GLM-5 checkpoint: the MTP layer is the NPU spec's DSA layer with its own indexer, holds the
+    checkpoint's layer-3 tensors, and a step trains with a finite, reported MTP loss and a
+    finite, non-zero gradient on the MTP layer."""
+    from safetensors.torch import load_file
+
+    from mcore_npu.transformer.dsa import NPUDSASelfAttention
+
+    worker = _mimo_worker(glm5_mtp, 0.1)
+    model = _gpt(worker)
+    (layer,) = model.mtp.layers
+    attention = layer.transformer_layer.self_attention
+    assert isinstance(attention, NPUDSASelfAttention)
+    assert attention.core_attention.indexer is not None
+    hf = load_file(f"{glm5_mtp}/model.safetensors")
+    params = dict(model.named_parameters())
+    assert torch.equal(params["mtp.layers.0.eh_proj.weight"], hf["model.layers.3.eh_proj.weight"])
+    indexer = (
+        "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer.linear_wk.weight"
+    )
+    assert torch.equal(params[indexer], hf["model.layers.3.self_attn.indexer.wk.weight"])
+    metrics, grads = _train_step_with_grads(worker)
+    print({"loss": _one(metrics["loss"]), MTP_METRIC: metrics[MTP_METRIC]})
+    assert math.isfinite(metrics[MTP_METRIC]) and metrics[MTP_METRIC] > 0
+    eh_proj = grads["mtp.layers.0.eh_proj.weight"]
+    assert torch.isfinite(eh_proj).all() and eh_proj.abs().max() > 0

@@ -70,7 +70,9 @@ class NPUSparseAttention(MegatronModule):
         self.head_group = _tensor_parallel_group(pg_collection, config)
         self.softmax_scale = softmax_scale
         self.seq_lengths_memo = seq_lengths_memo or SeqLengthsMemo()
-        self.source = self.settings.source_layer(layer_number)  # itself: it runs its indexer
+        # itself: it runs its indexer; so does every MTP layer (numbered past the decoder's)
+        mtp = layer_number > config.num_layers
+        self.source = layer_number if mtp else self.settings.source_layer(layer_number)
         self.topk_share = None
         if self.settings.shares_topk:
             self.topk_share = topk_share if topk_share is not None else TopKShare()
