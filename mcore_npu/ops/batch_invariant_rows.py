@@ -51,7 +51,9 @@ def batch_invariant_linear(
     ``"batch_invariant_ops"`` or ``"reference"``.
     """
     validate_batch_invariant_linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, registry.resolve(OP_LINEAR, kernel, x.device).kernel)
+    chosen = registry.resolve(OP_LINEAR, kernel, x.device).kernel
+    rows = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, chosen)
+    return rows.view(*x.shape[:-1], weight.shape[0])  # a view made outside the Function
 
 
 def batch_invariant_sum(
@@ -61,7 +63,9 @@ def batch_invariant_sum(
     :func:`batch_invariant_linear`'s."""
     validate_batch_invariant_sum(x, dim)
     chosen = registry.resolve(OP_SUM, kernel, x.device).kernel
-    return _Sum.apply(x, dim % x.dim(), keepdim, chosen)
+    moved = x.movedim(dim, -1)
+    total = _Sum.apply(moved.reshape(-1, moved.shape[-1]), chosen).view(moved.shape[:-1])
+    return total.unsqueeze(dim) if keepdim else total
 
 
 def validate_batch_invariant_linear(x, weight, bias=None, **_) -> None:
@@ -89,69 +93,81 @@ def validate_batch_invariant_sum(x, dim=-1, **_) -> None:
 def fixed_block_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """The reference: ``x``'s rows in blocks of :data:`ROWS`, one ``[ROWS, K] x [K, N]`` matmul
     each, in ``x``'s dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = _by_blocks(rows, lambda block: block @ weight.t())
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _reference_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(
+        *x.shape[:-1], weight.shape[0]
+    )
 
 
 def fixed_block_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """The reference: ``dim`` moved last, the other dims flattened into rows, one ``[ROWS, D]``
     sum per block of rows."""
     moved = x.movedim(dim, -1)
-    rows = moved.reshape(-1, moved.shape[-1])
-    out = _by_blocks(rows, lambda block: block.sum(-1, keepdim=True)).view(moved.shape[:-1])
-    return out.unsqueeze(dim) if keepdim else out
+    total = _reference_sum(moved.reshape(-1, moved.shape[-1])).view(moved.shape[:-1])
+    return total.unsqueeze(dim) if keepdim else total
+
+
+def _reference_linear(rows: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``rows [R, K]`` -> ``[R, N]``, a tensor of its own (no view)."""
+    out = _by_blocks(rows, lambda block: block @ weight.t())
+    return out if bias is None else out + bias
+
+
+def _reference_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [R, D]`` -> ``[R]``, a tensor of its own (no view)."""
+    return _by_blocks(rows, lambda block: block.sum(-1))
 
 
 def _by_blocks(rows: torch.Tensor, fn) -> torch.Tensor:
-    """``fn`` on ``rows [R, D]`` cut into zero-padded ``[ROWS, D]`` blocks -> ``[R, *]``."""
+    """``fn`` on ``rows [R, D]`` cut into zero-padded ``[ROWS, D]`` blocks, each block's first
+    rows written into one new ``[R, *]`` tensor."""
     count = rows.shape[0]
-    padded = torch.nn.functional.pad(rows, (0, 0, 0, -count % ROWS)).contiguous()
-    blocks = [fn(block.contiguous()) for block in padded.split(ROWS)]
-    if not blocks:  # no rows: the shape of fn's answer on one block
-        return fn(padded.new_zeros(ROWS, rows.shape[1]))[:0]
-    return torch.cat(blocks)[:count]
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, -count % ROWS))
+    blocks = padded.split(ROWS) or (padded.new_zeros(ROWS, rows.shape[1]),)  # no rows: a shape
+    out = None
+    for start, block in zip(range(0, max(count, 1), ROWS), blocks, strict=False):
+        answer = fn(block.contiguous())
+        if out is None:
+            out = answer.new_empty((count, *answer.shape[1:]))
+        out[start : start + ROWS] = answer[: count - start]
+    return out
 
 
 class _Linear(torch.autograd.Function):
-    """The forward through the chosen kernel; PyTorch's gradients."""
+    """``rows [T, K] @ weight [N, K]^T (+ bias [N])`` -> ``[T, N]`` through the chosen kernel;
+    PyTorch's gradients, for the inputs that need them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernel):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, rows, weight, bias, kernel):
+        ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         if kernel == registry.REFERENCE:
-            return fixed_block_linear(x, weight, bias)
-        rows = x.reshape(-1, x.shape[-1])
+            return _reference_linear(rows, weight, bias)
         out = _library(OP_LINEAR, kernel)(rows, weight.t())
-        if bias is not None:
-            out = out + bias
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])  # [T, N]
-        grad_x = (rows @ weight).view(x.shape)
-        grad_w = rows.t() @ x.reshape(-1, x.shape[-1])
-        grad_b = rows.sum(0) if ctx.has_bias else None
+        rows, weight = ctx.saved_tensors
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        grad_x = grad @ weight if need_x else None
+        grad_w = grad.t() @ rows if need_w else None
+        grad_b = grad.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b, None
 
 
 class _Sum(torch.autograd.Function):
+    """``rows [R, D]`` -> ``[R]`` through the chosen kernel; the gradient broadcast back."""
+
     @staticmethod
-    def forward(ctx, x, dim, keepdim, kernel):
-        ctx.shape, ctx.dim, ctx.keepdim = x.shape, dim, keepdim
+    def forward(ctx, rows, kernel):
+        ctx.width = rows.shape[1]
         if kernel == registry.REFERENCE:
-            return fixed_block_sum(x, dim, keepdim)
-        return _library(OP_SUM, kernel)(x, dim, keepdim)
+            return _reference_sum(rows)
+        return _library(OP_SUM, kernel)(rows, 1, False)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad if ctx.keepdim else grad.unsqueeze(ctx.dim)
-        return grad.expand(ctx.shape), None, None, None
+        return grad.unsqueeze(1).expand(-1, ctx.width), None
 
 
 def _library(op: str, kernel: str):

@@ -4,10 +4,9 @@ Every matmul of a layer built in the mode goes through ``mcore_npu.ops.batch_inv
 (the AscendC library on an NPU, a fixed-row-block reference elsewhere): the column / row-parallel
 linears (``BatchInvariant*`` subclasses of Megatron's, the same parameters, names and
 communication; only ``_forward_impl``'s matmul differs), the router's gating and the grouped
-experts (one call per expert). :func:`route_linears` swaps them into a layer spec;
-:func:`make_batch_invariant` turns a built output layer into one.
-:func:`vocab_parallel_log_probs` is the log-probs of vocab-parallel logits with its one sum
-through ``batch_invariant_sum``. See docs/true_on_policy.md.
+experts (one call per expert). :func:`route_linears` swaps them into a layer spec and refuses
+what it cannot route; :func:`make_batch_invariant` turns a built output layer into one. The
+log-probs: :mod:`mcore_npu.transformer.vocab_parallel`. See docs/true_on_policy.md.
 """
 
 from __future__ import annotations
@@ -20,15 +19,10 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
-    reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_npu.ops.batch_invariant_rows import (
-    OP_LINEAR,
-    batch_invariant_linear,
-    batch_invariant_sum,
-)
+from mcore_npu.ops.batch_invariant_rows import OP_LINEAR, batch_invariant_linear
 from mcore_npu.ops.registry import check_kernel
 from mcore_npu.transformer.norm_linear import NormColumnParallelLinear
 from mcore_npu.transformer.router import ROUTER_DTYPES, NPUTopKRouter
@@ -41,7 +35,6 @@ __all__ = [
     "KERNEL",
     "make_batch_invariant",
     "route_linears",
-    "vocab_parallel_log_probs",
 ]
 
 KERNEL = {"auto": "auto", "torch_npu": "batch_invariant_ops", "reference": "reference"}
@@ -55,6 +48,7 @@ class _BatchInvariantMatmul:
 
     def __init__(self, *args, batch_invariant_kernel: str = "auto", **kwargs):
         check_kernel(batch_invariant_kernel, op=OP_LINEAR, what="batch_invariant_kernel")
+        _check_config(kwargs["config"])
         super().__init__(*args, **kwargs)
         self.batch_invariant_kernel = batch_invariant_kernel
 
@@ -62,6 +56,9 @@ class _BatchInvariantMatmul:
         self, input, weight, bias=None, *, sequence_parallel=False, allreduce_dgrad=False,
         tp_group=None, **_megatron,
     ):  # fmt: skip
+        """Megatron's ``_forward_impl`` keywords; ``gradient_accumulation_fusion`` needs nothing
+        here (the weight gradient is a plain ``.grad``, which Megatron's DDP adds to
+        ``main_grad``), deferred embedding gradients are refused when the layer is built."""
         if sequence_parallel:
             input = gather_from_sequence_parallel_region(input, True, group=tp_group)
         elif allreduce_dgrad:
@@ -98,6 +95,19 @@ class BatchInvariantTopKRouter(NPUTopKRouter):
         )
 
 
+def _check_config(config) -> None:
+    """What a batch-invariant linear cannot do for a config, refused in one line."""
+    for field, why in (
+        ("defer_embedding_wgrad_compute", "its weight gradient is computed in backward"),
+        ("moe_shared_expert_gate", "Megatron's SharedExpertMLP gates with a plain F.linear"),
+    ):
+        if getattr(config, field, False):
+            raise ValueError(
+                f"batch-invariant mode does not support {field}=True ({why}): set it False, "
+                "or turn the mode off"
+            )
+
+
 _SWAPS = {
     ColumnParallelLinear: BatchInvariantColumnParallelLinear,
     RowParallelLinear: BatchInvariantRowParallelLinear,
@@ -115,8 +125,14 @@ def route_linears(spec, kernel: str):
         return functools.partial(BatchInvariantTopKRouter, batch_invariant_kernel=kernel)
     if isinstance(spec, type) and spec in _SWAPS:
         return ModuleSpec(module=_SWAPS[spec], params={"batch_invariant_kernel": kernel})
+    if isinstance(spec, type):
+        _refuse_unrouted(spec)
+    if isinstance(spec, (list, tuple)):  # a block's layer_specs
+        return type(spec)(route_linears(item, kernel) for item in spec)
     if _module_spec(spec):  # Megatron's ModuleSpec, the plugin's BoundModuleSpec
         module, params = spec.module, dict(spec.params)
+        if isinstance(module, type):
+            _refuse_unrouted(module)
         if module in _SWAPS or getattr(module, "takes_batch_invariant_kernel", False):
             module, params["batch_invariant_kernel"] = _SWAPS.get(module, module), kernel
         submodules = route_linears(spec.submodules, kernel)
@@ -131,47 +147,41 @@ def route_linears(spec, kernel: str):
     return spec
 
 
+def _refuse_unrouted(module: type) -> None:
+    """ValueError for a module whose matmuls the mode cannot route: Megatron's legacy grouped
+    experts, a parallel linear of a class :data:`_SWAPS` does not know."""
+    from megatron.core.transformer.moe import experts
+
+    legacy = getattr(experts, "GroupedMLP", None)  # gone in megatron-core 0.19
+    if legacy is not None and issubclass(module, legacy):
+        raise ValueError(
+            "batch-invariant mode does not support Megatron's GroupedMLP (param_layout='local' "
+            "with moe_grouped_gemm=True): use param_layout='te', or moe_grouped_gemm=False"
+        )
+    linear = issubclass(module, (ColumnParallelLinear, RowParallelLinear))
+    if linear and module not in _SWAPS and not issubclass(module, _BatchInvariantMatmul):
+        raise ValueError(
+            f"batch-invariant mode cannot route the matmul of {module.__name__} (a parallel "
+            "linear it does not know): build the layer from the NPU spec's linears, or turn "
+            "the mode off"
+        )
+
+
 def _module_spec(spec) -> bool:
     """A dataclass of ``module``, ``params`` and ``submodules`` (a spec ``build_module`` builds)."""
     names = {f.name for f in dataclasses.fields(spec)} if dataclasses.is_dataclass(spec) else ()
     return not isinstance(spec, type) and {"module", "params", "submodules"} <= set(names)
 
 
-def vocab_parallel_log_probs(
-    logits: torch.Tensor, labels: torch.Tensor, *, group=None, kernel: str = "auto"
-) -> torch.Tensor:
-    """``log_softmax(logits)[label]`` over a vocabulary split across ``group`` (TP; None = one
-    rank): logits ``[*, V/tp]`` (this rank's vocabulary slice, in rank order), labels ``[*]``
-    (global token ids) -> ``[*]`` float32, differentiable.
-
-    ``max`` is exact whatever the order; the one sum, of ``exp(logit - max)`` over this rank's
-    slice, goes through ``batch_invariant_sum``; the ranks' parts are all-reduced
-    (``HCCL_DETERMINISTIC=strict`` fixes their order on an NPU).
-    """
-    x = logits.float()
-    top = x.detach().amax(-1, keepdim=True)
-    if group is not None and group.size() > 1:
-        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = x - top
-    total = batch_invariant_sum(shifted.exp(), -1, kernel=kernel)
-    width = x.shape[-1]
-    first = width * (group.rank() if group is not None else 0)
-    mine = (labels >= first) & (labels < first + width)
-    local = torch.where(mine, labels - first, torch.zeros_like(labels))
-    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-    if group is not None and group.size() > 1:
-        total = reduce_from_tensor_model_parallel_region(total, group=group)
-        picked = reduce_from_tensor_model_parallel_region(picked, group=group)
-    return picked - total.log()
-
-
 def make_batch_invariant(linear: ColumnParallelLinear, kernel: str) -> None:
     """Make one built ``ColumnParallelLinear`` (GPTModel's output layer, built outside the spec)
-    a :class:`BatchInvariantColumnParallelLinear` in place: the subclass adds no state, so its
-    parameters, names and state dict stay; only its matmul changes."""
+    a :class:`BatchInvariantColumnParallelLinear` in place, by setting that object's class: the
+    subclass adds no state, so its parameters, names and state dict stay; only its matmul
+    changes. Megatron's classes and modules are not touched."""
     if type(linear) is not ColumnParallelLinear:
         raise TypeError(
-            f"linear: expected Megatron's ColumnParallelLinear, got {type(linear).__name__}"
+            f"linear: expected Megatron's ColumnParallelLinear, got {type(linear).__name__}; "
+            "call it once per model, on GPTModel's output_layer"
         )
     check_kernel(kernel, op=OP_LINEAR, what="kernel")
     linear.__class__ = BatchInvariantColumnParallelLinear

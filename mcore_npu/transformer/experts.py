@@ -249,8 +249,9 @@ class NPUGroupedMLP(MegatronModule):
         biases = biases or [None] * len(weights)
         parts = [
             batch_invariant_linear(rows, w, b, kernel=self.batch_invariant_kernel)
+            if len(rows) else rows.new_zeros(0, w.shape[0])  # an expert without tokens
             for rows, w, b in zip(x.split(counts), weights, biases, strict=True)
-        ]
+        ]  # fmt: skip
         return torch.cat(parts)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:

@@ -164,9 +164,12 @@ def get_gpt_mtp_block_npu_spec(
     provider = NPUSpecProvider(NPUSpecOptions(**options))
     if not getattr(config, "mtp_num_layers", None):
         return None
-    return megatron_specs.get_gpt_mtp_block_spec_for_backend(
+    spec = megatron_specs.get_gpt_mtp_block_spec_for_backend(
         config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank
     )
+    if provider.batch_invariant:  # the MTP layers' own linears (eh_proj) too
+        return route_linears(spec, BATCH_INVARIANT_KERNEL[provider.kernel])
+    return spec
 
 
 def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:

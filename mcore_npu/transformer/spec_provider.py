@@ -257,7 +257,13 @@ class NPUSpecProvider(BackendSpecProvider):
 
     def dsa_self_attention(self, attention: ModuleSpec) -> ModuleSpec:
         """``MLASelfAttention`` spec -> ``NPUDSASelfAttention`` with ``NPUSparseAttention`` as
-        core attention (DSA configs)."""
+        core attention (DSA configs); refused in batch-invariant mode."""
+        if self.batch_invariant:
+            raise ValueError(
+                "batch-invariant mode does not support DeepSeek Sparse Attention layers (no "
+                "batch-invariant kernel of the indexer and the sparse attention): use a model "
+                "without DSA, or turn the mode off"
+            )
         mla = self.mla_self_attention(attention)
         subs = copy.copy(mla.submodules)
         params = {"kernel": self.kernel, "seq_lengths_memo": self.seq_lengths_memo,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from mcore_npu.transformer.batch_invariant import make_batch_invariant, vocab_parallel_log_probs
+from mcore_npu.transformer.batch_invariant import make_batch_invariant
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
+from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
 from tests.distributed.mla_parallel import _relayout, _shard, _worst
 from tests.transformer.megatron_models import VOCAB, gpt, tiny_config
 

@@ -185,13 +185,14 @@ def test_multi_token_prediction_layers_come_from_the_npu_spec(model_type):
     test_dsa_mtp.py checks its weights and logits); MTP can still be turned off."""
     from mcore_npu.integrations.hf import build_model
     from mcore_npu.transformer.dsa import NPUDSASelfAttention
-    from tests.hf_model_checks import CPU_ARGS
+    from tests.hf_model_checks import CPU_ARGS, own_attention_variables
 
     bridge = _bridge(model_type, num_nextn_predict_layers=1)
     assert bridge.config.mtp_num_layers == 1
     bridge.set_extra_args(**CPU_ARGS)
-    (mtp,) = build_model(bridge).mtp.layers
-    assert isinstance(mtp.transformer_layer.self_attention, NPUDSASelfAttention)
-    bridge.set_extra_args(mtp_num_layers=None)
-    assert bridge.config.mtp_num_layers is None
-    assert not hasattr(build_model(bridge), "mtp")
+    with own_attention_variables():  # the DeepSeek family's attention_backend: fused
+        (mtp,) = build_model(bridge).mtp.layers
+        assert isinstance(mtp.transformer_layer.self_attention, NPUDSASelfAttention)
+        bridge.set_extra_args(mtp_num_layers=None)
+        assert bridge.config.mtp_num_layers is None
+        assert not hasattr(build_model(bridge), "mtp")

@@ -26,7 +26,7 @@ pytest.importorskip("transformers.models.glm_moe_dsa")
 pytest.importorskip("transformers.models.deepseek_v32")
 
 from tests.dsa_hf.dsa_models import COMMON, MODEL_TYPES, VOCAB, add_mtp_layer, save_tiny
-from tests.hf_model_checks import CPU_ARGS, batches
+from tests.hf_model_checks import CPU_ARGS, batches, own_attention_variables
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_runtime")]
 
@@ -83,9 +83,10 @@ def mtp_run(request, tmp_path_factory):
     add_mtp_layer(path)
     saved = safetensors.torch.load_file(str(path / "model.safetensors"))
     layer, layer_config, own = _mtp_layer(hf_model, saved)
-    bridge = npu_bridge(str(path), kernel="reference", dtype=torch.float32)
-    bridge.set_extra_args(**CPU_ARGS)
-    model = build_model(bridge).eval()
+    with own_attention_variables():  # the DeepSeek family's attention_backend: fused
+        bridge = npu_bridge(str(path), kernel="reference", dtype=torch.float32)
+        bridge.set_extra_args(**CPU_ARGS)
+        model = build_model(bridge).eval()
     load_hf_weights(model, str(path), bridge=bridge)
     return dict(path=path, hf_model=hf_model, layer=layer, layer_config=layer_config, own=own,
                 saved=saved, bridge=bridge, model=model)  # fmt: skip
@@ -172,9 +173,10 @@ def test_the_mtp_layer_indexes_itself_where_the_sharing_rule_would_share():
     config = tiny_config("glm_moe_dsa", num_hidden_layers=4, index_topk_freq=2,
                          num_nextn_predict_layers=1)  # fmt: skip
     assert config.indexer_types == ["full", "full", "shared", "full"]
-    bridge = bridge_from_config(config, dtype=torch.float32)
-    bridge.set_extra_args(**CPU_ARGS)
-    model = build_model(bridge)
+    with own_attention_variables():
+        bridge = bridge_from_config(config, dtype=torch.float32)
+        bridge.set_extra_args(**CPU_ARGS)
+        model = build_model(bridge)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     assert [core.indexer is None for core in cores] == [False, False, True, False]
     (mtp,) = model.mtp.layers

@@ -187,6 +187,7 @@ def glm5_mtp(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.usefixtures("own_attention_variables")  # GLM-5: attention_backend fused
 def test_glm5_trains_its_mtp_layer_through_the_npu_dsa_spec(cpu_runtime, glm5_mtp):
     """verl's MTP keys (``mtp.enable``, ``enable_train``, factor 0.1 as the MiMo recipe) on a
     GLM-5 checkpoint: the MTP layer is the NPU spec's DSA layer with its own indexer, holds the

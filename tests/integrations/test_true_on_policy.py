@@ -23,10 +23,8 @@ from verl.workers.engine_workers import TrainingWorker
 
 from mcore_npu.integrations.verl.engine import NPUMegatronEngineWithLMHead
 from mcore_npu.transformer.attention import NPUFusionAttention
-from mcore_npu.transformer.batch_invariant import (
-    BatchInvariantColumnParallelLinear,
-    vocab_parallel_log_probs,
-)
+from mcore_npu.transformer.batch_invariant import BatchInvariantColumnParallelLinear
+from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
 from tests.integrations.conftest import engine_model, training_worker_config
 from tests.integrations.verl_loop import npu_engine
 

@@ -99,11 +99,11 @@ def test_on_the_stand_in_library_the_calls_are_its_operators_with_their_schemas(
     (name, (a, other)), (name_sum, (y, dim, keepdim)) = library.calls
     assert name == "npu_matmul_batch_invariant" and name_sum == "npu_reduce_sum_batch_invariant"
     assert a.shape == (200, 48) and other.shape == (48, 24)  # x rows @ weight^T
-    assert y is x and dim == 0 and keepdim is True
+    assert y.shape == (48, 200) and dim == 1 and keepdim is False  # rows: the summed dim last
 
 
 def test_vocab_parallel_log_probs_on_one_rank_is_log_softmax_and_row_invariant():
-    from mcore_npu.transformer.batch_invariant import vocab_parallel_log_probs
+    from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
 
     gen = torch.Generator().manual_seed(3)
     logits = (4 * torch.randn(3, 70, 96, generator=gen)).requires_grad_()

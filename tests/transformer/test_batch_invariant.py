@@ -8,6 +8,7 @@ batch-invariant matmuls."""
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ from mcore_npu.transformer.batch_invariant import (
     BatchInvariantRowParallelLinear,
     BatchInvariantTopKRouter,
     make_batch_invariant,
-    vocab_parallel_log_probs,
 )
 from mcore_npu.transformer.layer_specs import get_gpt_layer_npu_spec
+from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
 from tests import batch_invariant_ops_standin
 from tests.flash_attn_npu_standin import install
+from tests.megatron_features import GDN_CONFIG_FIELDS, needs_fields
 from tests.transformer.megatron_models import VOCAB, batch, gpt, tiny_config
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("megatron_runtime")]
@@ -56,7 +58,8 @@ def test_the_spec_switch_reaches_every_core_attention_and_linear():
 
 
 def test_a_moe_model_in_the_mode_routes_its_router_and_experts_and_is_invariant():
-    config = tiny_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    config = tiny_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                         moe_shared_expert_intermediate_size=32)  # fmt: skip
     spec = get_gpt_layer_npu_spec(
         normalization="RMSNorm", qk_layernorm=True, kernel="reference", param_layout="local",
         num_experts=4, moe_grouped_gemm=False, batch_invariant=True,
@@ -67,6 +70,10 @@ def test_a_moe_model_in_the_mode_routes_its_router_and_experts_and_is_invariant(
                and type(m).__name__ == "NPUGroupedMLP"]  # fmt: skip
     assert len(routers) == len(experts) == config.num_layers
     assert {e.batch_invariant_kernel for e in experts} == {"reference"}
+    shared = [m for n, m in model.named_modules() if ".shared_experts.linear_fc" in n]
+    assert len(shared) == 2 * config.num_layers
+    assert all(isinstance(m, (BatchInvariantColumnParallelLinear, BatchInvariantRowParallelLinear))
+               for m in shared)  # fmt: skip
     ids, _ = batch(b=3, s=24)
     with torch.no_grad():
         padded = model(ids, torch.arange(24).expand(3, 24), None)
@@ -116,7 +123,7 @@ def test_on_an_npu_stand_in_the_model_calls_flash_attn_func_and_the_ascendc_matm
     for _, (a, b) in library.calls[:-1]:
         assert a.dim() == b.dim() == 2 and a.shape == (8 * 2, b.shape[0])  # [s*b, K] x [K, N]
     _, (exps, dim, keepdim) = library.calls[-1]
-    assert exps.shape == (2, 8, VOCAB) and dim == 2 and keepdim is False
+    assert exps.shape == (2 * 8, VOCAB) and dim == 1 and keepdim is False  # rows [T, V]
 
 
 def test_the_output_layer_made_batch_invariant_keeps_its_state_and_answers():
@@ -186,6 +193,7 @@ def test_a_value_head_dim_other_than_the_querys_is_refused_in_one_line():
     NPUFusionAttention(config, **layer, v_channels=24, batch_invariant=True)
 
 
+@needs_fields(*GDN_CONFIG_FIELDS, feature="Gated DeltaNet")
 def test_layers_without_a_batch_invariant_kernel_are_refused_in_one_line():
     """Gated DeltaNet's delta rule and the hybrid stack's Mamba scan have no batch-invariant
     kernel: the spec builders refuse the mode for them rather than run them unchanged."""
@@ -199,3 +207,88 @@ def test_layers_without_a_batch_invariant_kernel_are_refused_in_one_line():
     get_gpt_decoder_block_npu_spec(config, kernel="reference")  # the mode off builds
     with pytest.raises(ValueError, match="^batch_invariant: .* the hybrid stack's Mamba layers"):
         get_hybrid_stack_npu_spec(kernel="reference", batch_invariant=True)
+
+
+def test_a_one_row_batch_trains_with_verls_in_place_temperature_division():
+    """verl divides the logits by the temperature in place; with one row the logits GPTModel
+    returns are a view of the output layer's answer, which must not be a view made inside the
+    operator's autograd Function (PyTorch refuses in-place writes to those)."""
+    config = tiny_config()
+    model = gpt(config, _spec(config))
+    make_batch_invariant(model.output_layer, "reference")
+    ids, pos = batch(b=1, s=8)
+    logits = model(ids, pos, None)
+    logits.div_(0.7)
+    vocab_parallel_log_probs(logits, ids).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_what_the_mode_cannot_route_is_refused_in_one_line():
+    """Megatron's legacy GroupedMLP (local layout, grouped experts), DSA layers, a shared-expert
+    gate, deferred embedding gradients and a parallel linear of an unknown class."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.moe import experts
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mcore_npu.transformer.batch_invariant import route_linears
+
+    cases = (
+        [
+            (
+                lambda: get_gpt_layer_npu_spec(
+                    num_experts=4, moe_grouped_gemm=True, param_layout="local", batch_invariant=True
+                ),
+                "GroupedMLP",
+            ),  # fmt: skip
+        ]
+        if hasattr(experts, "GroupedMLP")
+        else []
+    )  # 0.19: that slot is SequentialMLP's, routed
+    cases += [
+        (
+            lambda: BatchInvariantColumnParallelLinear(  # Qwen2-MoE's gate (0.16+ configs)
+                8, 8, config=types.SimpleNamespace(moe_shared_expert_gate=True), init_method=None
+            ),
+            "moe_shared_expert_gate=True",
+        ),  # fmt: skip
+        (
+            lambda: BatchInvariantColumnParallelLinear(  # a config Megatron allows under PP only
+                8,
+                8,
+                config=types.SimpleNamespace(defer_embedding_wgrad_compute=True),
+                init_method=None,
+            ),
+            "defer_embedding_wgrad_compute=True",
+        ),  # fmt: skip
+        (
+            lambda: route_linears(
+                ModuleSpec(module=type("Mine", (ColumnParallelLinear,), {})), "reference"
+            ),
+            "cannot route the matmul of Mine",
+        ),  # fmt: skip
+    ]
+    for build, fragment in cases:
+        with pytest.raises(ValueError, match="^batch-invariant mode") as error:
+            build()
+        assert fragment in str(error.value) and "\n" not in str(error.value), error.value
+
+
+def test_the_mtp_layers_linears_are_batch_invariant_too():
+    from mcore_npu.transformer.layer_specs import (
+        get_gpt_decoder_block_npu_spec,
+        get_gpt_mtp_block_npu_spec,
+    )
+
+    config = tiny_config(mtp_num_layers=1)
+    block = get_gpt_decoder_block_npu_spec(config, kernel="reference", batch_invariant=True)
+    mtp = get_gpt_mtp_block_npu_spec(config, block, kernel="reference", batch_invariant=True)
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(config, transformer_layer_spec=block, vocab_size=VOCAB,
+                     max_sequence_length=64, mtp_block_spec=mtp)  # fmt: skip
+    (layer,) = model.mtp.layers
+    assert isinstance(layer.eh_proj, BatchInvariantColumnParallelLinear)
+    (qkv,) = [m for n, m in layer.named_modules() if n.endswith("linear_qkv")]  # te layout's
+    assert type(qkv).__name__ == "BatchInvariantNormColumnParallelLinear"

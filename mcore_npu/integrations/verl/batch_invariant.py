@@ -6,8 +6,9 @@ one module a :class:`~mcore_npu.transformer.batch_invariant.BatchInvariantColumn
 (:func:`~mcore_npu.transformer.batch_invariant.make_batch_invariant`: a subclass adding no state,
 the same parameters and names). verl computes log-probs with Megatron's vocab-parallel cross
 entropy: in the mode the engine computes them with
-:func:`~mcore_npu.transformer.batch_invariant.vocab_parallel_log_probs` and lets verl compute the
-rest (entropy, distillation) as before. See docs/true_on_policy.md.
+:func:`~mcore_npu.transformer.vocab_parallel.vocab_parallel_log_probs` and lets verl compute the
+rest (entropy, distillation) as before. The value-head engine is not changed: its values are
+not compared with the rollout's. See docs/true_on_policy.md.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import torch
 from megatron.core import parallel_state
 from verl.utils.megatron_utils import unwrap_model
 
-from mcore_npu.transformer.batch_invariant import (
-    KERNEL,
-    make_batch_invariant,
-    vocab_parallel_log_probs,
-)
+from mcore_npu.transformer.batch_invariant import KERNEL, make_batch_invariant
+from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
 
 __all__ = ["BatchInvariantLMHead"]
 
@@ -45,7 +43,7 @@ class BatchInvariantLMHead:
         return module
 
     def _lm_head_logits_processor(self, logits, label, temperature, *, distillation_only, **kw):
-        if self.batch_invariant_kernel is None:
+        if self.batch_invariant_kernel is None or distillation_only:  # no log-probs asked for
             return super()._lm_head_logits_processor(
                 logits, label, temperature, distillation_only=distillation_only, **kw
             )
@@ -59,6 +57,4 @@ class BatchInvariantLMHead:
         ret = super()._lm_head_logits_processor(
             logits, label, temperature, distillation_only=True, **kw
         )
-        if not distillation_only:
-            ret["log_probs"] = log_probs
-        return ret
+        return {**ret, "log_probs": log_probs}
