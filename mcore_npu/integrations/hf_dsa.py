@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 
 from mbridge.core import register_model
+from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
 from mcore_npu.integrations.mbridge_fixes import DSA_TYPES, fixed_bridge_class, mbridge_expert_form
 from mcore_npu.transformer.dsa import DSASettings, DSATransformerConfig
@@ -201,6 +202,7 @@ MTP_DIRECT = {
 """Megatron name after ``mtp.layers.{i}.`` -> Hugging Face name after ``model.layers.{L + i}.``
 (``L``: ``num_hidden_layers``); the MTP layer's transformer layer maps as decoder layer L + i."""
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_COPY = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
 
 
 @register_model(list(MODEL_TYPES))
@@ -211,6 +213,7 @@ class DSABridge(fixed_bridge_class("deepseek_v3")):
     TransformerConfigClass = DSATransformerConfig  # DSA under context parallelism too
     own_npu_spec = True  # hf.use_npu_spec / the verl engine hand over the kernel and keywords
     npu_mtp = True  # its MTP layers come from the NPU spec (_model_provider)
+    mtp_copies: frozenset = frozenset()  # the loaded checkpoint's MTP copies of embedding / head
     npu_spec_keywords: dict = {}  # the NPU engine's recipe spec keywords (replaced, not mutated)
     npu_kernel = "auto"
 
@@ -219,13 +222,14 @@ class DSABridge(fixed_bridge_class("deepseek_v3")):
         return super()._build_base_config(text_config_key=text_config_key, **keywords)
 
     def _spec_keywords(self) -> dict:
-        """The NPU spec's keywords of this checkpoint and engine (TE layout)."""
+        """The NPU spec's keywords of this checkpoint and engine; the TE layout always (the
+        names this bridge maps)."""
         return {
             "kernel": self.npu_kernel,
-            "param_layout": "te",
             **mbridge_expert_form(self.config),
             **dsa_spec_keywords(self.hf_config),
             **self.npu_spec_keywords,
+            "param_layout": "te",
         }
 
     def _get_transformer_layer_spec(self, vp_stage=None):
@@ -268,15 +272,39 @@ class DSABridge(fixed_bridge_class("deepseek_v3")):
         ``model.layers.{num_hidden_layers + i}.*`` (:data:`MTP_DIRECT`, its transformer layer as
         a decoder layer of that number)."""
         match = _MTP.match(name)
-        if match is None:
-            raise ValueError(f"{name}: not an MTP parameter (mtp.layers.<i>.<name>)")
-        layer, rest = self.hf_config.num_hidden_layers + int(match.group(1)), match.group(2)
-        if rest in MTP_DIRECT:
-            return [f"model.layers.{layer}.{MTP_DIRECT[rest]}"]
-        inner = rest.removeprefix("transformer_layer.")
-        if inner == rest:
-            raise ValueError(f"{name}: no Hugging Face tensor of an MTP layer maps to it")
+        inner = match and match.group(2).removeprefix("transformer_layer.")
+        if match is None or (inner == match.group(2) and inner not in MTP_DIRECT):
+            raise ValueError(
+                f"{name}: no Hugging Face tensor of an MTP layer maps to it (those: "
+                f"mtp.layers.<i>.{{{', '.join(MTP_DIRECT)}}} and .transformer_layer.*); build "
+                "the model through this bridge's provider"
+            )
+        layer = self.hf_config.num_hidden_layers + int(match.group(1))
+        if inner in MTP_DIRECT:
+            return [f"model.layers.{layer}.{MTP_DIRECT[inner]}"]
         return self._weight_name_mapping_mcore_to_hf(f"decoder.layers.{layer}.{inner}")
+
+    def _get_safetensor_io(self, weights_path: str):
+        """The reader of the checkpoint; notes which copies of the embedding and output layer
+        its MTP layers carry (:meth:`_weight_to_hf_format` writes back exactly those)."""
+        io = super()._get_safetensor_io(weights_path)
+        self.mtp_copies = frozenset(n for n in io.load_hf_weight_names() if _MTP_COPY.match(n))
+        return io
+
+    def _weight_to_hf_format(self, name: str, tensor):
+        """The Hugging Face names and tensors of one Megatron tensor; with MTP on, the
+        embedding and output layer also under the MTP layers' copies the loaded checkpoint
+        holds (``model.layers.{L + i}.embed_tokens`` / ``shared_head.head``: DeepSeek's releases
+        carry them, some GLM-5 releases not), none for a bridge that loaded none."""
+        names, tensors = super(DeepseekV3Bridge, self)._weight_to_hf_format(name, tensor)
+        leaf = {"embedding.word_embeddings.weight": "embed_tokens.weight",
+                "output_layer.weight": "shared_head.head.weight"}.get(name)  # fmt: skip
+        if leaf is None or not self.config.mtp_num_layers:
+            return names, tensors
+        first = self.hf_config.num_hidden_layers
+        copies = [f"model.layers.{first + i}.{leaf}" for i in range(self.config.mtp_num_layers)]
+        copies = [c for c in copies if c in self.mtp_copies]
+        return [*names, *copies], [*tensors, *[tensor] * len(copies)]
 
     def _weight_name_mapping_attention(self, name: str) -> list[str]:
         """Hugging Face names of one layer's attention tensor (``ValueError`` if none)."""

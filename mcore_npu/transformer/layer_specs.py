@@ -164,12 +164,27 @@ def get_gpt_mtp_block_npu_spec(
     provider = NPUSpecProvider(NPUSpecOptions(**options))
     if not getattr(config, "mtp_num_layers", None):
         return None
+    _check_mtp_stage(config, block, vp_stage, pp_rank)
     spec = megatron_specs.get_gpt_mtp_block_spec_for_backend(
         config=config, spec=block, backend=provider, vp_stage=vp_stage, pp_rank=pp_rank
     )
     if provider.batch_invariant:  # the MTP layers' own linears (eh_proj) too
         return route_linears(spec, BATCH_INVARIANT_KERNEL[provider.kernel])
     return spec
+
+
+def _check_mtp_stage(config, block, vp_stage, pp_rank) -> None:
+    """ValueError where this stage builds MTP layers but no decoder layer: Megatron copies the
+    last decoder layer's spec for them (an empty block would raise IndexError there)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build
+
+    empty = getattr(block, "layer_specs", None) == []
+    if empty and get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank):
+        raise ValueError(
+            "pipeline layout: the stage with the MTP layers has no decoder layer, whose spec "
+            "they copy; give the last stage at least one decoder layer, or turn MTP off "
+            "(mtp_num_layers=None)"
+        )
 
 
 def get_gpt_layer_spec(backend: str = "auto", **kwargs) -> ModuleSpec:

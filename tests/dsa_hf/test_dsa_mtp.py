@@ -182,3 +182,51 @@ def test_the_mtp_layer_indexes_itself_where_the_sharing_rule_would_share():
     (mtp,) = model.mtp.layers
     core = mtp.transformer_layer.self_attention.core_attention
     assert core.layer_number == 5 and core.source == 5 and core.indexer is not None
+    ids = batches((12,), VOCAB)[12]
+    loss = model(ids, torch.arange(12).expand_as(ids), None, labels=ids)  # MTP runs too
+    assert torch.isfinite(loss).all()
+
+
+def _exported(bridge, model) -> dict[str, torch.Tensor]:
+    from mcore_npu.integrations.hf import export_hf_weights
+
+    return {k: t.cpu() for k, t in export_hf_weights(model, bridge)}
+
+
+def _loaded(path, **extra):
+    from mcore_npu.integrations.hf import build_model, load_hf_weights, npu_bridge
+
+    with own_attention_variables():
+        bridge = npu_bridge(str(path), kernel="reference", dtype=torch.float32)
+        bridge.set_extra_args(**CPU_ARGS, **extra)
+        model = build_model(bridge).eval()
+    load_hf_weights(model, str(path), bridge=bridge)
+    return bridge, model
+
+
+def test_the_mtp_layers_copies_of_embedding_and_head_export_as_the_checkpoint_has_them(tmp_path):
+    """DeepSeek's releases carry ``model.layers.{L}.embed_tokens`` and ``shared_head.head``
+    (copies of the embedding and LM head; Megatron's MTP layer shares the main ones), some GLM-5
+    releases not: export writes them back exactly where the loaded checkpoint had them."""
+    hf_model = save_tiny("glm_moe_dsa", tmp_path, num_nextn_predict_layers=1)
+    add_mtp_layer(tmp_path)
+    file = tmp_path / "model.safetensors"
+    saved = safetensors.torch.load_file(str(file))
+    saved[f"model.layers.{LAYERS}.embed_tokens.weight"] = saved["model.embed_tokens.weight"].clone()
+    saved[f"model.layers.{LAYERS}.shared_head.head.weight"] = (
+        hf_model.lm_head.weight.detach().clone()
+    )
+    safetensors.torch.save_file(saved, str(file), metadata={"format": "pt"})
+    exported = _exported(*_loaded(tmp_path))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
+def test_with_mtp_off_the_main_model_loads_and_exports_without_the_mtp_tensors(mtp_run):
+    bridge, model = _loaded(mtp_run["path"], mtp_num_layers=None)
+    assert not hasattr(model, "mtp")
+    main = {k: v for k, v in mtp_run["saved"].items()
+            if not k.startswith(f"model.layers.{LAYERS}.")}  # fmt: skip
+    exported = _exported(bridge, model)
+    assert exported.keys() == main.keys()
+    assert all(torch.equal(exported[k], main[k]) for k in main)

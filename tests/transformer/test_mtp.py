@@ -141,3 +141,16 @@ def test_megatrons_mtp_builder_takes_the_npu_layer_spec_and_scales_its_loss(fact
     for name, param in plain.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_a_stage_with_mtp_layers_and_no_decoder_layer_is_refused_in_one_line():
+    """Megatron's MTP layers copy the stage's last decoder layer spec: a pipeline layout that
+    leaves that stage without one is refused naming the way out (Megatron: IndexError)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from mcore_npu.transformer.layer_specs import get_gpt_mtp_block_npu_spec
+
+    empty = TransformerBlockSubmodules(layer_specs=[])
+    with pytest.raises(ValueError, match="^pipeline layout: the stage with the MTP layers") as err:
+        get_gpt_mtp_block_npu_spec(tiny_config(mtp_num_layers=1), empty)
+    assert "\n" not in str(err.value) and "mtp_num_layers=None" in str(err.value)
