@@ -188,6 +188,7 @@ def batch_invariant_library(_library, **_facts) -> str | None:
 
 
 def _has_op(namespace, name: str) -> bool:
+    """Whether the ``torch.ops`` ``namespace`` holds operator ``name`` (a lookup raises if not)."""
     try:
         getattr(namespace, name)
     except (AttributeError, RuntimeError):
