@@ -18,7 +18,7 @@ import torch
 from mcore_npu.transformer.batch_invariant import make_batch_invariant
 from mcore_npu.transformer.layer_specs import get_gpt_decoder_block_npu_spec
 from mcore_npu.transformer.vocab_parallel import vocab_parallel_log_probs
-from tests.distributed.mla_parallel import _relayout, _shard, _worst
+from tests.distributed.mla_parallel import _relayout, _shard, _worst, load_shards
 from tests.transformer.megatron_models import VOCAB, gpt, tiny_config
 
 QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")  # per head: each rank sees its heads
@@ -62,12 +62,7 @@ def _tp_case(sp: bool, reference) -> dict:
     group = parallel_state.get_tensor_model_parallel_group()
     size, rank = group.size(), group.rank()
     model = _model(tensor_model_parallel_size=size, sequence_parallel=sp)
-    shards = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if getattr(p, "tensor_model_parallel", False):
-                shards[name] = p.partition_dim
-            p.copy_(_shard(state[name], shards.get(name), name, size, rank))
+    shards = load_shards(model, state, size, rank)
     ids, pos = _batch()
     log_probs = _log_probs(model, ids, pos, group)
     log_probs.sum().backward()

@@ -173,12 +173,7 @@ def _tp_case(case, reference):
     size, rank = group.size(), group.rank()
     sp = bool(case.get("sequence_parallel"))
     model = _model(case, tensor_model_parallel_size=size, sequence_parallel=sp)
-    shards = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if getattr(p, "tensor_model_parallel", False):
-                shards[name] = p.partition_dim
-            p.copy_(_shard(state[name], shards.get(name), name, size, rank))
+    shards = load_shards(model, state, size, rank)
 
     def tp_reduce(t):
         torch.distributed.all_reduce(t, group=group)
@@ -194,6 +189,18 @@ def _tp_case(case, reference):
               max(abs(a - b) for a, b in zip(losses, want_losses))]  # fmt: skip
     return {**case, "tp": size, "sharded": len(shards),
             **dict(zip(("logits", "grads", "losses"), _worst(errors, group)))}  # fmt: skip
+
+
+def load_shards(model, state: dict, size: int, rank: int) -> dict:
+    """Copy this TP rank's part of each one-process tensor in ``state`` into ``model``; returns
+    name -> partition dim of the TP-sharded parameters."""
+    shards = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                shards[name] = p.partition_dim
+            p.copy_(_shard(state[name], shards.get(name), name, size, rank))
+    return shards
 
 
 def _shard(full, dim, name, size, rank):

@@ -164,21 +164,23 @@ def test_on_an_npu_without_flash_attn_npu_the_build_refuses_naming_the_package(m
     monkeypatch.setattr("mcore_npu.allocator.device.is_npu_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn_npu", None)  # its import fails
     config = tiny_config()
-    with pytest.raises(ImportError) as error:
-        gpt(config, _spec(config))
-    message = str(error.value)
-    assert "\n" not in message
+    message = _refused_build(config)
     assert message.startswith("batch-invariant mode on an NPU needs flash_attn_npu (")
     assert "install flash-attention-npu (pip install flash-attention-npu)" in message
     install(monkeypatch)  # installed: the matmuls' library is asked for next
-    with pytest.raises(ImportError) as error:
-        gpt(config, _spec(config))
-    message = str(error.value)
-    assert "\n" not in message
+    message = _refused_build(config)
     assert message.startswith("batch-invariant mode on an NPU needs batch_invariant_ops for its ")
     assert "install vllm-ascend built with VLLM_BATCH_INVARIANT=1" in message
     batch_invariant_ops_standin.install(monkeypatch)  # both installed: it builds
     gpt(config, _spec(config))
+
+
+def _refused_build(config) -> str:
+    """The one-line ImportError of building the model in the mode."""
+    with pytest.raises(ImportError) as error:
+        gpt(config, _spec(config))
+    assert "\n" not in str(error.value)
+    return str(error.value)
 
 
 def test_a_value_head_dim_other_than_the_querys_is_refused_in_one_line():
