@@ -1,4 +1,4 @@
-"""Batch-invariant mode's matmuls: the spec's linears, the router's gating and the log-probs.
+"""Batch-invariant mode's matmuls: the spec's linears, the router's gating, the experts.
 
 Every matmul of a layer built in the mode goes through ``mcore_npu.ops.batch_invariant_linear``
 (the AscendC library on an NPU, a fixed-row-block reference elsewhere): the column / row-parallel
