@@ -236,6 +236,8 @@ def trained_steps(run: Result) -> list[int]:
 
 MARKER = "MCORE_NPU_MAIN_PPO_RUN"
 RAY_STARTED = "Started a local Ray instance"
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+"""Ray's own error when a raylet misses its hard-coded 30 s to register (a starved machine)."""
 
 
 class Launch:
@@ -304,6 +306,11 @@ class Launch:
         while self.running() and RAY_STARTED not in self.tail(None):
             assert time.monotonic() < deadline, f"hung: no Ray instance in {self.out}"
             time.sleep(poll)
+
+    def ray_start_timed_out(self) -> bool:
+        """Whether the run ended because its Ray instance missed Ray's start-up deadline (no
+        step of the run had begun: a relaunch is the same run)."""
+        return not self.running() and RAY_START_TIMED_OUT in self.tail(None)
 
     def yield_cpu(self, nice: int) -> None:
         """Lower this run's CPU priority by ``nice``: its session's scheduling group (Linux

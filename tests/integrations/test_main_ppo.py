@@ -115,6 +115,7 @@ RUNS = {"grpo": grpo_run, "learning": learning_run, "critic": critic_run, "refus
 # the two longest chains (grpo then the run resuming from its checkpoint; the 20 learning steps)
 # run at full priority, the short runs yield the CPU to them once their Ray instance is up
 YIELDING = {"critic": 10, "refused": 10}
+RAY_START_ATTEMPTS = 3  # a run whose Ray instance missed Ray's start-up deadline is relaunched
 POLL_S = 0.5
 
 
@@ -154,8 +155,13 @@ def _conduct(started: dict, assets, dirs: dict, stop: threading.Event) -> None:
         if stop.is_set():
             return
         overrides, env = make(assets, dirs[name])
-        launch = started[name] = main_ppo_run.Launch(overrides, dirs[name] / "run", env)
-        launch.wait_for_ray()
+        for attempt in range(RAY_START_ATTEMPTS):  # Ray's 30 s start-up deadline, on a busy CPU
+            out = dirs[name] / ("run" if attempt == 0 else f"run_retry{attempt}")
+            launch = started[name] = main_ppo_run.Launch(overrides, out, env)
+            launch.wait_for_ray()
+            if not launch.ray_start_timed_out():
+                break
+            launch.result()  # ended: reap what it left and drop its Ray dir
         if name in YIELDING:
             launch.yield_cpu(YIELDING[name])
     if _saved_step_2(started["grpo"], stop):
