@@ -69,7 +69,7 @@ test-slow: $(STAMP)
 
 # the inner loop: the operator, mask, CPU-runtime and spec unit tests, no torchrun and no
 # trainer runs in a subprocess (docs/contributing.md: run it first; under 2 minutes on 2 cores)
-FAST := tests/ops tests/masks tests/cpu tests/transformer tests/test_layering.py
+FAST := tests/ops tests/masks tests/cpu tests/transformer tests/test_layering.py tests/test_text.py
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not distributed and not slow" $(FAST)
 

@@ -1,35 +1,13 @@
 """The plugin's mbridge bridge for DeepSeek Sparse Attention checkpoints: GLM-5
 (``model_type: glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``).
 
-:class:`DSABridge` is the plugin's DeepSeek-V3 bridge (``mbridge_fixes.fixed_bridge_class
-("deepseek_v3")``: the config keywords fixed, the plain safetensors reader) registered with
-mbridge's ``register_model`` for both types, plus:
-
-- the config: ``experimental_attention_variant="dsa"`` and the indexer's ``dsa_indexer_n_heads``
-  / ``dsa_indexer_head_dim`` / ``dsa_indexer_topk`` (``index_n_heads``, ``index_head_dim``,
-  ``index_topk``), ``dsa_indexer_loss_coeff=0.0``; ``moe_layer_freq`` from ``mlp_layer_types``
-  (``"dense"`` / ``"sparse"`` per layer, which transformers derives from
-  ``first_k_dense_replace``);
-- the layer spec: the NPU decoder-block spec in TE layout, built by the bridge itself
-  (``own_npu_spec``) with the two DSA spec keywords of the checkpoint: the indexer's RoPE
-  interleaved for GLM-5, half-split for DeepSeek-V3.2 (``dsa_indexer_rope_interleaved``), and
-  its key LayerNorm's eps, 1e-6 in transformers (``dsa_indexer_k_norm_epsilon``), and the q / kv
-  latent norms' eps, 1e-6 in transformers whatever ``rms_norm_eps`` says
-  (``mla_latent_norm_epsilon``);
-- the names: the DSA layer keeps MLA's latent norms apart from the up projections
-  (``q_layernorm`` / ``kv_layernorm``) and adds the indexer's four tensors (:data:`LAYER_MAP`).
-
-GLM-5's ``indexer_types`` (``"shared"`` layers reuse an earlier layer's top-k) become Megatron
-0.19's top-k sharing (:func:`topk_sharing`). Every tensor is moved, never changed, so export is
-bit-exact. What the plugin does not build is refused (``ValueError`` naming the Hugging Face
-field): a sharing pattern Megatron's rule cannot write, attention biases, an activation other
-than SiLU, MLA without ``q_lora_rank``.
-
-Multi-token prediction (``num_nextn_predict_layers``, 1 for both): the MTP layers come from the
-NPU spec (:meth:`DSABridge._model_provider`); MTP layer ``i`` is the checkpoint's
-``model.layers.{num_hidden_layers + i}.*`` (``enorm``, ``hnorm``, ``eh_proj``,
-``shared_head.norm`` and a DSA decoder layer with its own indexer, as GLM-5's layer 78 ships);
-its embedding and output layer are the main model's. See docs/hf_weights.md.
+:class:`DSABridge` is the plugin's DeepSeek-V3 bridge registered for both types, plus the DSA
+config (``experimental_attention_variant="dsa"``, the indexer's sizes, ``moe_layer_freq`` from
+``mlp_layer_types``), the NPU decoder-block spec with the checkpoint's DSA spec keywords, the
+indexer's four tensors per layer (:data:`LAYER_MAP`), GLM-5's top-k sharing
+(:func:`topk_sharing`) and the MTP layers (``model.layers.{num_hidden_layers + i}.*``). Every
+tensor is moved, never changed: export is bit-exact. What it does not build is refused naming
+the Hugging Face field. Design and the field-by-field map: docs/hf_weights.md.
 """
 
 from __future__ import annotations

@@ -75,17 +75,28 @@ def make_call(case: DsaCase, dtype: torch.dtype, device="cpu"):
     other arguments (``names``: the leaves' names)."""
     s, (lead_q, lead_k) = case.seed, _tokens(case)
     q_lengths, kv_lengths = _length_args(case)
-    kwargs = {"layout": case.param("layout"), "top_k": case.param("top_k"),
-              "mode": case.param("mode"), "segments": segments(case),
-              "q_lengths": q_lengths, "kv_lengths": kv_lengths}  # fmt: skip
+    kwargs = {
+        "layout": case.param("layout"),
+        "top_k": case.param("top_k"),
+        "mode": case.param("mode"),
+        "segments": segments(case),
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+    }
     if case.operator == "lightning_indexer":
         n, d = case.param("heads"), case.param("dim")
-        named = {"query": normal((*lead_q, n, d), s) + 1, "key": normal((*lead_k, 1, d), s + 1) + 1,
-                 "weights": normal((*lead_q, n), s + 2)}  # fmt: skip
+        named = {
+            "query": normal((*lead_q, n, d), s) + 1,
+            "key": normal((*lead_k, 1, d), s + 1) + 1,
+            "weights": normal((*lead_q, n), s + 2),
+        }
     else:
         (n1, n2), (d, dv), rope = case.param("heads"), case.param("dims"), case.param("rope")
-        named = {"query": normal((*lead_q, n1, d), s), "key": normal((*lead_k, n2, d), s + 1),
-                 "value": normal((*lead_k, n2, dv), s + 2)}  # fmt: skip
+        named = {
+            "query": normal((*lead_q, n1, d), s),
+            "key": normal((*lead_k, n2, d), s + 1),
+            "value": normal((*lead_k, n2, dv), s + 2),
+        }
         if rope:
             named["query_rope"] = normal((*lead_q, n1, rope), s + 3)
             named["key_rope"] = normal((*lead_k, n2, rope), s + 4)
@@ -198,16 +209,34 @@ def call_operator(case: DsaCase, leaves, kwargs, kernel: str = "reference"):
     layout, mode = kwargs["layout"], kwargs["mode"]
     if case.operator == "lightning_indexer":
         return ops.lightning_indexer(
-            named["query"], named["key"], named["weights"], layout_query=layout,
-            layout_key=layout, actual_seq_lengths_query=kwargs["q_lengths"],
-            actual_seq_lengths_key=kwargs["kv_lengths"], sparse_count=kwargs["top_k"],
-            sparse_mode=mode, return_value=True, kernel=kernel)  # fmt: skip
+            named["query"],
+            named["key"],
+            named["weights"],
+            layout_query=layout,
+            layout_key=layout,
+            actual_seq_lengths_query=kwargs["q_lengths"],
+            actual_seq_lengths_key=kwargs["kv_lengths"],
+            sparse_count=kwargs["top_k"],
+            sparse_mode=mode,
+            return_value=True,
+            kernel=kernel,
+        )
     out = ops.sparse_flash_attention(
-        named["query"], named["key"], named["value"], kwargs["indices"].to(leaves[0].device),
-        kwargs["scale"], query_rope=named.get("query_rope"), key_rope=named.get("key_rope"),
-        actual_seq_lengths_query=kwargs["q_lengths"], actual_seq_lengths_kv=kwargs["kv_lengths"],
-        sparse_block_size=kwargs["block"], layout_query=layout, layout_kv=layout,
-        sparse_mode=mode, kernel=kernel)[0]  # fmt: skip
+        named["query"],
+        named["key"],
+        named["value"],
+        kwargs["indices"].to(leaves[0].device),
+        kwargs["scale"],
+        query_rope=named.get("query_rope"),
+        key_rope=named.get("key_rope"),
+        actual_seq_lengths_query=kwargs["q_lengths"],
+        actual_seq_lengths_kv=kwargs["kv_lengths"],
+        sparse_block_size=kwargs["block"],
+        layout_query=layout,
+        layout_kv=layout,
+        sparse_mode=mode,
+        kernel=kernel,
+    )[0]
     return out, None
 
 
@@ -234,8 +263,10 @@ def compare_selection(case: DsaCase, got, want_values, scores, slack: float) -> 
             got_kept.append(val[i, :take])
             want_kept.append(want[i, :take])
     total = sum(sq for _, _, sq, _, _ in segments(case))
-    comparisons = (compare("forward", torch.cat(got_kept), torch.cat(want_kept), None, case.forward),
-                   Comparison("indices", float(wrong), 0.0, total))  # fmt: skip
+    comparisons = (
+        compare("forward", torch.cat(got_kept), torch.cat(want_kept), None, case.forward),
+        Comparison("indices", float(wrong), 0.0, total),
+    )
     return CaseResult(case.id, comparisons, tuple(problems[:3]))
 
 

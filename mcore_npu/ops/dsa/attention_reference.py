@@ -12,11 +12,24 @@ import torch
 from mcore_npu.ops.dsa.layout import ATTENTION, QUERY_BLOCK, segments, sequence
 
 
-def sparse_attention_reference(query, key, value, sparse_indices, scale_value, *,
-                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
-                               query_rope=None, key_rope=None, sparse_block_size=1,
-                               layout_query="BSND", layout_kv="BSND", sparse_mode=3,
-                               attention_mode=2, return_softmax_lse=False):  # fmt: skip
+def sparse_attention_reference(
+    query,
+    key,
+    value,
+    sparse_indices,
+    scale_value,
+    *,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    query_rope=None,
+    key_rope=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    attention_mode=2,
+    return_softmax_lse=False,
+):
     """``(out, softmax_max, softmax_sum)``: out has query's layout with value's D; query ``i``
     attends the keys ``[idx * sparse_block_size, (idx + 1) * sparse_block_size)`` of each of its
     indices (-1: none; keys past the sequence or, in mode 3, after the causal bound are
@@ -28,12 +41,17 @@ def sparse_attention_reference(query, key, value, sparse_indices, scale_value, *
     backward gathers one block of keys again at a time), so no gathered keys stay alive between
     the two; float64 stays float64. ``attention_mode`` changes only the fused kernel's
     scheduling (2: absorbed MLA)."""
-    options = dict(actual_seq_lengths_query=actual_seq_lengths_query,
-                   actual_seq_lengths_kv=actual_seq_lengths_kv,
-                   sparse_block_size=sparse_block_size, layout_query=layout_query,
-                   layout_kv=layout_kv, sparse_mode=sparse_mode)  # fmt: skip
+    options = dict(
+        actual_seq_lengths_query=actual_seq_lengths_query,
+        actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size,
+        layout_query=layout_query,
+        layout_kv=layout_kv,
+        sparse_mode=sparse_mode,
+    )
     out, smax, ssum = _ReferenceSparseAttention.apply(
-        query, key, value, query_rope, key_rope, sparse_indices, scale_value, options)  # fmt: skip
+        query, key, value, query_rope, key_rope, sparse_indices, scale_value, options
+    )
     n2 = key.shape[-2]
     if not return_softmax_lse:
         return out, smax.new_empty(0).float(), ssum.new_empty(0).float()
@@ -49,8 +67,7 @@ class _ReferenceSparseAttention(torch.autograd.Function):
     the saved max and sum and scatters the keys' gradients back with ``index_add_``."""
 
     @staticmethod
-    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value,
-                options):  # fmt: skip
+    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value, options):
         compute = _compute_dtype(query)
         _warm_exp(compute, query.device.type)
         tokens = query.shape[:-1]
@@ -60,8 +77,7 @@ class _ReferenceSparseAttention(torch.autograd.Function):
         for block in _blocks(query, key, value, query_rope, key_rope, sparse_indices, options):
             _forward_block(block, scale_value, out, smax, ssum)
             del block  # its gathered keys go before the next block's are gathered
-        ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, smax,
-                              ssum)  # fmt: skip
+        ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, smax, ssum)
         ctx.scale_value, ctx.options = scale_value, options
         ctx.mark_non_differentiable(smax, ssum)
         return out.to(query.dtype), smax, ssum
@@ -72,13 +88,19 @@ class _ReferenceSparseAttention(torch.autograd.Function):
         inputs = (query, key, value, query_rope, key_rope)
         compute = _compute_dtype(query)
         grad_out = grad_out.to(compute)
-        grads = [t.new_zeros(t.shape, dtype=compute) if t is not None and need else None
-                 for t, need in zip(inputs, ctx.needs_input_grad)]  # fmt: skip
+        grads = [
+            t.new_zeros(t.shape, dtype=compute) if t is not None and need else None
+            for t, need in zip(inputs, ctx.needs_input_grad)
+        ]
         for block in _blocks(query, key, value, query_rope, key_rope, indices, ctx.options):
             _backward_block(block, ctx.scale_value, smax, ssum, grad_out, grads)
             del block
-        return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)), None,
-                None, None)  # fmt: skip
+        return (
+            *(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)),
+            None,
+            None,
+            None,
+        )
 
 
 def _probabilities(score, top, denominator=None):
@@ -118,8 +140,7 @@ def _backward_block(block, scale_value, smax, ssum, grad_out, grads):
     if dqr is not None:
         block.rows(dqr)[:] = torch.einsum("qgm,qmd->qgd", d_score, block.kr)
     block.k = block.kr = None
-    for grad, pulled, by in ((dk, d_score, block.q), (dv, probs, d_out),
-                             (dkr, d_score, block.qr)):  # fmt: skip
+    for grad, pulled, by in ((dk, d_score, block.q), (dv, probs, d_out), (dkr, d_score, block.qr)):
         if grad is not None:  # one [block, M, D] term alive at a time
             block.scatter(grad, torch.einsum("qgm,qgd->qmd", pulled, by))
 
@@ -171,8 +192,7 @@ def _blocks(query, key, value, query_rope, key_rope, sparse_indices, options):
     compute = _compute_dtype(query)
     layout_q, layout_kv = options["layout_query"], options["layout_kv"]
     size, mode = options["sparse_block_size"], options["sparse_mode"]
-    q_segments = segments(ATTENTION, layout_q, query, options["actual_seq_lengths_query"], "",
-                          ())  # fmt: skip
+    q_segments = segments(ATTENTION, layout_q, query, options["actual_seq_lengths_query"], "", ())
     k_segments = segments(ATTENTION, layout_kv, key, options["actual_seq_lengths_kv"], "", ())
     n2 = key.shape[-2]
     group = query.shape[-2] // n2
@@ -211,9 +231,16 @@ def _blocks(query, key, value, query_rope, key_rope, sparse_indices, options):
                     return kv_seq(t)[:, h]
 
                 # built in the yield: the generator keeps no reference to the gathered keys
-                yield _Block(q_rows, kv_rows, flat, keep[:, h], q[s:e, heads],
-                             *(_gather(t, h, flat, e - s) for t in (k, v)),
-                             None if qr is None else qr[s:e, heads], _gather(kr, h, flat, e - s))  # fmt: skip
+                yield _Block(
+                    q_rows,
+                    kv_rows,
+                    flat,
+                    keep[:, h],
+                    q[s:e, heads],
+                    *(_gather(t, h, flat, e - s) for t in (k, v)),
+                    None if qr is None else qr[s:e, heads],
+                    _gather(kr, h, flat, e - s),
+                )
 
 
 def _gather(t, head, flat, queries):

@@ -24,14 +24,36 @@ from mcore_npu.ops.dsa.layout import (
 KL_LOSS = "sparse_lightning_indexer_grad_kl_loss"
 
 
-def validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
-                             scale_value, *, query_rope=None, key_rope=None, actual_seq_qlen=None,
-                             actual_seq_klen=None, layout="BSND", sparse_mode=3) -> None:  # fmt: skip
+def validate_indexer_kl_loss(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    sparse_indices,
+    scale_value,
+    *,
+    query_rope=None,
+    key_rope=None,
+    actual_seq_qlen=None,
+    actual_seq_klen=None,
+    layout="BSND",
+    sparse_mode=3,
+) -> None:
     """Check one ``sparse_lightning_indexer_grad_kl_loss`` call (naming the argument)."""
     op = KL_LOSS
-    shown = [(n, t) for n, t in (("query", query), ("key", key), ("query_index", query_index),
-                                 ("key_index", key_index), ("weights", weights),
-                                 ("sparse_indices", sparse_indices)) if t is not None]  # fmt: skip
+    shown = [
+        (n, t)
+        for n, t in (
+            ("query", query),
+            ("key", key),
+            ("query_index", query_index),
+            ("key_index", key_index),
+            ("weights", weights),
+            ("sparse_indices", sparse_indices),
+        )
+        if t is not None
+    ]
     check_choice(op, "layout", layout, LAYOUTS, shown)
     rank = tensor_rank(layout)
     for name, t in shown[:4]:
@@ -40,37 +62,93 @@ def validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse
     check_tensor(op, "sparse_indices", sparse_indices, rank, shown, (torch.int32, torch.int64))
     for name, t in (("key", key), ("key_index", key_index)):
         if t.shape[-2] != 1:
-            fail(op, ValueError, name, f"has {t.shape[-2]} heads, expected one",
-                 "pass [..., 1, D] (one KV head, as MLA's latent)", shown)  # fmt: skip
+            fail(
+                op,
+                ValueError,
+                name,
+                f"has {t.shape[-2]} heads, expected one",
+                "pass [..., 1, D] (one KV head, as MLA's latent)",
+                shown,
+            )
     if key.shape[-1] != query.shape[-1]:
-        fail(op, ValueError, "key", f"head dim {key.shape[-1]} differs from query's "
-             f"{query.shape[-1]}", "pass query and key with one head dim", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            "key",
+            f"head dim {key.shape[-1]} differs from query's {query.shape[-1]}",
+            "pass query and key with one head dim",
+            shown,
+        )
     if key_index.shape[-1] != query_index.shape[-1]:
-        fail(op, ValueError, "key_index", f"head dim {key_index.shape[-1]} differs from "
-             f"query_index's {query_index.shape[-1]}", "pass the indexer's query and key",
-             shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            "key_index",
+            f"head dim {key_index.shape[-1]} differs from query_index's {query_index.shape[-1]}",
+            "pass the indexer's query and key",
+            shown,
+        )
     if tuple(weights.shape) != tuple(query_index.shape[:-1]):
-        fail(op, ValueError, "weights", f"shape {list(weights.shape)}, expected "
-             f"{list(query_index.shape[:-1])}", "pass one weight per indexer head", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            "weights",
+            f"shape {list(weights.shape)}, expected {list(query_index.shape[:-1])}",
+            "pass one weight per indexer head",
+            shown,
+        )
     if tuple(sparse_indices.shape[:-1]) != (*query.shape[:-2], 1):
-        fail(op, ValueError, "sparse_indices", f"shape {list(sparse_indices.shape)}, expected "
-             f"{[*query.shape[:-2], 1, 'K']}", "pass the indexer's output", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            "sparse_indices",
+            f"shape {list(sparse_indices.shape)}, expected {[*query.shape[:-2], 1, 'K']}",
+            "pass the indexer's output",
+            shown,
+        )
     if (query_rope is None) != (key_rope is None):
         missing = "key_rope" if key_rope is None else "query_rope"
-        fail(op, ValueError, missing, "is None while the other rope part is given",
-             "pass both query_rope and key_rope, or neither", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            missing,
+            "is None while the other rope part is given",
+            "pass both query_rope and key_rope, or neither",
+            shown,
+        )
     if not is_real(scale_value):
-        fail(op, TypeError, "scale_value", f"expected a real number, got {scale_value!r}",
-             "pass the main attention's softmax scale", shown)  # fmt: skip
+        fail(
+            op,
+            TypeError,
+            "scale_value",
+            f"expected a real number, got {scale_value!r}",
+            "pass the main attention's softmax scale",
+            shown,
+        )
     check_choice(op, "sparse_mode", sparse_mode, SPARSE_MODES, shown)
     segments(op, layout, query, actual_seq_qlen, "actual_seq_qlen", shown)
     segments(op, layout, key, actual_seq_klen, "actual_seq_klen", shown)
 
 
-def indexer_kl_loss_reference(query, key, query_index, key_index, weights, sparse_indices,
-                              softmax_max, softmax_sum, scale_value, *, query_rope=None,
-                              key_rope=None, actual_seq_qlen=None, actual_seq_klen=None,
-                              layout="BSND", sparse_mode=3, head_group=None):  # fmt: skip
+def indexer_kl_loss_reference(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    sparse_indices,
+    softmax_max,
+    softmax_sum,
+    scale_value,
+    *,
+    query_rope=None,
+    key_rope=None,
+    actual_seq_qlen=None,
+    actual_seq_klen=None,
+    layout="BSND",
+    sparse_mode=3,
+    head_group=None,
+):
     """``(d_query_index, d_key_index, d_weights, loss)`` of ``loss = sum_t KL(p_t || softmax(I_t))``
     over each query's selected (visible) keys: ``p_t`` the main attention's probabilities summed
     over the heads and L1-normalized, ``I_t`` the indexer scores. ``softmax_max`` /
@@ -82,16 +160,22 @@ def indexer_kl_loss_reference(query, key, query_index, key_index, weights, spars
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     q_segments = segments(KL_LOSS, layout, query, actual_seq_qlen, "", ())
     k_segments = segments(KL_LOSS, layout, key, actual_seq_klen, "", ())
-    blocks = [(q, k, s) for q, k in zip(q_segments, k_segments) if q[2] and k[2]
-              for s in range(0, q[2], QUERY_BLOCK)]  # fmt: skip
+    blocks = [
+        (q, k, s)
+        for q, k in zip(q_segments, k_segments)
+        if q[2] and k[2]
+        for s in range(0, q[2], QUERY_BLOCK)
+    ]
     mains = (query, query_rope, key, key_rope, sparse_indices)
-    masses = (_block_mass(mains, *block, layout, compute, scale_value, sparse_mode)
-              for block in blocks)  # fmt: skip
+    masses = (
+        _block_mass(mains, *block, layout, compute, scale_value, sparse_mode) for block in blocks
+    )
     if head_group is not None:  # every block's head sums at once, one all-reduce
         masses = _summed_over(list(masses), head_group)
     with torch.enable_grad():  # it takes its own gradients, in any grad mode
-        leaves = [t.detach().to(compute).requires_grad_() for t in (query_index, key_index,
-                                                                    weights)]  # fmt: skip
+        leaves = [
+            t.detach().to(compute).requires_grad_() for t in (query_index, key_index, weights)
+        ]
         loss = torch.zeros((), dtype=compute, device=query.device)
         for block, mass in zip(blocks, masses):  # without a group, one block's mass at a time
             loss = loss + _block_kl((*leaves, sparse_indices), mass, *block, layout, sparse_mode)
@@ -143,8 +227,10 @@ def _block_kl(index, mass, q_seg, k_seg, start, layout, sparse_mode):
     """``sum KL(p || softmax(I))`` of one query block: ``index`` the indexer's query, key,
     weights and the chosen positions, ``mass`` the block's summed attention (``[blk, K]``)."""
     (b, q0, sq), (kb, k0, skv) = q_seg, k_seg
-    qi, ki, w, chosen = (sequence(t, layout, *seg) for t, seg in
-                         zip(index, ((b, q0, sq), (kb, k0, skv), (b, q0, sq), (b, q0, sq))))  # fmt: skip
+    qi, ki, w, chosen = (
+        sequence(t, layout, *seg)
+        for t, seg in zip(index, ((b, q0, sq), (kb, k0, skv), (b, q0, sq), (b, q0, sq)))
+    )
     rows = slice(start, min(start + QUERY_BLOCK, sq))
     pos, keep = _visible(chosen[rows, 0].long(), start, skv, skv - sq, sparse_mode)
     target = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
@@ -155,31 +241,70 @@ def _block_kl(index, mass, q_seg, k_seg, start, layout, sparse_mode):
     return (target * (log_p - log_q)).sum()
 
 
-def sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
-                                          sparse_indices, softmax_max, softmax_sum, scale_value,
-                                          *, query_rope=None, key_rope=None,
-                                          actual_seq_qlen=None, actual_seq_klen=None,
-                                          layout="BSND", sparse_mode=3, head_group=None,
-                                          kernel="auto"):  # fmt: skip
+def sparse_lightning_indexer_grad_kl_loss(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    sparse_indices,
+    softmax_max,
+    softmax_sum,
+    scale_value,
+    *,
+    query_rope=None,
+    key_rope=None,
+    actual_seq_qlen=None,
+    actual_seq_klen=None,
+    layout="BSND",
+    sparse_mode=3,
+    head_group=None,
+    kernel="auto",
+):
     """``torch_npu.npu_sparse_lightning_indexer_grad_kl_loss(...)``: the indexer's KL loss
     against the main attention and its gradients (:func:`indexer_kl_loss_reference`). On the
     NPU, softmax_max / softmax_sum are :func:`sparse_flash_attention`'s statistics.
     ``head_group`` (the plugin's, not torch_npu's): the group the heads are split over; the
     fused kernel sums one rank's heads only, so a group of more than one rank takes the
     reference."""
-    args = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_qlen=actual_seq_qlen,
-                actual_seq_klen=actual_seq_klen, layout=layout, sparse_mode=sparse_mode)  # fmt: skip
-    validate_indexer_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
-                             scale_value, **args)  # fmt: skip
+    args = dict(
+        query_rope=query_rope,
+        key_rope=key_rope,
+        actual_seq_qlen=actual_seq_qlen,
+        actual_seq_klen=actual_seq_klen,
+        layout=layout,
+        sparse_mode=sparse_mode,
+    )
+    validate_indexer_kl_loss(
+        query, key, query_index, key_index, weights, sparse_indices, scale_value, **args
+    )
     split = head_group is not None and head_group.size() > 1
-    chosen = registry.resolve(KL_LOSS, kernel, device_of(query), query=query,
-                              query_index=query_index, query_rope=query_rope,
-                              sparse_count=sparse_indices.shape[-1],
-                              heads_split=split).kernel  # fmt: skip
-    call = (query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
-            scale_value)  # fmt: skip
+    chosen = registry.resolve(
+        KL_LOSS,
+        kernel,
+        device_of(query),
+        query=query,
+        query_index=query_index,
+        query_rope=query_rope,
+        sparse_count=sparse_indices.shape[-1],
+        heads_split=split,
+    ).kernel
+    call = (
+        query,
+        key,
+        query_index,
+        key_index,
+        weights,
+        sparse_indices,
+        softmax_max,
+        softmax_sum,
+        scale_value,
+    )
     if chosen == "torch_npu":
-        args.update(lengths_as_tensors(query, actual_seq_qlen, actual_seq_klen,
-                                       ("actual_seq_qlen", "actual_seq_klen")))  # fmt: skip
+        args.update(
+            lengths_as_tensors(
+                query, actual_seq_qlen, actual_seq_klen, ("actual_seq_qlen", "actual_seq_klen")
+            )
+        )
         return registry.ascend(KL_LOSS)(*call, **args)
     return indexer_kl_loss_reference(*call, **args, head_group=head_group if split else None)

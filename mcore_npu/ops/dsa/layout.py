@@ -33,19 +33,36 @@ def segments(op, layout, tensor, lengths, argument, shown):
         return [(0, 0, tensor.shape[0])]
     values = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
     if not values or not all(is_int(v) for v in values):
-        fail(op, TypeError, argument, f"expected a list or 1-D tensor of ints, got {values!r}",
-             "pass the lengths as ints", shown)  # fmt: skip
+        fail(
+            op,
+            TypeError,
+            argument,
+            f"expected a list or 1-D tensor of ints, got {values!r}",
+            "pass the lengths as ints",
+            shown,
+        )
     if layout == "BSND":
         if len(values) != tensor.shape[0] or any(v < 0 or v > tensor.shape[1] for v in values):
-            fail(op, ValueError, argument,
-                 f"{values} is not one length in [0, {tensor.shape[1]}] per batch "
-                 f"({tensor.shape[0]})", "pass each batch's valid token count (BSND)", shown)  # fmt: skip
+            fail(
+                op,
+                ValueError,
+                argument,
+                f"{values} is not one length in [0, {tensor.shape[1]}] per batch "
+                f"({tensor.shape[0]})",
+                "pass each batch's valid token count (BSND)",
+                shown,
+            )
         return [(b, 0, n) for b, n in enumerate(values)]
     ends = [0, *values]
     if any(b < a for a, b in zip(ends, ends[1:])) or values[-1] != tensor.shape[0]:
-        fail(op, ValueError, argument,
-             f"{values} are not non-decreasing cumulative ends reaching T = {tensor.shape[0]}",
-             "pass cu_seqlens[1:] (TND lengths are cumulative, no leading 0)", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            argument,
+            f"{values} are not non-decreasing cumulative ends reaching T = {tensor.shape[0]}",
+            "pass cu_seqlens[1:] (TND lengths are cumulative, no leading 0)",
+            shown,
+        )
     return [(0, a, b - a) for a, b in zip(ends, ends[1:])]
 
 
@@ -56,22 +73,45 @@ def sequence(t, layout, batch, start, length):
 
 def check_choice(op, argument, value, allowed, shown):
     if value not in allowed:
-        fail(op, ValueError, argument, f"{value!r} is not one of {list(allowed)}",
-             f"pass one of {', '.join(map(repr, allowed))}", shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            argument,
+            f"{value!r} is not one of {list(allowed)}",
+            f"pass one of {', '.join(map(repr, allowed))}",
+            shown,
+        )
 
 
 def check_tensor(op, argument, t, rank, shown, dtypes=_DTYPES):
     if not isinstance(t, torch.Tensor):
-        fail(op, TypeError, argument, f"expected a torch.Tensor, got {type(t).__name__}",
-             "pass a tensor", shown)  # fmt: skip
+        fail(
+            op,
+            TypeError,
+            argument,
+            f"expected a torch.Tensor, got {type(t).__name__}",
+            "pass a tensor",
+            shown,
+        )
     if t.dim() != rank:
-        fail(op, ValueError, argument, f"{t.dim()}-D ({describe(t)}), expected {rank}-D",
-             "BSND takes [B, S, N, D] (weights [B, S, N]); TND takes [T, N, D] (weights [T, N])",
-             shown)  # fmt: skip
+        fail(
+            op,
+            ValueError,
+            argument,
+            f"{t.dim()}-D ({describe(t)}), expected {rank}-D",
+            "BSND takes [B, S, N, D] (weights [B, S, N]); TND takes [T, N, D] (weights [T, N])",
+            shown,
+        )
     if t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        fail(op, TypeError, argument, f"dtype {t.dtype} is not supported",
-             f"pass one of {names}", shown)  # fmt: skip
+        fail(
+            op,
+            TypeError,
+            argument,
+            f"dtype {t.dtype} is not supported",
+            f"pass one of {names}",
+            shown,
+        )
 
 
 def tensor_rank(layout):

@@ -44,8 +44,13 @@ def inputs(seq: int, top_k: int):
     def draw(*shape):
         return torch.randn(1, seq, *shape, generator=gen)
 
-    leaves = [draw(HEADS, HEAD_DIM), draw(KV_HEADS, HEAD_DIM), draw(KV_HEADS, HEAD_DIM),
-              draw(HEADS, ROPE_DIM), draw(KV_HEADS, ROPE_DIM)]  # fmt: skip
+    leaves = [
+        draw(HEADS, HEAD_DIM),
+        draw(KV_HEADS, HEAD_DIM),
+        draw(KV_HEADS, HEAD_DIM),
+        draw(HEADS, ROPE_DIM),
+        draw(KV_HEADS, ROPE_DIM),
+    ]
     index_q, index_k, weights = draw(INDEX_HEADS, INDEX_DIM), draw(1, INDEX_DIM), draw(INDEX_HEADS)
     indices, _ = indexer_reference(index_q, index_k, weights, sparse_count=top_k)
     return leaves, indices, draw(HEADS, HEAD_DIM)
@@ -96,8 +101,15 @@ def measure(quick: bool = False) -> dict:
             start = time.perf_counter()
             outputs[name] = _forward_backward(method, fresh, indices, upstream)
             seconds = time.perf_counter() - start
-        rows.append({"S": seq, "top_k": top_k, "method": name, "seconds": seconds,
-                     "peak_bytes": usage.peak_bytes})  # fmt: skip
+        rows.append(
+            {
+                "S": seq,
+                "top_k": top_k,
+                "method": name,
+                "seconds": seconds,
+                "peak_bytes": usage.peak_bytes,
+            }
+        )
     cell = {r["method"]: r for r in rows}
     peak = cell[REFERENCE]["peak_bytes"] / cell[DENSE]["peak_bytes"]
     speed = cell[REFERENCE]["seconds"] / cell[DENSE]["seconds"]
@@ -119,11 +131,15 @@ def measure(quick: bool = False) -> dict:
 
 def table(result: dict) -> str:
     cell = {r["method"]: r for r in result["rows"]}
-    body = [[name, format_seconds(cell[name]["seconds"]), f"{cell[name]['peak_bytes'] / MIB:.1f}"]
-            for name in METHODS]  # fmt: skip
+    body = [
+        [name, format_seconds(cell[name]["seconds"]), f"{cell[name]['peak_bytes'] / MIB:.1f}"]
+        for name in METHODS
+    ]
     body.append(["reference / dense", f"{result['time_ratio']:.3f}", f"{result['peak_ratio']:.3f}"])
-    title = (f"{result['title']}, {result['setup']}: time of one call and peak bytes allocated "
-             f"(max |reference - dense| = {result['max_abs_diff']:.1e}).\n\n")  # fmt: skip
+    title = (
+        f"{result['title']}, {result['setup']}: time of one call and peak bytes allocated "
+        f"(max |reference - dense| = {result['max_abs_diff']:.1e}).\n\n"
+    )
     return title + markdown_table(["method", "fwd+bwd time", "fwd+bwd peak (MiB)"], body)
 
 

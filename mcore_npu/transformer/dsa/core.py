@@ -40,26 +40,38 @@ class NPUSparseAttention(MegatronModule):
             that reuses an earlier one's has no indexer.
     """
 
-    def __init__(self, config, layer_number, *, softmax_scale: float, kernel: str = "auto",
-                 seq_lengths_memo: SeqLengthsMemo | None = None,
-                 dsa_indexer_rope_interleaved: bool | None = None,
-                 dsa_indexer_k_norm_epsilon: float | None = None,
-                 dsa_indexer_topk_freq: int | None = None,
-                 dsa_indexer_skip_topk_offset: int | None = None,
-                 topk_share: TopKShare | None = None,
-                 lightning_indexer_kernel: str | None = None,
-                 sparse_attention_kernel: str | None = None, indexer_loss_kernel: str | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None,
-                 **_megatron_keywords):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_number,
+        *,
+        softmax_scale: float,
+        kernel: str = "auto",
+        seq_lengths_memo: SeqLengthsMemo | None = None,
+        dsa_indexer_rope_interleaved: bool | None = None,
+        dsa_indexer_k_norm_epsilon: float | None = None,
+        dsa_indexer_topk_freq: int | None = None,
+        dsa_indexer_skip_topk_offset: int | None = None,
+        topk_share: TopKShare | None = None,
+        lightning_indexer_kernel: str | None = None,
+        sparse_attention_kernel: str | None = None,
+        indexer_loss_kernel: str | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **_megatron_keywords,
+    ):
         super().__init__(config=config)
         chosen = (lightning_indexer_kernel, sparse_attention_kernel, indexer_loss_kernel)
         self.kernels = dict(zip(("indexer", "attention", "loss"), (k or kernel for k in chosen)))
         for what, value in self.kernels.items():
             check_kernel(value, what=f"{what} kernel")
         self.settings = dsa_settings(
-            config, dsa_indexer_rope_interleaved, dsa_indexer_k_norm_epsilon,
-            dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset,
-        )  # fmt: skip
+            config,
+            dsa_indexer_rope_interleaved,
+            dsa_indexer_k_norm_epsilon,
+            dsa_indexer_topk_freq,
+            dsa_indexer_skip_topk_offset,
+        )
         if self.settings.trains_indexer and not self.settings.sparse_loss:
             self.kernels["loss"] = _dense_loss_kernel(self.kernels["loss"])
         self.layer_number = layer_number
@@ -78,8 +90,9 @@ class NPUSparseAttention(MegatronModule):
             self.topk_share = topk_share if topk_share is not None else TopKShare()
         self.indexer = DSAIndexer(config, self.settings) if self.source == layer_number else None
 
-    def forward(self, query, key, query_rope, key_rope, *, hidden, q_latent, rotate,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, query_rope, key_rope, *, hidden, q_latent, rotate, packed_seq_params=None
+    ):
         """Output latents ``[.., n, kv_lora_rank]`` in query's layout. ``hidden`` / ``q_latent``
         (this rank's tokens, detached) feed the indexer; ``rotate`` is MLA's RoPE step. Under CP
         the keys are gathered and each local query chunk attends to its prefix."""
@@ -120,8 +133,9 @@ class NPUSparseAttention(MegatronModule):
         by one index into the gathered tokens (built once per batch layout)."""
         group, memo = self.cp_group, self.seq_lengths_memo
         local = memo.context_parallel_ends(_cu(params), group.size())
-        index, q_ends, kv_ends = thd_layout(local, group.size(), group.rank(), True, None,
-                                            queries[0].device, memo)  # fmt: skip
+        index, q_ends, kv_ends = thd_layout(
+            local, group.size(), group.rank(), True, None, queries[0].device, memo
+        )
         keys = [_part(_maybe(GatherTokens.apply, t, group), index) for t in keys]
         return self._attend(queries, keys, _layout(True, q_ends, kv_ends), weight, reused)
 
@@ -137,13 +151,23 @@ class NPUSparseAttention(MegatronModule):
             chosen = self.select(index_q.detach(), index_k.detach(), weights.detach(), layout)
             if self.topk_share is not None:
                 self.topk_share.put(self.layer_number, chosen)
-        lengths = dict(actual_seq_lengths_query=layout["q_ends"],
-                       actual_seq_lengths_kv=layout["kv_ends"])  # fmt: skip
+        lengths = dict(
+            actual_seq_lengths_query=layout["q_ends"], actual_seq_lengths_kv=layout["kv_ends"]
+        )
         out, *stats = dsa.sparse_flash_attention(
-            query, key, key, chosen, self.softmax_scale, query_rope=query_rope,
-            key_rope=key_rope, layout_query=layout["name"], layout_kv=layout["name"],
-            return_softmax_lse=weight is not None, kernel=self.kernels["attention"], **lengths,
-        )  # fmt: skip
+            query,
+            key,
+            key,
+            chosen,
+            self.softmax_scale,
+            query_rope=query_rope,
+            key_rope=key_rope,
+            layout_query=layout["name"],
+            layout_kv=layout["name"],
+            return_softmax_lse=weight is not None,
+            kernel=self.kernels["attention"],
+            **lengths,
+        )
         if weight is not None:
             main = ((query, key), {"query_rope": query_rope, "key_rope": key_rope}, chosen, stats)
             loss = _IndexerLoss.apply(index_q, index_k, weights, main, layout, self)
@@ -164,10 +188,16 @@ class NPUSparseAttention(MegatronModule):
     def select(self, index_q, index_k, weights, layout, count=None):
         """int32 top-k key positions ``[.., 1, k]`` (-1 where fewer keys are visible)."""
         chosen, _ = dsa.lightning_indexer(
-            index_q, index_k, weights, sparse_count=count or self.settings.topk,
-            actual_seq_lengths_query=layout["q_ends"], actual_seq_lengths_key=layout["kv_ends"],
-            layout_query=layout["name"], layout_key=layout["name"], kernel=self.kernels["indexer"],
-        )  # fmt: skip
+            index_q,
+            index_k,
+            weights,
+            sparse_count=count or self.settings.topk,
+            actual_seq_lengths_query=layout["q_ends"],
+            actual_seq_lengths_key=layout["kv_ends"],
+            layout_query=layout["name"],
+            layout_key=layout["name"],
+            kernel=self.kernels["indexer"],
+        )
         return chosen
 
     def _ends(self, params) -> list[int]:
@@ -240,11 +270,20 @@ class _IndexerLoss(torch.autograd.Function):
             chosen = core.select(index_q, index_k, weights, layout, args[1].shape[-3])
             stats = (None, None)
         d_q, d_k, d_w, loss = dsa.sparse_lightning_indexer_grad_kl_loss(
-            *(a.detach() for a in args), index_q, index_k, weights, chosen, *stats,
-            core.softmax_scale, **{k: v.detach() for k, v in ropes.items()},
-            actual_seq_qlen=layout["q_ends"], actual_seq_klen=layout["kv_ends"],
-            layout=layout["name"], head_group=core.head_group, kernel=core.kernels["loss"],
-        )  # fmt: skip
+            *(a.detach() for a in args),
+            index_q,
+            index_k,
+            weights,
+            chosen,
+            *stats,
+            core.softmax_scale,
+            **{k: v.detach() for k, v in ropes.items()},
+            actual_seq_qlen=layout["q_ends"],
+            actual_seq_klen=layout["kv_ends"],
+            layout=layout["name"],
+            head_group=core.head_group,
+            kernel=core.kernels["loss"],
+        )
         ctx.save_for_backward(d_q, d_k, d_w)
         return loss.reshape(())
 

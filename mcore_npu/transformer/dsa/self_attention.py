@@ -24,11 +24,23 @@ class NPUDSASelfAttention(NPUMLASelfAttention):
     Takes ``NPUMLASelfAttention``'s arguments; hidden states ``[s, b, H]`` (SP: ``[s/tp, b,
     H]``), thd ``[t, 1, H]``; returns ``(output, bias)`` as Megatron's attention does."""
 
-    def forward(self, hidden_states, attention_mask, key_value_states=None,
-                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
-                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
-                packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
-                inference_params=None):  # fmt: skip
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        position_ids=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
         if inference_context is not None or inference_params is not None:
             raise ValueError(
                 "inference_context: DSA layers of the NPU spec train only; run inference "
@@ -42,12 +54,15 @@ class NPUDSASelfAttention(NPUMLASelfAttention):
         query, q_pe, v_rows = self._absorbed_query(q_latent)
         hidden = self._every_token(hidden_states.detach(), summed=False)
         out = self.core_attention(
-            query, self._every_token(kv_latent).unsqueeze(-2), rotate(q_pe, "q"),
+            query,
+            self._every_token(kv_latent).unsqueeze(-2),
+            rotate(q_pe, "q"),
             rotate(k_pe.unsqueeze(-2), "kv"),
             hidden=hidden.squeeze(1) if packed_seq_params is not None else hidden,
             q_latent=self._every_token(q_latent.detach(), summed=False),
-            rotate=rotate, packed_seq_params=packed_seq_params,
-        )  # fmt: skip
+            rotate=rotate,
+            packed_seq_params=packed_seq_params,
+        )
         out = torch.einsum("...nl,nvl->...nv", out, v_rows).flatten(-2)  # each head's value
         if packed_seq_params is not None:
             out = out.unsqueeze(1)  # thd: [t, 1, n * v]

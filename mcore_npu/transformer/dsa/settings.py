@@ -9,8 +9,12 @@ from mcore_npu.transformer import megatron_features
 from mcore_npu.transformer.norms import check_epsilon
 
 DSA = "dsa"
-SPEC_KEYWORDS = ("dsa_indexer_rope_interleaved", "dsa_indexer_k_norm_epsilon",
-                 "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset")  # fmt: skip
+SPEC_KEYWORDS = (
+    "dsa_indexer_rope_interleaved",
+    "dsa_indexer_k_norm_epsilon",
+    "dsa_indexer_topk_freq",
+    "dsa_indexer_skip_topk_offset",
+)
 
 
 def is_dsa(config) -> bool:
@@ -62,8 +66,9 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def dsa_settings(config, rope_interleaved=None, k_norm_epsilon=None, topk_freq=None,
-                 skip_topk_offset=None) -> DSASettings:  # fmt: skip
+def dsa_settings(
+    config, rope_interleaved=None, k_norm_epsilon=None, topk_freq=None, skip_topk_offset=None
+) -> DSASettings:
     """The settings of ``config`` (which :func:`is_dsa`); the keywords override the config's
     0.19 fields (None: the field, else False / ``layernorm_epsilon`` / 1 / 0). ValueError naming
     the field for what the NPU DSA layer does not build."""
@@ -102,10 +107,13 @@ def check_spec_keywords(rope_interleaved, k_norm_epsilon, topk_freq=None, skip_o
             f"dsa_indexer_rope_interleaved: pass True, False or None, got {rope_interleaved!r}"
         )
     check_epsilon("dsa_indexer_k_norm_epsilon", k_norm_epsilon)
-    for name, value, least in (("dsa_indexer_topk_freq", topk_freq, 1),
-                               ("dsa_indexer_skip_topk_offset", skip_offset, 0)):  # fmt: skip
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < least):  # fmt: skip
+    for name, value, least in (
+        ("dsa_indexer_topk_freq", topk_freq, 1),
+        ("dsa_indexer_skip_topk_offset", skip_offset, 0),
+    ):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < least
+        ):
             raise ValueError(f"{name}: pass an int >= {least} or None, got {value!r}")
 
 
