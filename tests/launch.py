@@ -92,13 +92,16 @@ def train(overrides, *, metrics=None, **kwargs) -> Run:
     return Run(proc.returncode, proc.stdout, proc.stderr, seconds, read_metrics(metrics))
 
 
-def layout_runs(config: str | Path, runs: list, nproc: int = 1) -> str:
+def layout_runs(
+    config: str | Path, runs: list, nproc: int = 1, module: str = "tests.distributed.layout_runs"
+) -> str:
     """Several trainer runs one after another in ONE launch (``tests/distributed/layout_runs.py``:
     one rendezvous, one import of Megatron per process for all of them): ``runs`` is a list of
     ``[name, [override, ...]]``, ``config`` a file of configs/ or a path; plain python when
-    ``nproc`` is 1, torchrun otherwise. Asserts the launch succeeded; returns its stdout, where
-    :func:`reported` finds each run's lines."""
-    args = ["-m", "tests.distributed.layout_runs", str(CONFIGS / config), json.dumps(runs)]
+    ``nproc`` is 1, torchrun otherwise; ``module``: the entry point (one that wraps
+    layout_runs). Asserts the launch succeeded; returns its stdout, where :func:`reported`
+    finds each run's lines."""
+    args = ["-m", module, str(CONFIGS / config), json.dumps(runs)]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:

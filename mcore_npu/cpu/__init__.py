@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from mcore_npu.allocator.device import current_accelerator
-from mcore_npu.cpu.patches import FUNCTION_MODE, PATCHES, Patch
+from mcore_npu.cpu.patches import FUNCTION_MODE, PATCHES, Patch, install, restore
 
 __all__ = [
     "FUNCTION_MODE",
@@ -23,6 +23,7 @@ __all__ = [
     "revert",
     "seed_cpu_streams",
     "seed_if_applied",
+    "seed_tracker",
 ]
 
 
@@ -52,13 +53,7 @@ def apply() -> None:
             f"mcore_npu.cpu.apply(): this machine has an accelerator ({accelerator}); the CPU "
             "runtime must never be active next to one. Run on the accelerator instead."
         )
-    for patch in PATCHES:
-        owner = patch.owner()
-        original = (
-            vars(owner)[patch.name] if isinstance(owner, type) else getattr(owner, patch.name)
-        )
-        _STATE.originals.append(original)
-        setattr(owner, patch.name, patch.installed(original))
+    _STATE.originals = install(PATCHES)
     _STATE.mode = FUNCTION_MODE[0]()
     _STATE.mode.__enter__()
 
@@ -71,9 +66,8 @@ def revert() -> None:
         threading.setprofile(None)
         _STATE.threads = False
     _STATE.mode.__exit__(None, None, None)
-    for patch, original in reversed(list(zip(PATCHES, _STATE.originals, strict=True))):
-        setattr(patch.owner(), patch.name, original)
-    _STATE.originals.clear()
+    restore(PATCHES, _STATE.originals)
+    _STATE.originals = []
     _STATE.mode = None
 
 
@@ -94,13 +88,13 @@ def _enter_mode_in_thread(frame, event, arg) -> None:
 
 
 def seed_if_applied(seed: int) -> bool:
-    """Where the runtime is applied, :func:`seed_cpu_streams` with this process's Megatron ranks
+    """Where the runtime is applied, :func:`seed_tracker` with this process's Megatron ranks
     (Megatron seeds its tracker only on a device); returns whether it seeded."""
     if not applied():
         return False
     from megatron.core import parallel_state as mpu
 
-    seed_cpu_streams(
+    seed_tracker(
         seed,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         ep_rank=mpu.get_expert_model_parallel_rank(),
@@ -109,8 +103,9 @@ def seed_if_applied(seed: int) -> bool:
     return True
 
 
-def seed_cpu_streams(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
-    """Seed the CPU generator and Megatron's three named streams (as Megatron seeds CUDA)."""
+def seed_tracker(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """Seed torch and the three named streams of the RNG tracker in place (this runtime's, or
+    the demo trainer's NPU one) as Megatron seeds CUDA's."""
     import torch
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -120,3 +115,6 @@ def seed_cpu_streams(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int
     tracker.add("data-parallel-rng", seed)
     tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
     tracker.add("expert-parallel-rng", seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+seed_cpu_streams = seed_tracker  # its name from when only the CPU runtime had a tracker

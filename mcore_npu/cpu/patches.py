@@ -1,4 +1,5 @@
-"""What the CPU runtime replaces, as data: one :class:`Patch` per replaced attribute.
+"""What the CPU runtime replaces, as data: one :class:`Patch` per replaced attribute, and the
+two functions that install a table of them and give the originals back.
 
 Nothing else of torch, Megatron or verl is changed, and nothing at all next to an accelerator.
 """
@@ -41,6 +42,25 @@ class Patch:
         return self.replacement() if self.how == "new" else self.replacement
 
 
+def install(table) -> list:
+    """Put every entry of ``table`` in place; returns the originals, in the table's order."""
+    originals = []
+    for patch in table:
+        owner = patch.owner()
+        original = (
+            vars(owner)[patch.name] if isinstance(owner, type) else getattr(owner, patch.name)
+        )
+        originals.append(original)
+        setattr(owner, patch.name, patch.installed(original))
+    return originals
+
+
+def restore(table, originals) -> None:
+    """Give back what :func:`install` returned: every attribute is its original object again."""
+    for patch, original in reversed(list(zip(table, originals, strict=True))):
+        setattr(patch.owner(), patch.name, original)
+
+
 def _cuda(name: str, replacement, reason: str) -> Patch:
     return Patch("torch.cuda", name, replacement, "value", reason)
 
@@ -65,7 +85,7 @@ PATCHES: tuple[Patch, ...] = (
           "full recompute saves the RNG state"),
     Patch(_RANDOM, "_set_cuda_rng_state", shims.set_cpu_rng_state, "value",
           "full recompute restores the RNG state"),
-    Patch(_OPTIMIZER, "clip_grad_by_total_norm_fp32", shims.clip_grads_on_cpu, "value",
+    Patch(_OPTIMIZER, "clip_grad_by_total_norm_fp32", shims.clip_grads_without_type_check, "value",
           "gradient clipping asserts torch.cuda.FloatTensor gradients"),
     Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
           shims.splits_to_host, "value",

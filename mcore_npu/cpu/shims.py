@@ -10,24 +10,48 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 
-class CudaFactoriesOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls, and ``Tensor.to("cuda")``, to
-    the CPU and drops ``pin_memory=True`` (no pinned allocator without an accelerator).
-    ``Tensor.cuda(...)`` returns the tensor itself, so ``module.cuda(...)`` leaves a module on the
-    CPU."""
+class CudaFactoriesOn(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` (or ``cuda:N``) in torch calls, ``Tensor.to("cuda")`` and
+    ``Tensor.cuda()`` to ``device`` (``cuda:N`` to index N of its type where it has indices);
+    ``pin_memory=False``: drops ``pin_memory=True`` (no pinned allocator without an
+    accelerator)."""
+
+    def __init__(self, device: torch.device, *, pin_memory: bool = True) -> None:
+        super().__init__()
+        self.device, self.pin_memory = torch.device(device), pin_memory
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            return args[0]
+            index = args[1] if len(args) > 1 else kwargs.get("device")
+            return args[0].to(self._target(index if index is not None else "cuda"))
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])  # verl: .to(get_device_name())
+            args = (args[0], self._target(args[1]), *args[2:])  # verl: .to(get_device_name())
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "device": self._target(device)}
+        if kwargs.get("pin_memory") and not self.pin_memory:
             kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
+
+    def _target(self, cuda) -> torch.device:
+        index = cuda if isinstance(cuda, int) else torch.device(cuda).index
+        if index is None or self.device.type == "cpu":
+            return self.device
+        return torch.device(self.device.type, index)
+
+
+class CudaFactoriesOnCpu(CudaFactoriesOn):
+    """:class:`CudaFactoriesOn` the CPU, ``pin_memory`` dropped: ``Tensor.cuda(...)`` returns the
+    tensor itself, so ``module.cuda(...)`` leaves a module on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), pin_memory=False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:  # as it is, meta tensors included
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 _CUDA_TYPE_NAMES = {
@@ -39,13 +63,14 @@ _CUDA_TYPE_NAMES = {
 
 class CudaTypeNames(TorchFunctionMode):
     """``Tensor.type()`` answers ``'torch.cuda.<Name>Tensor'`` for a float32 / float16 /
-    bfloat16 CPU tensor, while Megatron's mixed-precision optimizers sort their parameters."""
+    bfloat16 tensor off CUDA (CPU, NPU), while Megatron's mixed-precision optimizers sort their
+    parameters."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             tensor = args[0]
-            if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
+            if tensor.device.type != "cuda" and tensor.dtype in _CUDA_TYPE_NAMES:
                 return _CUDA_TYPE_NAMES[tensor.dtype]
         return func(*args, **kwargs)
 
@@ -139,20 +164,27 @@ def on_cpu_stream(stream=None):
 
 def make_cpu_rng_tracker():
     """A Megatron RNG tracker whose named streams are CPU generator states."""
+    return rng_tracker_on(torch)
+
+
+def rng_tracker_on(generator):
+    """A Megatron RNG tracker whose named streams are states of ``generator``: a module with
+    ``get_rng_state()``, ``set_rng_state(state)`` and ``manual_seed(seed)`` (``torch`` for the
+    CPU, ``torch.npu`` for the current NPU)."""
     from megatron.core.tensor_parallel import random as mp_random
 
-    class CpuRngTracker(mp_random.CudaRNGStatesTracker):
-        """Megatron's tracker with CPU states: ``fork(name)`` swaps the CPU RNG in and out."""
+    class GeneratorRngTracker(mp_random.CudaRNGStatesTracker):
+        """Megatron's tracker on ``generator``: ``fork(name)`` swaps its state in and out."""
 
         def add(self, name, seed):
             if seed in self.seeds_:
                 raise ValueError(f"seed {seed} already exists")
             if name in self.states_:
                 raise ValueError(f"rng state {name} already exists")
-            outer = torch.get_rng_state()
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
+            outer = generator.get_rng_state()
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_rng_state()
+            generator.set_rng_state(outer)
             self.seeds_.add(seed)
             self._is_initialized = True
 
@@ -160,15 +192,15 @@ def make_cpu_rng_tracker():
         def fork(self, name="model-parallel-rng"):
             if name not in self.states_:
                 raise KeyError(f"rng state {name} is not added")
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
+            outer = generator.get_rng_state()
+            generator.set_rng_state(self.states_[name])
             try:
                 yield
             finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(outer)
+                self.states_[name] = generator.get_rng_state()
+                generator.set_rng_state(outer)
 
-    return CpuRngTracker()
+    return GeneratorRngTracker()
 
 
 def get_cpu_rng_state(*args, **kwargs) -> torch.Tensor:
@@ -209,8 +241,8 @@ class UnevenGatherOnGloo:
         return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
 
 
-def clip_grads_on_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
-    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion."""
+def clip_grads_without_type_check(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion (any device)."""
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff >= 1.0:
         return

@@ -14,10 +14,12 @@ from mcore_npu.cpu.shims import (
     CudaFactoriesOnCpu,
     CudaTypeNames,
     UnevenGatherOnGloo,
-    clip_grads_on_cpu,
+    clip_grads_without_type_check,
     make_cpu_rng_tracker,
     splits_to_host,
 )
+
+clip_grads_on_cpu = clip_grads_without_type_check  # its name before it served the NPU too
 
 __all__ = [
     "FUNCTION_MODE",

@@ -1,7 +1,8 @@
 """From torchrun's environment (or a lone process) to process groups and Megatron's parallel state.
 
 Collectives: hccl on NPU, nccl on CUDA, gloo on CPU. On a CPU ``initialize`` first applies the
-CPU runtime (``mcore_npu.cpu``); on an NPU it loads ``torch_npu.contrib.transfer_to_npu``.
+CPU runtime (``mcore_npu.cpu``); on an NPU the table of Megatron's CUDA calls
+(``mcore_npu.training.npu_calls``), never torch_npu's ``transfer_to_npu``.
 """
 
 from __future__ import annotations
@@ -142,9 +143,9 @@ def _prepare_accelerator(accelerator: str) -> None:
 
         cpu_runtime.apply()
     elif accelerator == "npu":
-        from mcore_npu._optional import load
+        from mcore_npu.training import npu_calls
 
-        load("torch_npu.contrib.transfer_to_npu")
+        npu_calls.apply(device.current_device())
 
 
 def seed_streams(seed: int) -> None:
@@ -152,10 +153,20 @@ def seed_streams(seed: int) -> None:
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    if device.current_accelerator() == "cpu":
+    accelerator = device.current_accelerator()
+    if accelerator == "cpu":
         from mcore_npu import cpu as cpu_runtime
 
-        cpu_runtime.seed_cpu_streams(seed, tp_rank=tp_rank)
+        cpu_runtime.seed_tracker(seed, tp_rank=tp_rank)
+    elif accelerator == "npu":  # Megatron's own seeding calls torch.cuda.manual_seed
+        from mcore_npu import cpu as cpu_runtime
+
+        cpu_runtime.seed_tracker(
+            seed,
+            tp_rank=tp_rank,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        )
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import torch
+
 CHECK = """
 import torch
 from mcore_npu.cpu.shims import CudaFactoriesOnCpu
@@ -36,3 +38,14 @@ def test_cuda_devices_land_on_the_cpu_and_other_calls_pass_through():
         "devices: {'cpu'}",
         "values: True torch.int64 torch.float32 True",
     ], done.stdout + done.stderr
+
+
+def test_the_mode_on_another_device_keeps_cuda_indices():
+    """The demo trainer's NPU table enters the same mode on ``npu:LOCAL_RANK``; "meta" stands in
+    for a device with indices here (no NPU), the CPU has none."""
+    from mcore_npu.cpu.shims import CudaFactoriesOn
+
+    mode = CudaFactoriesOn(torch.device("meta", 0))
+    wanted = {"cuda": "meta:0", "cuda:1": "meta:1", 3: "meta:3", torch.device("cuda", 2): "meta:2"}
+    assert {key: str(mode._target(key)) for key in wanted} == wanted
+    assert str(CudaFactoriesOn(torch.device("cpu"))._target("cuda:1")) == "cpu"

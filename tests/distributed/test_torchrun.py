@@ -76,6 +76,25 @@ def test_parallel_layout_matches_one_process(layout, single, parallel_runs):
         assert (had["tp"], had["dp"], had["sp"]) == EXPECTED[layout], had
 
 
+def test_layouts_on_the_npu_table_match_one_process(workdir, initial, single):
+    """The demo trainer's NPU table (mcore_npu.training.npu_calls) in place of the CPU runtime,
+    over a CPU-backed torch.npu stand-in (no NPU here): pipeline p2p and tensor-parallel
+    communication call no CUDA function the table leaves out (each would raise on this
+    CUDA-less torch, as on an NPU without transfer_to_npu), and the losses are one process's."""
+    planned = [[f"npu_{name}", [*BATCH, *LAYOUTS[name], f"train.init_from={initial}",
+                                f"train.metrics_file={workdir / 'npu'}_{name}.jsonl"]]
+               for name in ("pp2", "tp2_sp")]  # fmt: skip
+    stdout = layout_runs("gpt_tiny.yaml", planned, nproc=2,
+                         module="tests.distributed.npu_calls_runs")  # fmt: skip
+    for name in ("pp2", "tp2_sp"):
+        losses = [m["loss"] for m in read_metrics(workdir / f"npu_{name}.jsonl")]
+        assert len(losses) == STEPS
+        assert max_abs_diff(losses, single.losses) <= 1e-5, (name, losses, single.losses)
+    calls = json.loads(stdout.split("npu_calls_runs: torch.npu calls: ")[1].splitlines()[0])
+    assert calls.get("get_rng_state", 0) > 0, calls
+    assert "npu_calls_runs: transfer_to_npu loaded: False" in stdout
+
+
 def test_tensor_and_sequence_parallel_run_has_the_te_spec_names(workdir, parallel_runs):
     """gpt_tiny.yaml runs in the default TE layout: the TP=2 + SP checkpoint holds exactly the
     names of Megatron's TE spec (specs/param_names_te.yaml), _extra_state entries included."""
