@@ -19,8 +19,6 @@ from mcore_npu.cpu.shims import CpuStream
 class CpuBackedNpu(types.ModuleType):
     """``torch.npu`` with the attributes the table calls (real torch_npu has each of them)."""
 
-    Stream = CpuStream
-
     def __init__(self) -> None:
         super().__init__("torch.npu")
         self.calls: collections.Counter = collections.Counter()
@@ -30,6 +28,10 @@ class CpuBackedNpu(types.ModuleType):
 
     def synchronize(self, device=None) -> None:
         self.calls["synchronize"] += 1
+
+    def Stream(self, device=None, priority: int = 0) -> CpuStream:
+        self.calls["Stream"] += 1
+        return CpuStream()
 
     def current_stream(self, device=None) -> CpuStream:
         self.calls["current_stream"] += 1

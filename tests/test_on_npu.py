@@ -2,7 +2,7 @@
 
 The case table through the real ``torch_npu.npu_fusion_attention`` against the reference
 (fully masked rows excluded, as the contract says), and a tiny GPT with the NPU spec whose
-every layer reached the real kernel.
+every layer reached the real kernel, trained by the demo trainer on its NPU table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def test_npu_kernel_matches_reference_on_the_case_table():
 
 
 def test_npu_spec_model_runs_on_the_kernel():
-    from mcore_npu.training import runtime
+    """The demo trainer on the NPU table of Megatron's CUDA calls, never transfer_to_npu."""
+    import sys
+
+    from mcore_npu.training import npu_calls, runtime
     from mcore_npu.training.config import load_config
     from mcore_npu.training.train import Trainer
 
@@ -34,3 +37,4 @@ def test_npu_spec_model_runs_on_the_kernel():
     finally:
         runtime.shutdown()
     assert summary.kernel == "torch_npu" and summary.final_loss is not None
+    assert npu_calls.applied() and "torch_npu.contrib.transfer_to_npu" not in sys.modules

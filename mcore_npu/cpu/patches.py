@@ -89,7 +89,7 @@ PATCHES: tuple[Patch, ...] = (
           "gradient clipping asserts torch.cuda.FloatTensor gradients"),
     Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
           shims.splits_to_host, "value",
-          "the alltoall dispatcher's split sizes reach gloo as numbers"),
+          "the alltoall dispatcher's split sizes reach all_to_all_single as numbers"),
     Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
           shims.UnevenGatherOnGloo, "wrap",
           "gloo's all_gather refuses the unequal rows of the dispatcher under EP x TP"),

@@ -23,22 +23,26 @@ class CudaFactoriesOn(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            index = args[1] if len(args) > 1 else kwargs.get("device")
-            return args[0].to(self._target(index if index is not None else "cuda"))
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], self._target(args[1]), *args[2:])  # verl: .to(get_device_name())
+            return self._cuda(*args, **kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
+            args = (args[0], self.redirect(args[1]), *args[2:])  # verl: .to(get_device_name())
         device = kwargs.get("device")
-        if device is not None and _is_cuda(device):
-            kwargs = {**kwargs, "device": self._target(device)}
+        if device is not None and is_cuda_device(device):
+            kwargs = {**kwargs, "device": self.redirect(device)}
         if kwargs.get("pin_memory") and not self.pin_memory:
             kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
-    def _target(self, cuda) -> torch.device:
+    def redirect(self, cuda) -> torch.device:
+        """Where ``cuda`` (``"cuda"``, ``"cuda:N"``, a CUDA device or an index) goes."""
         index = cuda if isinstance(cuda, int) else torch.device(cuda).index
         if index is None or self.device.type == "cpu":
             return self.device
         return torch.device(self.device.type, index)
+
+    def _cuda(self, tensor, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        target = self.redirect("cuda" if device is None else device)
+        return tensor.to(target, non_blocking=non_blocking, memory_format=memory_format)
 
 
 class CudaFactoriesOnCpu(CudaFactoriesOn):
@@ -87,7 +91,8 @@ def with_cuda_type_names(init):
     return constructor
 
 
-def _is_cuda(device) -> bool:
+def is_cuda_device(device) -> bool:
+    """Whether ``device`` (a ``torch.device`` or a string) names CUDA."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, str) and device.startswith("cuda")
@@ -215,7 +220,8 @@ def set_cpu_rng_state(state, *args, **kwargs) -> None:
 
 def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
     """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: honour
-    ``as_numpy`` (the alltoall dispatcher's split sizes must reach gloo as plain numbers)."""
+    ``as_numpy`` (the alltoall dispatcher's split sizes must reach ``all_to_all_single`` as plain
+    numbers; Megatron converts only ``is_cuda`` tensors)."""
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.numpy()
     return tensor

@@ -16,6 +16,7 @@ import torch
 
 from mcore_npu import cpu as cpu_runtime
 from mcore_npu.cpu import shims
+from mcore_npu.cpu.patches import PATCHES as CPU_PATCHES
 from mcore_npu.cpu.patches import Patch, install, restore
 
 __all__ = ["FUNCTION_MODE", "NOT_ON_NPU", "PATCHES", "applied", "apply", "revert"]
@@ -32,17 +33,18 @@ def trainer_device() -> torch.device:
 
 def npu_synchronize(device=None) -> None:
     """``torch.cuda.synchronize``."""
-    torch.npu.synchronize(device)
+    torch.npu.synchronize(_on_npu(device))
 
 
-def npu_stream_class():
-    """``torch.cuda.Stream``: ``torch.npu.Stream`` (looked up when the table is applied)."""
-    return torch.npu.Stream
+def new_npu_stream(device=None, priority: int = 0, **kwargs):
+    """``torch.cuda.Stream(...)``: a new stream on the trainer's NPU (Megatron makes streams
+    on the current device; ``device="cuda"`` means it)."""
+    return torch.npu.Stream(device=_STATE.device, priority=priority, **kwargs)
 
 
 def npu_current_stream(device=None):
     """``torch.cuda.current_stream``."""
-    return torch.npu.current_stream(device)
+    return torch.npu.current_stream(_on_npu(device))
 
 
 def npu_stream(stream=None):
@@ -52,7 +54,12 @@ def npu_stream(stream=None):
 
 def npu_set_device(device) -> None:
     """``torch.cuda.set_device``."""
-    torch.npu.set_device(device)
+    torch.npu.set_device(_on_npu(device))
+
+
+def _on_npu(device):
+    """A device argument written for CUDA (``"cuda"``, ``"cuda:N"``), for ``torch.npu``."""
+    return _STATE.mode.redirect(device) if shims.is_cuda_device(device) else device
 
 
 def make_npu_rng_tracker():
@@ -70,44 +77,59 @@ def set_npu_rng_state(state, *args, **kwargs) -> None:
     torch.npu.set_rng_state(state)
 
 
-def _cuda(name: str, replacement, reason: str, how: str = "value") -> Patch:
-    return Patch("torch.cuda", name, replacement, how, reason)
+def splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``maybe_move_tensor_to_cpu``, which moves only ``is_cuda`` tensors: an NPU
+    tensor goes to the host too (as numbers where ``as_numpy``: the alltoall dispatcher's split
+    sizes); a host tensor as the CPU runtime's rule says."""
+    if not torch.is_tensor(tensor) or tensor.device.type == "cpu":
+        return shims.splits_to_host(tensor, as_numpy)
+    host = tensor.to("cpu", non_blocking=True)
+    if record_stream:
+        tensor.record_stream(torch.npu.current_stream())
+    return host.numpy() if as_numpy else host
 
 
-_RANDOM, _OPTIMIZER = "megatron.core.tensor_parallel.random", "megatron.core.optimizer.optimizer"
+def _cuda(name: str, replacement, reason: str) -> Patch:
+    return Patch("torch.cuda", name, replacement, "value", reason)
+
+
+def _as_in_the_cpu_runtime(attribute: str) -> Patch:
+    """The CPU runtime's entry for ``attribute``: device-neutral, the same on an NPU."""
+    (patch,) = [patch for patch in CPU_PATCHES if patch.attribute == attribute]
+    return patch
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
 
 PATCHES: tuple[Patch, ...] = (
     _cuda("current_device", trainer_device, "Megatron allocates on current_device()"),
     _cuda("synchronize", npu_synchronize, "p2p and checkpoint saving synchronise"),
-    _cuda("Stream", npu_stream_class, "the MoE alltoall dispatcher's side stream", "new"),
+    _cuda("Stream", new_npu_stream, "the MoE alltoall dispatcher's side stream"),
     _cuda("current_stream", npu_current_stream, "the same dispatcher's default stream"),
     _cuda("stream", npu_stream, "the same dispatcher's stream context"),
     _cuda("set_device", npu_set_device, "DeviceMesh('cuda') selects the device"),
     Patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER", make_npu_rng_tracker, "new",
           "Megatron's named RNG streams (dropout, init) as NPU generator states"),
-    Patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True, "value",
-          "the tracker above is in place"),
+    _as_in_the_cpu_runtime("_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
     Patch(_RANDOM, "_get_cuda_rng_state", get_npu_rng_state, "value",
           "full recompute saves the RNG state"),
     Patch(_RANDOM, "_set_cuda_rng_state", set_npu_rng_state, "value",
           "full recompute restores the RNG state"),
-    Patch(_OPTIMIZER, "clip_grad_by_total_norm_fp32", shims.clip_grads_without_type_check,
-          "value", "gradient clipping asserts torch.cuda.FloatTensor gradients"),
-    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
-          shims.with_cuda_type_names, "wrap",
-          "its parameter sort compares param.type() with CUDA type names"),
-    Patch(_OPTIMIZER, "Float16OptimizerWithFloat16Params.__init__", shims.with_cuda_type_names,
-          "wrap", "its parameter sort compares param.type() with CUDA type names"),
+    _as_in_the_cpu_runtime("clip_grad_by_total_norm_fp32"),
+    Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+          splits_to_host, "value",
+          "it moves only is_cuda tensors; the alltoall dispatcher's split sizes must reach "
+          "all_to_all_single as numbers"),
+    _as_in_the_cpu_runtime("DistributedOptimizer.__init__"),
+    _as_in_the_cpu_runtime("Float16OptimizerWithFloat16Params.__init__"),
 )  # fmt: skip
 
 NOT_ON_NPU: dict[tuple[str, str], str] = {
     ("torch.cuda", "mem_get_info"): "verl's; verl asks torch.npu on an NPU",
     ("torch.cuda", "get_device_name"): "verl's; verl asks torch.npu on an NPU",
     ("torch.cuda", "ipc_collect"): "verl's; verl asks torch.npu on an NPU",
-    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"):
-        "gloo's: hccl takes the split sizes as Megatron passes them (as nccl does)",
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"):
-        "gloo's: hccl gathers unequal rows (as nccl does)",
+        "gloo's: on an NPU hccl's all_gather takes the unequal rows (not run here)",
 }  # fmt: skip
 """Entries of the CPU runtime's table this one leaves alone, with the reason."""
 

@@ -152,25 +152,19 @@ def seed_streams(seed: int) -> None:
     """Seed torch and Megatron's data-, model- and expert-parallel RNG streams from ``seed``."""
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    accelerator = device.current_accelerator()
-    if accelerator == "cpu":
-        from mcore_npu import cpu as cpu_runtime
-
-        cpu_runtime.seed_tracker(seed, tp_rank=tp_rank)
-    elif accelerator == "npu":  # Megatron's own seeding calls torch.cuda.manual_seed
-        from mcore_npu import cpu as cpu_runtime
-
-        cpu_runtime.seed_tracker(
-            seed,
-            tp_rank=tp_rank,
-            ep_rank=parallel_state.get_expert_model_parallel_rank(),
-            etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
-        )
-    else:
+    if device.current_accelerator() == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
+        return
+    from mcore_npu import cpu as cpu_runtime  # the tracker in place: the CPU's or the NPU's
+
+    cpu_runtime.seed_tracker(
+        seed,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+    )
 
 
 def shutdown() -> None:

@@ -47,5 +47,5 @@ def test_the_mode_on_another_device_keeps_cuda_indices():
 
     mode = CudaFactoriesOn(torch.device("meta", 0))
     wanted = {"cuda": "meta:0", "cuda:1": "meta:1", 3: "meta:3", torch.device("cuda", 2): "meta:2"}
-    assert {key: str(mode._target(key)) for key in wanted} == wanted
-    assert str(CudaFactoriesOn(torch.device("cpu"))._target("cuda:1")) == "cpu"
+    assert {key: str(mode.redirect(key)) for key in wanted} == wanted
+    assert str(CudaFactoriesOn(torch.device("cpu")).redirect("cuda:1")) == "cpu"

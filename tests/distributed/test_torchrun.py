@@ -37,6 +37,11 @@ LAYOUTS = {
     "dp2": [],
 }
 EXPECTED = {"tp2_sp": (2, 1, True), "pp2": (1, 1, False), "dp2": (1, 2, False)}  # tp, dp, sp
+# gpt_tiny as an alltoall MoE over EP=2 (from its own seed: the dense step-0 checkpoint does not
+# fit), run on the CPU runtime in the shared launch and on the NPU table in its own
+MOE_EP2 = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=128",
+           "model.moe_token_dispatcher_type=alltoall", "model.moe_aux_loss_coeff=0.01",
+           "parallel.expert=2", *BATCH]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,7 @@ def parallel_runs(workdir, initial) -> dict[str, Run]:
     shared = [[name, [*overrides(name), "train.progress=false",
                       f"train.metrics_file={workdir / name}.jsonl"]]
               for name in LAYOUTS if name != "tp2"]  # fmt: skip
+    shared.append(["moe_ep2", [*MOE_EP2, f"train.metrics_file={workdir / 'moe_ep2'}.jsonl"]])
     stdout = layout_runs("gpt_tiny.yaml", shared, nproc=2)
     for name, _ in shared:
         runs[name] = Run(0, stdout, "", float("nan"), read_metrics(workdir / f"{name}.jsonl"))
@@ -76,20 +82,28 @@ def test_parallel_layout_matches_one_process(layout, single, parallel_runs):
         assert (had["tp"], had["dp"], had["sp"]) == EXPECTED[layout], had
 
 
-def test_layouts_on_the_npu_table_match_one_process(workdir, initial, single):
+def test_layouts_on_the_npu_table_match_the_cpu_runtime(workdir, initial, single, parallel_runs):
     """The demo trainer's NPU table (mcore_npu.training.npu_calls) in place of the CPU runtime,
-    over a CPU-backed torch.npu stand-in (no NPU here): pipeline p2p and tensor-parallel
-    communication call no CUDA function the table leaves out (each would raise on this
-    CUDA-less torch, as on an NPU without transfer_to_npu), and the losses are one process's."""
+    over a CPU-backed torch.npu stand-in (no NPU here): pipeline p2p, tensor-parallel and
+    expert-parallel alltoall communication run on it (a CUDA function the table left out raises
+    on this CUDA-less torch, as on an NPU without transfer_to_npu; the dispatcher's split sizes,
+    which Megatron moves to the host only for is_cuda tensors, reach all_to_all_single as
+    numbers), and the losses are one process's (PP, TP) or the CPU runtime's (MoE, EP=2)."""
     planned = [[f"npu_{name}", [*BATCH, *LAYOUTS[name], f"train.init_from={initial}",
                                 f"train.metrics_file={workdir / 'npu'}_{name}.jsonl"]]
                for name in ("pp2", "tp2_sp")]  # fmt: skip
+    planned.append(
+        ["npu_moe_ep2", [*MOE_EP2, f"train.metrics_file={workdir / 'npu_moe_ep2'}.jsonl"]]
+    )
     stdout = layout_runs("gpt_tiny.yaml", planned, nproc=2,
                          module="tests.distributed.npu_calls_runs")  # fmt: skip
     for name in ("pp2", "tp2_sp"):
         losses = [m["loss"] for m in read_metrics(workdir / f"npu_{name}.jsonl")]
         assert len(losses) == STEPS
         assert max_abs_diff(losses, single.losses) <= 1e-5, (name, losses, single.losses)
+    moe = [read_metrics(workdir / f"{name}.jsonl") for name in ("npu_moe_ep2", "moe_ep2")]
+    assert json.loads(reported(stdout, "npu_moe_ep2", "layout"))["ep"] == 2
+    assert len(moe[0]) == STEPS and [m["loss"] for m in moe[0]] == [m["loss"] for m in moe[1]]
     calls = json.loads(stdout.split("npu_calls_runs: torch.npu calls: ")[1].splitlines()[0])
     assert calls.get("get_rng_state", 0) > 0, calls
     assert "npu_calls_runs: transfer_to_npu loaded: False" in stdout

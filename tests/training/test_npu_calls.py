@@ -93,7 +93,14 @@ def test_apply_replaces_exactly_the_table_sends_each_call_to_torch_npu_and_rever
     assert report["calls"] == {"current_device": "cpu", "factory": "cpu", "to": "cpu",
                                "cuda": "cpu"}  # fmt: skip
     npu = report["npu_calls"]
-    assert {"synchronize", "stream", "current_stream", "set_device", "manual_seed"} <= set(npu)
+    assert {
+        "synchronize",
+        "Stream",
+        "stream",
+        "current_stream",
+        "set_device",
+        "manual_seed",
+    } <= set(npu)
     assert npu["get_rng_state"] >= 3 and npu["set_rng_state"] >= 2, npu
     assert report["forked_equals_seeded"]  # the tracker's stream is the stand-in generator's
     assert report["transfer_to_npu"] is False
@@ -109,6 +116,7 @@ from mcore_npu.training import model, npu_calls, runtime
 from mcore_npu.training.config import load_config
 from mcore_npu.training.train import Trainer
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 npu = npu_module_standin.install()
 portable, prepare = model._portable_fields, runtime._prepare_accelerator
@@ -119,6 +127,7 @@ losses = {{}}
 for table in ("cpu", "npu"):
     if table == "npu":  # the NPU table in place of the CPU runtime, on the CPU's devices
         cpu_runtime.revert()
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # made anew, on the table
         runtime._prepare_accelerator = lambda accelerator: prepare("npu")
     for name, config, extra in (
         ("fp32", None, []),
@@ -144,10 +153,11 @@ print(json.dumps({{"losses": losses, "npu_calls": dict(npu.calls),
 
 
 def test_the_trainer_runs_on_the_npu_table_with_the_cpu_runtime_losses(tmp_path):
-    """Megatron's whole trainer path (device-side init, fp32 and bf16 with the distributed
-    optimizer, a checkpoint, MoE, the hybrid Mamba stack) calls no CUDA function the table leaves out: any such call raises
-    on this CUDA-less torch, as on an NPU without transfer_to_npu. Same numbers as the CPU
-    runtime, as the stand-in generator is the CPU's."""
+    """Megatron's trainer path (device-side init, fp32 and bf16 with the distributed optimizer,
+    a checkpoint, MoE, the hybrid Mamba stack) calls no CUDA function the table leaves out:
+    such a call raises on this CUDA-less torch, as on an NPU without transfer_to_npu. The
+    losses equal the CPU runtime's because the stand-in's generator and device are the CPU's:
+    this shows the calls went through the table, not how an NPU rounds."""
     done = run_command([sys.executable, "-c", TRAIN, str(tmp_path)], cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -157,6 +167,7 @@ def test_the_trainer_runs_on_the_npu_table_with_the_cpu_runtime_losses(tmp_path)
         assert len(losses[f"cpu_{name}"]) == 3, name
         assert losses[f"npu_{name}"] == losses[f"cpu_{name}"], name
     assert report["npu_applied"] and not report["cpu_applied"]
-    assert report["npu_calls"]["get_rng_state"] > 0  # the tracker and init ran on torch.npu
+    calls = report["npu_calls"]
+    assert calls["get_rng_state"] > 0 and calls["Stream"] == 1, calls  # tracker, dispatcher
     assert report["transfer_to_npu"] is False
     assert sorted(p.name for p in (tmp_path / "npu_ckpt").iterdir())  # it saved
