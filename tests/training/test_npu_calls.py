@@ -37,6 +37,9 @@ def test_the_docs_list_every_entry_with_its_reason():
         assert row in text, row
     for (module, attribute), reason in NOT_ON_NPU.items():
         assert f"| `{module}` | `{attribute}` | not replaced | {reason} |" in text
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"replaces {len(CPU_PATCHES)} (" in readme
+    assert f"replaces {len(PATCHES)} of Megatron's own CUDA calls" in readme
 
 
 TABLE = f"""
