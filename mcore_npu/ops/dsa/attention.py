@@ -14,6 +14,8 @@ from mcore_npu.ops.dsa.layout import (
     LAYOUTS,
     SPARSE_MODES,
     check_choice,
+    check_rope_pair,
+    check_same_batch,
     check_tensor,
     device_of,
     lengths_as_tensors,
@@ -99,15 +101,7 @@ def validate_sparse_flash_attention(
             "pass a head count dividing the query's (one KV head for MLA)",
             shown,
         )
-    if layout_query == "BSND" and key.shape[0] != query.shape[0]:
-        fail(
-            op,
-            ValueError,
-            "key",
-            f"batch {key.shape[0]} differs from query's {query.shape[0]}",
-            "pass one key sequence per batch",
-            shown,
-        )
+    check_same_batch(op, layout_query, query, key, shown)
     if tuple(sparse_indices.shape[:-1]) != (*query.shape[:-2], n2):
         fail(
             op,
@@ -117,16 +111,7 @@ def validate_sparse_flash_attention(
             "pass the indexer's output (one row of K indices per query and KV head)",
             shown,
         )
-    if (query_rope is None) != (key_rope is None):
-        missing = "key_rope" if key_rope is None else "query_rope"
-        fail(
-            op,
-            ValueError,
-            missing,
-            "is None while the other rope part is given",
-            "pass both query_rope and key_rope, or neither",
-            shown,
-        )
+    check_rope_pair(op, query_rope, key_rope, shown)
     if query_rope is not None:
         check_tensor(op, "query_rope", query_rope, rq, shown)
         check_tensor(op, "key_rope", key_rope, rk, shown)

@@ -14,6 +14,7 @@ from mcore_npu.ops.dsa.layout import (
     QUERY_BLOCK,
     SPARSE_MODES,
     check_choice,
+    check_same_batch,
     check_tensor,
     device_of,
     lengths_as_tensors,
@@ -80,15 +81,7 @@ def validate_lightning_indexer(
             "pass one weight per query head",
             shown,
         )
-    if layout_query == "BSND" and key.shape[0] != query.shape[0]:
-        fail(
-            op,
-            ValueError,
-            "key",
-            f"batch {key.shape[0]} differs from query's {query.shape[0]}",
-            "pass one key sequence per batch",
-            shown,
-        )
+    check_same_batch(op, layout_query, query, key, shown)
     if not is_int(sparse_count) or sparse_count < 1:
         fail(
             op,

@@ -13,6 +13,7 @@ from mcore_npu.ops.dsa.layout import (
     QUERY_BLOCK,
     SPARSE_MODES,
     check_choice,
+    check_rope_pair,
     check_tensor,
     device_of,
     lengths_as_tensors,
@@ -106,16 +107,7 @@ def validate_indexer_kl_loss(
             "pass the indexer's output",
             shown,
         )
-    if (query_rope is None) != (key_rope is None):
-        missing = "key_rope" if key_rope is None else "query_rope"
-        fail(
-            op,
-            ValueError,
-            missing,
-            "is None while the other rope part is given",
-            "pass both query_rope and key_rope, or neither",
-            shown,
-        )
+    check_rope_pair(op, query_rope, key_rope, shown)
     if not is_real(scale_value):
         fail(
             op,

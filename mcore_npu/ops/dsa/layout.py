@@ -83,6 +83,33 @@ def check_choice(op, argument, value, allowed, shown):
         )
 
 
+def check_same_batch(op, layout, query, key, shown):
+    """In ``BSND``, one key sequence per query sequence."""
+    if layout == "BSND" and key.shape[0] != query.shape[0]:
+        fail(
+            op,
+            ValueError,
+            "key",
+            f"batch {key.shape[0]} differs from query's {query.shape[0]}",
+            "pass one key sequence per batch",
+            shown,
+        )
+
+
+def check_rope_pair(op, query_rope, key_rope, shown):
+    """Both rope parts, or neither."""
+    if (query_rope is None) != (key_rope is None):
+        missing = "key_rope" if key_rope is None else "query_rope"
+        fail(
+            op,
+            ValueError,
+            missing,
+            "is None while the other rope part is given",
+            "pass both query_rope and key_rope, or neither",
+            shown,
+        )
+
+
 def check_tensor(op, argument, t, rank, shown, dtypes=_DTYPES):
     if not isinstance(t, torch.Tensor):
         fail(
